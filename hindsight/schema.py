@@ -1,0 +1,188 @@
+"""Wire protocol v1: the one definition of a batch, shared by agents and the collector.
+
+A batch is a JSON object POSTed to ``/v1/batches``. Its identity is
+``(cluster, session, agent, seq)``; the collector stores a given identity once.
+``docs/protocol.md`` describes the format for agents in other languages, and
+``docs/schema/batch-v1.json`` is generated from these classes (a test keeps it in step).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+# Names that end up in S3 keys and SQL: a short, safe character set, never "." or "..".
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=128)]
+Key = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+Label = Annotated[str, msgspec.Meta(max_length=1024)]
+Text = Annotated[str, msgspec.Meta(max_length=65536)]
+Time = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def valid_name(value: str) -> bool:
+    """Whether ``value`` may be used as a tenant, cluster, session or agent name."""
+    return bool(_NAME_RE.match(value)) and value not in (".", "..") and ".." not in value
+
+
+class StartStop(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """One timed phase of a task, as in Dask's ``startstops``."""
+
+    action: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    start: Time
+    stop: Time
+    source: Label | None = None
+
+
+class _Event(msgspec.Struct, tag_field="kind", omit_defaults=True):
+    pass
+
+
+class TaskEvent(_Event, tag="task"):
+    """A task that finished (status ``memory``) or failed (``erred``) on a worker."""
+
+    key: Key
+    prefix: Label
+    status: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    group: Label | None = None
+    run: Label | None = None
+    worker: Label | None = None
+    thread: int | None = None
+    nbytes: int | None = None
+    typename: Label | None = None
+    startstops: list[StartStop] = []
+    exception: Text | None = None
+    traceback: Text | None = None
+
+
+class GraphEvent(_Event, tag="graph"):
+    """A task of a submitted graph and the keys it depends on."""
+
+    key: Key
+    prefix: Label
+    dependencies: list[Key] = []
+    group: Label | None = None
+    run: Label | None = None
+
+
+class RunEvent(_Event, tag="run"):
+    """A run started, finished or erred. ``span`` is the span path, outermost first."""
+
+    event: Literal["started", "finished", "erred"]
+    id: Label
+    time: Time
+    name: Label | None = None
+    span: list[Label] = []
+    client: Label | None = None
+
+
+class WorkerEvent(_Event, tag="worker"):
+    """A worker joined or left the cluster."""
+
+    event: Literal["joined", "left"]
+    address: Label
+    time: Time
+    name: Label | None = None
+    nthreads: Count | None = None
+    memory_limit: Count | None = None
+    reason: Label | None = None
+
+
+class MetricEvent(_Event, tag="metric"):
+    """One sample of named numeric values for a worker (or the scheduler)."""
+
+    worker: Label
+    time: Time
+    values: dict[str, float]
+
+
+class SessionEvent(_Event, tag="session"):
+    """Facts about the session, sent once: versions, addresses, a config excerpt."""
+
+    time: Time
+    versions: dict[str, str] = {}
+    config: dict[str, Any] = {}
+    address: Label | None = None
+
+
+class LogEvent(_Event, tag="log"):
+    """A log record from the scheduler or a worker."""
+
+    time: Time
+    level: Annotated[str, msgspec.Meta(max_length=32)]
+    message: Text
+    logger: Label | None = None
+    worker: Label | None = None
+
+
+class CustomEvent(_Event, tag="custom"):
+    """A value on a user-defined stream (``hindsight.emit(stream, value)``)."""
+
+    stream: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    time: Time
+    value: Any = None
+    worker: Label | None = None
+    run: Label | None = None
+    key: Key | None = None
+
+
+Event = Union[
+    TaskEvent, GraphEvent, RunEvent, WorkerEvent, MetricEvent, SessionEvent, LogEvent, CustomEvent
+]
+
+
+class Batch(msgspec.Struct, omit_defaults=True):
+    """A batch of sub-events from one agent instance of one cluster session."""
+
+    schema: Literal[1]
+    cluster: Name
+    session: Name
+    agent: Name
+    seq: Count
+    events: list[Event]
+    sent_at: Time | None = None
+    final: bool = False
+    dropped: dict[str, Count] = {}
+
+    @property
+    def batch_id(self) -> str:
+        return f"{self.cluster}/{self.session}/{self.agent}/{self.seq}"
+
+
+class SchemaError(ValueError):
+    """The batch is not valid protocol v1; the message names the offending field."""
+
+
+_decoder = msgspec.json.Decoder(Batch)
+_encoder = msgspec.json.Encoder()
+
+
+def decode_batch(data: bytes) -> Batch:
+    """Decode and validate one batch; raises :class:`SchemaError` naming the bad field."""
+    try:
+        batch = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"malformed JSON: {exc}") from None
+    for field in ("cluster", "session", "agent"):
+        if not valid_name(getattr(batch, field)):
+            raise SchemaError(f"invalid name - at `$.{field}`")
+    return batch
+
+
+def encode_batch(batch: Batch) -> bytes:
+    """Encode a batch as JSON bytes."""
+    return _encoder.encode(batch)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a batch, generated from these classes."""
+    return msgspec.json.schema(Batch)

@@ -1,0 +1,111 @@
+"""Server-side settings: every environment variable the services read, in one place.
+
+Services call :func:`load_settings` with an optional mapping of overrides (tests pass a
+dict instead of touching ``os.environ``). Bad values fail fast with a clear message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+# Environment variable -> (field, type, default). Documented in docs/configuration.md;
+# tests check docker-compose.yml against this table.
+ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
+    "HINDSIGHT_DATA_DIR": ("data_dir", str, "./hindsight-data"),
+    "HINDSIGHT_DATABASE_URL": ("database_url", str, ""),
+    "HINDSIGHT_BLOB_URL": ("blob_url", str, ""),
+    "HINDSIGHT_S3_ENDPOINT_URL": ("s3_endpoint_url", str, ""),
+    "HINDSIGHT_S3_REGION": ("s3_region", str, "us-east-1"),
+    "HINDSIGHT_AUTH": ("auth", str, "required"),
+    "HINDSIGHT_MAX_BATCH_BYTES": ("max_batch_bytes", int, 32 * 1024 * 1024),
+    "HINDSIGHT_RATE_LIMIT_EVENTS": ("rate_limit_events", float, 0.0),
+    "HINDSIGHT_RATE_LIMIT_BURST": ("rate_limit_burst", float, 0.0),
+    "HINDSIGHT_RETRY_AFTER": ("retry_after", int, 5),
+    "HINDSIGHT_AUTO_UPGRADE": ("auto_upgrade", bool, True),
+    "HINDSIGHT_TOKEN_CACHE_SECONDS": ("token_cache_seconds", float, 10.0),
+    "HINDSIGHT_LOG_LEVEL": ("log_level", str, "INFO"),
+}
+
+
+class ConfigError(ValueError):
+    """A setting has a value the services cannot run with."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: str
+    database_url: str
+    blob_url: str
+    s3_endpoint_url: str
+    s3_region: str
+    auth: str
+    max_batch_bytes: int
+    rate_limit_events: float
+    rate_limit_burst: float
+    retry_after: int
+    auto_upgrade: bool
+    token_cache_seconds: float
+    log_level: str
+
+    @property
+    def auth_required(self) -> bool:
+        return self.auth == "required"
+
+
+def _convert(name: str, kind: type, value: Any) -> Any:
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    text = str(value).strip()
+    try:
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Settings from the environment, then ``overrides`` (keyed by field or variable name)."""
+    environ = os.environ if environ is None else environ
+    overrides = dict(overrides or {})
+    by_field = {f: (var, kind, default) for var, (f, kind, default) in ENVIRONMENT.items()}
+    values: dict[str, Any] = {}
+    for field_name, (var, kind, default) in by_field.items():
+        raw: Any = default
+        if var in environ and environ[var] != "":
+            raw = environ[var]
+        if var in overrides:
+            raw = overrides.pop(var)
+        if field_name in overrides:
+            raw = overrides.pop(field_name)
+        values[field_name] = _convert(var, kind, raw)
+    if overrides:
+        raise ConfigError(f"unknown settings: {', '.join(sorted(overrides))}")
+
+    data_dir = Path(values["data_dir"]).expanduser().resolve()
+    values["data_dir"] = str(data_dir)
+    if not values["database_url"]:
+        values["database_url"] = f"sqlite:///{data_dir / 'index.db'}"
+    if not values["blob_url"]:
+        values["blob_url"] = (data_dir / "blobs").as_uri()
+    if values["auth"] not in ("required", "disabled"):
+        raise ConfigError(f"HINDSIGHT_AUTH must be 'required' or 'disabled', not {values['auth']!r}")
+    if values["max_batch_bytes"] < 1024:
+        raise ConfigError("HINDSIGHT_MAX_BATCH_BYTES must be at least 1024")
+    if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
+        raise ConfigError("rate limits must not be negative")
+    if not values["blob_url"].startswith(("s3://", "file://")):
+        raise ConfigError(f"HINDSIGHT_BLOB_URL must be s3://bucket/prefix or file:///path, not {values['blob_url']!r}")
+    return Settings(**values)
+
+
+__all__ = ["ENVIRONMENT", "ConfigError", "Settings", "load_settings"]
