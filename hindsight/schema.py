@@ -9,7 +9,7 @@ A batch is a JSON object POSTed to ``/v1/batches``. Its identity is
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -133,9 +133,16 @@ class CustomEvent(_Event, tag="custom"):
     key: Key | None = None
 
 
-Event = Union[
-    TaskEvent, GraphEvent, RunEvent, WorkerEvent, MetricEvent, SessionEvent, LogEvent, CustomEvent
-]
+Event = (
+    TaskEvent
+    | GraphEvent
+    | RunEvent
+    | WorkerEvent
+    | MetricEvent
+    | SessionEvent
+    | LogEvent
+    | CustomEvent
+)
 
 
 class Batch(msgspec.Struct, omit_defaults=True):

@@ -7,11 +7,12 @@ dict instead of touching ``os.environ``). Bad values fail fast with a clear mess
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-# Environment variable -> (field, type, default). Documented in docs/configuration.md;
+# Environment variable -> (field, type, default). Documented in docs/deploy.md;
 # tests check docker-compose.yml against this table.
 ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_DATA_DIR": ("data_dir", str, "./hindsight-data"),
@@ -98,13 +99,17 @@ def load_settings(
     if not values["blob_url"]:
         values["blob_url"] = (data_dir / "blobs").as_uri()
     if values["auth"] not in ("required", "disabled"):
-        raise ConfigError(f"HINDSIGHT_AUTH must be 'required' or 'disabled', not {values['auth']!r}")
+        raise ConfigError(
+            f"HINDSIGHT_AUTH must be 'required' or 'disabled', not {values['auth']!r}"
+        )
     if values["max_batch_bytes"] < 1024:
         raise ConfigError("HINDSIGHT_MAX_BATCH_BYTES must be at least 1024")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
     if not values["blob_url"].startswith(("s3://", "file://")):
-        raise ConfigError(f"HINDSIGHT_BLOB_URL must be s3://bucket/prefix or file:///path, not {values['blob_url']!r}")
+        raise ConfigError(
+            f"HINDSIGHT_BLOB_URL must be s3://bucket/prefix or file:///path, not {values['blob_url']!r}"
+        )
     return Settings(**values)
 
 

@@ -1,0 +1,26 @@
+"""The collector service: ``gunicorn 'collector.app:create_app()'``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+
+from collector.openapi import OPENAPI
+from collector.ratelimit import RateLimiter
+from collector.views import bp
+from services.common.web import make_app
+from storage.config import Settings
+
+
+def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
+    """Build the collector app. ``config`` overrides environment settings (tests pass a dict)."""
+    app = make_app(__name__, config, [bp], OPENAPI, settings=settings)
+    init_collector(app)
+    return app
+
+
+def init_collector(app: Flask) -> None:
+    """Per-process collector state (also used by the embedded server)."""
+    s = app.config["SETTINGS"]
+    app.extensions["hindsight.ratelimit"] = RateLimiter(s.rate_limit_events, s.rate_limit_burst)

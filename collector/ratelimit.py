@@ -1,0 +1,40 @@
+"""Per-tenant token buckets (events per second), one set per collector process."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+
+class RateLimiter:
+    """``take(tenant, n)`` returns 0 if ``n`` events may pass now, else seconds to wait."""
+
+    def __init__(self, rate: float, burst: float = 0.0) -> None:
+        self.rate = rate
+        self.burst = burst or rate * 2
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    def take(self, tenant: str, n: int) -> float:
+        if not self.enabled:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            tokens, then = self._buckets.get(tenant, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - then) * self.rate)
+            # A batch larger than the burst passes when the bucket is full (never starves).
+            need = min(n, self.burst)
+            if tokens >= need:
+                self._buckets[tenant] = (tokens - n, now)
+                return 0.0
+            self._buckets[tenant] = (tokens, now)
+            return (need - tokens) / self.rate
+
+    @staticmethod
+    def retry_after(wait: float) -> str:
+        return str(max(1, math.ceil(wait)))

@@ -1,0 +1,78 @@
+"""POST /v1/batches: acknowledge a batch only once it is durable in the blob store."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zstandard
+from flask import Blueprint, current_app, request
+
+from collector.body import decompress, normalise_encoding
+from collector.ratelimit import RateLimiter
+from hindsight.schema import SchemaError, decode_batch
+from services.common.web import ApiError, db, require, store
+from storage.ingest import blob_key, decode_stored, index_batch, summarize
+
+logger = logging.getLogger(__name__)
+
+bp = Blueprint("collector", __name__)
+
+STORE_LEVEL = 3
+
+
+@bp.post("/v1/batches")
+def post_batch() -> Any:
+    principal = require("ingest")
+    settings = current_app.config["SETTINGS"]
+    if request.mimetype != "application/json":
+        raise ApiError(415, "unsupported_media_type", "Content-Type must be application/json")
+    encoding = normalise_encoding(request.headers.get("Content-Encoding"))
+    raw = request.get_data(cache=False)
+    body = decompress(raw, encoding, settings.max_batch_bytes)
+    try:
+        batch = decode_batch(body)
+    except SchemaError as exc:
+        raise ApiError(400, "invalid_batch", str(exc)) from None
+
+    limiter: RateLimiter = current_app.extensions["hindsight.ratelimit"]
+    wait = limiter.take(principal.tenant, len(batch.events))
+    if wait:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"tenant {principal.tenant!r} is over its rate limit of {limiter.rate:g} events/s",
+            {"Retry-After": limiter.retry_after(wait)},
+        )
+
+    # zstd bodies are stored as received (already compressed); others are compressed here.
+    stored = (
+        raw if encoding == "zstd" else zstandard.ZstdCompressor(level=STORE_LEVEL).compress(body)
+    )
+    key = blob_key(principal.tenant, batch)
+    st = store()
+    written = st.blobs.put(key, stored, if_absent=True)
+    if not written:
+        # Index what the store holds, not this request: the index stays a function of the
+        # blob store even if a buggy agent reused an identity for different content.
+        stored = st.blobs.get(key)
+        batch = decode_stored(stored)
+
+    session = db()
+    index_batch(
+        session,
+        tenant_id=principal.tenant_id,
+        tenant=principal.tenant,
+        batch=batch,
+        blob_key=key,
+        size=len(stored),
+        now=time.time(),
+        summary=summarize(batch),
+    )
+    session.commit()
+    return {
+        "batch_id": batch.batch_id,
+        "accepted": len(batch.events),
+        "duplicate": not written,
+    }, 202

@@ -1,0 +1,176 @@
+"""The ``hindsight`` command. Server-side commands import the server packages lazily,
+so the SDK stays importable in a Dask worker without them."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+
+import click
+
+
+def _settings(**overrides: object):  # -> storage.config.Settings
+    from storage.config import ConfigError, load_settings
+
+    try:
+        return load_settings({k: v for k, v in overrides.items() if v is not None})
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+@click.group()
+@click.version_option(package_name="hindsight")
+def main() -> None:
+    """Hindsight: keep the history of every run of every Dask cluster."""
+
+
+@main.command()
+@click.option(
+    "--data-dir", type=click.Path(file_okay=False), help="Where the SQLite index and blobs live."
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8700, show_default=True, type=int)
+def serve(data_dir: str | None, host: str, port: int) -> None:
+    """Run collector and query service in one process (embedded mode)."""
+    from werkzeug.serving import make_server
+
+    from services.embedded import create_app
+    from storage.db import make_engine
+    from storage.models import Token
+
+    loopback = _is_loopback(host)
+    auth = os.environ.get("HINDSIGHT_AUTH") or ("disabled" if loopback else "required")
+    if not loopback and auth != "required":
+        raise click.ClickException(
+            f"refusing to serve on {host} without auth: unset HINDSIGHT_AUTH=disabled"
+        )
+    settings = _settings(data_dir=data_dir, auth=auth)
+    app = create_app(settings=settings)
+    if auth == "required":
+        from sqlalchemy import func, select
+
+        engine = make_engine(settings.database_url)
+        with engine.connect() as conn:
+            tokens = conn.execute(select(func.count()).select_from(Token)).scalar_one()
+        engine.dispose()
+        if not tokens and not loopback:
+            raise click.ClickException(
+                f"refusing to serve on {host}: no tokens exist. Create one first:\n"
+                f"  hindsight tokens create --tenant NAME --scopes ingest,read"
+                + (f" --data-dir {data_dir}" if data_dir else "")
+            )
+    server = make_server(host, port, app, threaded=True)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{server.port}"
+    click.echo(f"Hindsight embedded server (collector + query) on {url}")
+    click.echo(f"  data:       {settings.data_dir}")
+    click.echo(f"  index:      {settings.database_url}")
+    click.echo(f"  blob store: {settings.blob_url}")
+    click.echo(f"  collector:  {url}/v1/batches   (point workers here: HINDSIGHT_URL={url})")
+    click.echo(f"  runs:       {url}/v1/runs")
+    click.echo(f"  API:        {url}/v1/openapi.json")
+    if auth == "disabled":
+        click.echo("  auth:       DISABLED (loopback only; every request acts as tenant 'default')")
+    else:
+        click.echo("  auth:       bearer tokens required (hindsight tokens create ...)")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@main.group()
+def db() -> None:
+    """Index database commands."""
+
+
+@db.command()
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def upgrade(data_dir: str | None) -> None:
+    """Apply the index migrations (services also do this on start)."""
+    from storage.db import current_revision, make_engine
+    from storage.db import upgrade as do_upgrade
+
+    settings = _settings(data_dir=data_dir)
+    engine = make_engine(settings.database_url)
+    do_upgrade(engine)
+    click.echo(f"index at revision {current_revision(engine)}")
+    engine.dispose()
+
+
+@main.group()
+def tokens() -> None:
+    """API token commands."""
+
+
+@tokens.command("create")
+@click.option("--tenant", required=True)
+@click.option(
+    "--scopes",
+    default="ingest,read",
+    show_default=True,
+    help="Comma-separated: ingest, read, admin.",
+)
+@click.option("--name", default=None, help="A label to recognise the token by.")
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def tokens_create(tenant: str, scopes: str, name: str | None, data_dir: str | None) -> None:
+    """Create a token and print it (it is stored hashed and cannot be shown again)."""
+    from storage.db import make_engine, make_sessionmaker
+    from storage.db import upgrade as do_upgrade
+    from storage.tokens import create_token
+
+    settings = _settings(data_dir=data_dir)
+    engine = make_engine(settings.database_url)
+    if settings.auto_upgrade:
+        do_upgrade(engine)
+    try:
+        with make_sessionmaker(engine).begin() as session:
+            token = create_token(session, tenant, scopes, name)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        engine.dispose()
+    click.echo(token)
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def reindex(data_dir: str | None) -> None:
+    """Rebuild the index from the blob store (idempotent; safe on a live index)."""
+    from storage.blobs import open_blob_store
+    from storage.db import make_engine, make_sessionmaker
+    from storage.db import upgrade as do_upgrade
+
+    settings = _settings(data_dir=data_dir)
+    engine = make_engine(settings.database_url)
+    do_upgrade(engine)
+    blobs = open_blob_store(
+        settings.blob_url, endpoint_url=settings.s3_endpoint_url or None, region=settings.s3_region
+    )
+    from storage.reindex import reindex as do_reindex
+
+    click.echo(f"listing {settings.blob_url} ...", err=True)
+    total = sum(1 for _ in blobs.list("v1/"))
+    with click.progressbar(length=total, label="reindexing", file=sys.stderr) as bar:
+        counts = do_reindex(blobs, make_sessionmaker(engine), on_progress=bar.update)
+    engine.dispose()
+    click.echo(
+        f"{counts['blobs']} blobs: {counts['indexed']} indexed, {counts['already']} already indexed, "
+        f"{counts['skipped']} skipped"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Query-string parsing with clear 400s (and size caps on every parameter)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from flask import request
+
+from hindsight.schema import valid_name
+from services.common.web import ApiError
+
+MAX_PARAM = 256
+
+
+def bad(name: str, message: str) -> ApiError:
+    return ApiError(400, "invalid_parameter", f"{name}: {message}")
+
+
+def arg(name: str) -> str | None:
+    value = request.args.get(name)
+    if value is None or value == "":
+        return None
+    if len(value) > MAX_PARAM:
+        raise bad(name, f"longer than {MAX_PARAM} characters")
+    return value
+
+
+def int_arg(name: str, default: int, lo: int, hi: int) -> int:
+    value = arg(name)
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise bad(name, "must be an integer") from None
+    if not lo <= n <= hi:
+        raise bad(name, f"must be between {lo} and {hi}")
+    return n
+
+
+def time_arg(name: str) -> float | None:
+    """Unix epoch seconds, or an ISO 8601 date/time (UTC unless it says otherwise)."""
+    value = arg(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise bad(name, "must be epoch seconds or an ISO 8601 time") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def choice_arg(name: str, choices: tuple[str, ...]) -> str | None:
+    value = arg(name)
+    if value is not None and value not in choices:
+        raise bad(name, f"must be one of {', '.join(choices)}")
+    return value
+
+
+def name_arg(name: str) -> str | None:
+    value = arg(name)
+    if value is not None and not valid_name(value):
+        raise bad(name, "not a valid name")
+    return value

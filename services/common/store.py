@@ -1,0 +1,66 @@
+"""The storage a service process holds: settings, one engine, one blob store."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.blobs import BlobStore, open_blob_store
+from storage.config import Settings
+from storage.db import make_engine, make_sessionmaker, upgrade
+from storage.ingest import ensure_tenant
+from storage.tokens import SCOPES, Principal, verify_token
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Store:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    blobs: BlobStore
+    open_principal: Principal | None = None
+    _token_cache: dict[str, tuple[float, Principal | None]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def open(cls, settings: Settings) -> Store:
+        engine = make_engine(settings.database_url)
+        if settings.auto_upgrade:
+            upgrade(engine)
+        blobs = open_blob_store(
+            settings.blob_url,
+            endpoint_url=settings.s3_endpoint_url or None,
+            region=settings.s3_region,
+        )
+        store = cls(settings, engine, make_sessionmaker(engine), blobs)
+        if not settings.auth_required:
+            with store.sessions.begin() as db:
+                tenant_id = ensure_tenant(db, DEFAULT_TENANT, time.time())
+            store.open_principal = Principal(tenant_id, DEFAULT_TENANT, frozenset(SCOPES))
+        return store
+
+    def principal_for(self, token: str) -> Principal | None:
+        """Verify a token, caching the answer for ``token_cache_seconds``."""
+        now = time.monotonic()
+        hit = self._token_cache.get(token)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        with self.sessions() as db:
+            principal = verify_token(db, token)
+        with self._lock:
+            if len(self._token_cache) > 10_000:
+                self._token_cache.clear()
+            self._token_cache[token] = (now + self.settings.token_cache_seconds, principal)
+        return principal
+
+    def close(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,176 @@
+"""Flask plumbing shared by the collector and the query service: one error body
+everywhere, a database session per request, bearer-token auth, health and OpenAPI."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from flask import Blueprint, Flask, current_app, g, jsonify, request
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session
+from werkzeug.exceptions import HTTPException
+
+from services.common.store import Store
+from storage.config import Settings, load_settings
+from storage.tokens import Principal
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"code", "message"}}`` with ``status``."""
+
+    def __init__(
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> Any:
+    resp = jsonify({"error": {"code": code, "message": message}})
+    resp.status_code = status
+    for k, v in (headers or {}).items():
+        resp.headers[k] = v
+    return resp
+
+
+def unavailable(message: str) -> ApiError:
+    """503 with Retry-After: the caller should come back later."""
+    retry = str(current_app.config["SETTINGS"].retry_after)
+    return ApiError(503, "unavailable", message, {"Retry-After": retry})
+
+
+def _register_errors(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api_error(exc: ApiError) -> Any:
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Any:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        headers = (
+            {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else {}
+        )
+        return error_response(exc.code or 500, code, exc.description or exc.name, headers)
+
+    @app.errorhandler(ConnectionError)
+    @app.errorhandler(TimeoutError)
+    def _store_down(exc: Exception) -> Any:
+        logger.warning("blob store unavailable: %s", exc)
+        err = unavailable("the blob store is unavailable; retry later")
+        return error_response(err.status, err.code, err.message, err.headers)
+
+    @app.errorhandler(OperationalError)
+    @app.errorhandler(DBAPIError)
+    def _db_down(exc: Exception) -> Any:
+        logger.warning("index unavailable: %s", exc)
+        err = unavailable("the index database is unavailable; retry later")
+        return error_response(err.status, err.code, err.message, err.headers)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Any:
+        logger.exception("unhandled error")
+        return error_response(500, "internal_error", "internal server error")
+
+
+def db() -> Session:
+    """This request's database session (closed at teardown; the view commits)."""
+    if "db" not in g:
+        g.db = store().sessions()
+    return g.db
+
+
+def store() -> Store:
+    return current_app.extensions["hindsight"]
+
+
+def require(scope: str) -> Principal:
+    """The caller's principal, if its token carries ``scope``; else 401/403."""
+    st = store()
+    if st.open_principal is not None:
+        return st.open_principal
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "unauthorized", "missing bearer token", {"WWW-Authenticate": "Bearer"})
+    principal = st.principal_for(token.strip())
+    if principal is None:
+        raise ApiError(
+            401, "unauthorized", "unknown or revoked token", {"WWW-Authenticate": "Bearer"}
+        )
+    if scope not in principal.scopes:
+        raise ApiError(403, "forbidden", f"token lacks the {scope!r} scope")
+    return principal
+
+
+def health_blueprint(openapi: dict[str, Any]) -> Blueprint:
+    bp = Blueprint("health", __name__)
+
+    @bp.get("/healthz")
+    def healthz() -> Any:
+        return {"status": "ok"}
+
+    @bp.get("/readyz")
+    def readyz() -> Any:
+        checks: dict[str, str] = {}
+        st = store()
+        try:
+            st.blobs.ping()
+            checks["blob_store"] = "ok"
+        except Exception as exc:  # any failure means not ready
+            checks["blob_store"] = f"error: {exc}"
+        try:
+            with st.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            checks["index"] = "ok"
+        except Exception as exc:
+            checks["index"] = f"error: {type(exc).__name__}"
+        ready = all(v == "ok" for v in checks.values())
+        return {
+            "status": "ready" if ready else "unavailable",
+            "checks": checks,
+        }, 200 if ready else 503
+
+    @bp.get("/v1/openapi.json")
+    def openapi_json() -> Any:
+        return openapi
+
+    return bp
+
+
+def make_app(
+    name: str,
+    config: dict[str, Any] | None,
+    blueprints: Iterable[Blueprint],
+    openapi: dict[str, Any],
+    settings: Settings | None = None,
+) -> Flask:
+    """An app with the shared plumbing: settings, store, errors, health, teardown."""
+    settings = settings or load_settings(config)
+    logging.basicConfig(level=settings.log_level.upper())
+    app = Flask(name)
+    app.config["SETTINGS"] = settings
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_batch_bytes
+    app.json.sort_keys = False
+    app.extensions["hindsight"] = Store.open(settings)
+    _register_errors(app)
+    app.register_blueprint(health_blueprint(openapi))
+    for bp in blueprints:
+        app.register_blueprint(bp)
+
+    @app.teardown_appcontext
+    def _close_db(exc: BaseException | None) -> None:
+        session = g.pop("db", None)
+        if session is not None:
+            session.close()
+
+    return app

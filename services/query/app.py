@@ -1,0 +1,17 @@
+"""The query service: ``gunicorn 'services.query.app:create_app()'``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+
+from services.common.web import make_app
+from services.query.openapi import OPENAPI
+from services.query.views import bp
+from storage.config import Settings
+
+
+def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
+    """Build the query service app. ``config`` overrides environment settings."""
+    return make_app(__name__, config, [bp], OPENAPI, settings=settings)

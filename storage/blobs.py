@@ -1,0 +1,220 @@
+"""Blob stores: where raw batches live. The source of truth; the index is derived from it.
+
+Two implementations behind one Protocol, chosen by URI:
+
+- ``s3://bucket/prefix`` — boto3; ``endpoint_url`` for MinIO or moto's server.
+- ``file:///path`` — a local directory (the embedded default).
+
+Provider errors become builtins: a missing key is :class:`FileNotFoundError`, an
+unreachable or failing store is :class:`ConnectionError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class BlobStore(Protocol):
+    """What the services need of a blob store."""
+
+    url: str
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        """Store ``data`` durably under ``key``. With ``if_absent``, leave an existing
+        object untouched and return False; otherwise return True once written."""
+
+    def get(self, key: str) -> bytes:
+        """The bytes under ``key``; :class:`FileNotFoundError` if there are none."""
+
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under ``key``."""
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Every key that starts with ``prefix``, in lexicographic order."""
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; no error if it is already gone."""
+
+    def ping(self) -> None:
+        """Raise :class:`ConnectionError` unless the store answers."""
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid blob key {key!r}")
+    return key
+
+
+class LocalBlobStore:
+    """Blobs as files under a directory; writes are atomic and fsynced."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if if_absent:
+                try:
+                    os.link(tmp, path)  # atomic create-if-absent
+                except FileExistsError:
+                    return False
+            else:
+                os.replace(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            return True
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def get(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self.root
+        keys = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            rel = Path(dirpath).relative_to(base).as_posix()
+            for name in filenames:
+                if name.startswith(".tmp-"):
+                    continue
+                key = name if rel == "." else f"{rel}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        yield from sorted(keys)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def ping(self) -> None:
+        if not self.root.is_dir() or not os.access(self.root, os.W_OK):
+            raise ConnectionError(f"blob directory {self.root} is not a writable directory")
+
+
+class S3BlobStore:
+    """Blobs as objects in an S3 bucket (AWS, MinIO, moto) under a key prefix."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str = "us-east-1",
+        client: Any = None,
+    ) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}"
+        self._client = client or boto3.client(
+            "s3",
+            endpoint_url=endpoint_url or None,
+            region_name=region,
+            config=Config(
+                retries={"mode": "standard", "max_attempts": 3},
+                connect_timeout=3,
+                read_timeout=20,
+                max_pool_connections=32,
+            ),
+        )
+
+    def _call(self, op: str, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return getattr(self._client, op)(Bucket=self.bucket, **kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise FileNotFoundError(kwargs.get("Key", "")) from None
+            if code in ("PreconditionFailed", "412") or status == 412:
+                raise FileExistsError(kwargs.get("Key", "")) from None
+            raise ConnectionError(f"S3 {op} failed: {code or status}") from exc
+        except BotoCoreError as exc:
+            raise ConnectionError(f"S3 {op} failed: {exc}") from exc
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            self._call("put_object", Key=self.prefix + _check_key(key), Body=data, **extra)
+        except FileExistsError:
+            return False
+        return True
+
+    def get(self, key: str) -> bytes:
+        return self._call("get_object", Key=self.prefix + _check_key(key))["Body"].read()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call("head_object", Key=self.prefix + _check_key(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": self.prefix + prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call("list_objects_v2", **kwargs)
+            for item in page.get("Contents", []):
+                yield item["Key"][len(self.prefix) :]
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    def delete(self, key: str) -> None:
+        self._call("delete_object", Key=self.prefix + _check_key(key))
+
+    def ping(self) -> None:
+        self._call("head_bucket")
+
+
+def open_blob_store(
+    url: str, *, endpoint_url: str | None = None, region: str = "us-east-1"
+) -> BlobStore:
+    """The blob store for ``s3://bucket/prefix`` or ``file:///path``."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"S3 URL needs a bucket: {url!r}")
+        return S3BlobStore(parsed.netloc, parsed.path, endpoint_url=endpoint_url, region=region)
+    if parsed.scheme == "file":
+        return LocalBlobStore(urllib.parse.unquote(parsed.path))
+    raise ValueError(f"unsupported blob store URL {url!r} (use s3://bucket/prefix or file:///path)")

@@ -1,0 +1,268 @@
+"""Read-side repository functions. They take a session, scope everything by tenant,
+and never commit."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import Select, and_, func, or_, select
+from sqlalchemy.orm import Session
+
+from hindsight.schema import TaskEvent
+from storage import models as m
+from storage.blobs import BlobStore
+from storage.ingest import DEFAULT_RUN, decode_stored
+
+RUN_STATUSES = ("running", "finished", "erred")
+TASK_FIELDS = (
+    "key", "prefix", "group", "run", "worker", "thread", "status", "nbytes", "typename",
+    "startstops", "exception", "traceback",
+)  # fmt: skip
+
+
+class BadCursor(ValueError):
+    """A pagination cursor that this server did not hand out."""
+
+
+def encode_cursor(*parts: Any) -> str:
+    return base64.urlsafe_b64encode(msgspec.json.encode(list(parts))).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, types: tuple[type, ...]) -> list[Any]:
+    try:
+        parts = msgspec.json.decode(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError, msgspec.DecodeError):
+        raise BadCursor(cursor) from None
+    if not isinstance(parts, list) or len(parts) != len(types):
+        raise BadCursor(cursor)
+    out = []
+    for value, kind in zip(parts, types, strict=True):
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise BadCursor(cursor)
+        out.append(value)
+    return out
+
+
+def list_clusters(db: Session, tenant_id: int) -> list[dict[str, Any]]:
+    runs = (
+        select(
+            m.Run.cluster_id,
+            func.count().label("runs"),
+            func.max(m.Run.started_at).label("last_run"),
+        )
+        .where(m.Run.tenant_id == tenant_id)
+        .group_by(m.Run.cluster_id)
+        .subquery()
+    )
+    sessions = (
+        select(m.Session.cluster_id, func.count().label("sessions"))
+        .join(m.Cluster, m.Cluster.id == m.Session.cluster_id)
+        .where(m.Cluster.tenant_id == tenant_id)
+        .group_by(m.Session.cluster_id)
+        .subquery()
+    )
+    rows = db.execute(
+        select(m.Cluster, runs.c.runs, runs.c.last_run, sessions.c.sessions)
+        .outerjoin(runs, runs.c.cluster_id == m.Cluster.id)
+        .outerjoin(sessions, sessions.c.cluster_id == m.Cluster.id)
+        .where(m.Cluster.tenant_id == tenant_id)
+        .order_by(m.Cluster.name)
+    ).all()
+    return [
+        {
+            "name": c.name,
+            "first_seen": c.first_seen,
+            "last_seen": c.last_seen,
+            "sessions": n_sessions or 0,
+            "runs": n_runs or 0,
+            "last_run_started_at": last_run,
+        }
+        for c, n_runs, last_run, n_sessions in rows
+    ]
+
+
+def _run_select(tenant_id: int) -> Select[Any]:
+    return (
+        select(m.Run, m.Cluster.name.label("cluster"), m.Session.name.label("session"))
+        .join(m.Cluster, m.Cluster.id == m.Run.cluster_id)
+        .join(m.Session, m.Session.id == m.Run.session_id)
+        .where(m.Run.tenant_id == tenant_id)
+    )
+
+
+def run_summary(run: m.Run, cluster: str, session: str) -> dict[str, Any]:
+    makespan = (
+        run.task_stop - run.task_start
+        if run.task_start is not None and run.task_stop is not None
+        else None
+    )
+    return {
+        "id": run.public_id,
+        "name": run.name or (None if run.run_key == DEFAULT_RUN else run.run_key),
+        "cluster": cluster,
+        "session": session,
+        "run_key": run.run_key,
+        "status": run.status,
+        "started_at": run.started_at,
+        "finished_at": run.finished_at,
+        "makespan": makespan,
+        "task_count": run.task_count,
+        "error_count": run.error_count,
+        "nbytes": run.nbytes,
+        "span": run.span or [],
+        "client": run.client,
+    }
+
+
+@dataclass
+class RunFilters:
+    cluster: str | None = None
+    status: str | None = None
+    since: float | None = None
+    until: float | None = None
+
+
+def list_runs(
+    db: Session, tenant_id: int, filters: RunFilters, limit: int, cursor: str | None
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Runs newest first; keyset pagination on (started_at, id)."""
+    q = _run_select(tenant_id)
+    if filters.cluster is not None:
+        q = q.where(m.Cluster.name == filters.cluster)
+    if filters.status is not None:
+        q = q.where(m.Run.status == filters.status)
+    if filters.since is not None:
+        q = q.where(m.Run.started_at >= filters.since)
+    if filters.until is not None:
+        q = q.where(m.Run.started_at < filters.until)
+    if cursor:
+        at, rid = decode_cursor(cursor, (float, int))
+        q = q.where(or_(m.Run.started_at < at, and_(m.Run.started_at == at, m.Run.id < rid)))
+    rows = db.execute(q.order_by(m.Run.started_at.desc(), m.Run.id.desc()).limit(limit + 1)).all()
+    page = rows[:limit]
+    next_cursor = None
+    if len(rows) > limit:
+        last = page[-1][0]
+        next_cursor = encode_cursor(last.started_at, last.id)
+    return [run_summary(r, c, s) for r, c, s in page], next_cursor
+
+
+def find_run(db: Session, tenant_id: int, public_id: str) -> tuple[m.Run, str, str] | None:
+    row = db.execute(_run_select(tenant_id).where(m.Run.public_id == public_id)).first()
+    return None if row is None else (row[0], row[1], row[2])
+
+
+def completeness(db: Session, session_id: int) -> dict[str, Any]:
+    """Batches received vs. expected per agent of the run's session, from sequence numbers.
+
+    An agent's expected count is its highest sequence number + 1; a gap means a lost
+    batch. ``final`` says the agent closed cleanly, so no batches are missing at its end.
+    """
+    agents = db.execute(
+        select(m.Agent).where(m.Agent.session_id == session_id).order_by(m.Agent.name)
+    ).scalars()
+    out = []
+    received = expected = dropped_total = 0
+    for a in agents:
+        exp = max(a.max_seq, a.final_seq if a.final_seq is not None else -1) + 1
+        dropped = {k: int(v) for k, v in (a.dropped or {}).items()}
+        received += a.batches
+        expected += exp
+        dropped_total += sum(dropped.values())
+        out.append(
+            {
+                "agent": a.name,
+                "batches_received": a.batches,
+                "batches_expected": exp,
+                "missing": exp - a.batches,
+                "final": a.final_seq is not None,
+                "events_dropped": dropped,
+            }
+        )
+    return {
+        "batches_received": received,
+        "batches_expected": expected,
+        "ratio": (received / expected) if expected else 1.0,
+        "closed": bool(out) and all(a["final"] for a in out),
+        "events_dropped_at_agents": dropped_total,
+        "agents": out,
+    }
+
+
+def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str, Any]:
+    detail = run_summary(run, cluster, session)
+    statuses = db.execute(
+        select(m.RunStatusCount.status, m.RunStatusCount.count).where(
+            m.RunStatusCount.run_id == run.id
+        )
+    ).all()
+    prefixes: dict[str, dict[str, Any]] = {}
+    for p in db.execute(
+        select(m.RunPrefix).where(m.RunPrefix.run_id == run.id).order_by(m.RunPrefix.prefix)
+    ).scalars():
+        prefixes[p.prefix] = {
+            "prefix": p.prefix,
+            "count": p.count,
+            "errors": p.errors,
+            "nbytes": p.nbytes,
+            "actions": {},
+        }
+    for a in db.execute(
+        select(m.RunPrefixAction).where(m.RunPrefixAction.run_id == run.id)
+    ).scalars():
+        entry = prefixes.setdefault(
+            a.prefix, {"prefix": a.prefix, "count": 0, "errors": 0, "nbytes": 0, "actions": {}}
+        )
+        entry["actions"][a.action] = {
+            "count": a.count,
+            "total": a.total,
+            "min": a.min,
+            "max": a.max,
+        }
+    detail.update(
+        tasks_by_status={s: c for s, c in sorted(statuses)},
+        graph_count=run.graph_count,
+        prefixes=list(prefixes.values()),
+        completeness=completeness(db, run.session_id),
+        first_seen=run.first_seen,
+        last_seen=run.last_seen,
+    )
+    return detail
+
+
+def task_record(ev: TaskEvent) -> dict[str, Any]:
+    rec = {f: getattr(ev, f) for f in TASK_FIELDS}
+    rec["startstops"] = [msgspec.structs.asdict(ss) for ss in ev.startstops]
+    return rec
+
+
+def iter_run_tasks(
+    db: Session, blobs: BlobStore, run: m.Run, cursor: str | None
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """The run's task records from the blob store, each with the cursor that follows it."""
+    after_batch, skip = decode_cursor(cursor, (int, int)) if cursor else (0, 0)
+    rows = db.execute(
+        select(m.RunBatch.batch_id, m.Batch.blob_key)
+        .join(m.Batch, m.Batch.id == m.RunBatch.batch_id)
+        .where(
+            m.RunBatch.run_id == run.id, m.RunBatch.batch_id >= after_batch, m.RunBatch.tasks > 0
+        )
+        .order_by(m.RunBatch.batch_id)
+    ).all()
+    run_key = run.run_key
+    for batch_id, key in rows:
+        batch = decode_stored(blobs.get(key))
+        n = 0
+        for ev in batch.events:
+            if type(ev) is TaskEvent and (ev.run or DEFAULT_RUN) == run_key:
+                n += 1
+                if batch_id == after_batch and n <= skip:
+                    continue
+                yield task_record(ev), encode_cursor(batch_id, n)

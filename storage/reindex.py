@@ -1,0 +1,63 @@
+"""Rebuild the index from the blob store, the source of truth."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.blobs import BlobStore
+from storage.ingest import decode_stored, ensure_tenant, index_batch, parse_blob_key
+
+logger = logging.getLogger(__name__)
+
+
+def reindex(
+    blobs: BlobStore,
+    sessions: sessionmaker[Session],
+    *,
+    prefix: str = "v1/",
+    on_progress: Callable[[int], None] | None = None,
+) -> dict[str, int]:
+    """Index every stored batch not yet in the index. Safe to run on a live index and to
+    repeat: the manifest makes each batch count once. Returns counts."""
+    counts = {"blobs": 0, "indexed": 0, "already": 0, "skipped": 0}
+    tenants: dict[str, int] = {}
+    for key in blobs.list(prefix):
+        counts["blobs"] += 1
+        ident = parse_blob_key(key)
+        if ident is None:
+            counts["skipped"] += 1
+            continue
+        data = blobs.get(key)
+        try:
+            batch = decode_stored(data)
+        except ValueError as exc:
+            logger.error("skipping unreadable blob %s: %s", key, exc)
+            counts["skipped"] += 1
+            continue
+        if (batch.cluster, batch.session, batch.agent, batch.seq) != (
+            ident["cluster"], ident["session"], ident["agent"], ident["seq"]
+        ):  # fmt: skip
+            logger.error("skipping blob %s: its content names another batch", key)
+            counts["skipped"] += 1
+            continue
+        with sessions.begin() as db:
+            tenant = ident["tenant"]
+            if tenant not in tenants:
+                tenants[tenant] = ensure_tenant(db, tenant, time.time())
+            done = index_batch(
+                db,
+                tenant_id=tenants[tenant],
+                tenant=tenant,
+                batch=batch,
+                blob_key=key,
+                size=len(data),
+                now=time.time(),
+            )
+        counts["indexed" if done else "already"] += 1
+        if on_progress:
+            on_progress(1)
+    return counts

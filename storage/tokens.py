@@ -1,0 +1,77 @@
+"""Tenants' API tokens: created once, shown once, stored only as a SHA-256 hash.
+
+Tokens are 256-bit random strings, so a plain SHA-256 (not a slow password hash) is the
+right tool: nothing to brute-force, and verifying stays cheap on the ingest path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from hindsight.schema import valid_name
+from storage import models as m
+from storage.ingest import ensure_tenant
+
+SCOPES = ("ingest", "read", "admin")
+TOKEN_PREFIX = "hs_"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a tenant and the scopes its token grants."""
+
+    tenant_id: int
+    tenant: str
+    scopes: frozenset[str]
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def parse_scopes(text: str) -> frozenset[str]:
+    scopes = frozenset(s.strip() for s in text.split(",") if s.strip())
+    unknown = scopes - set(SCOPES)
+    if not scopes or unknown:
+        raise ValueError(f"scopes must be a comma-separated subset of {', '.join(SCOPES)}")
+    return scopes
+
+
+def create_token(db: Session, tenant: str, scopes: str, name: str | None = None) -> str:
+    """Create a token for ``tenant`` (created if new) and return it; only its hash is kept."""
+    if not valid_name(tenant) or len(tenant) > 64:
+        raise ValueError(f"invalid tenant name {tenant!r}: use up to 64 of A-Z a-z 0-9 _ . -")
+    parsed = parse_scopes(scopes)
+    now = time.time()
+    tenant_id = ensure_tenant(db, tenant, now)
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    db.add(
+        m.Token(
+            tenant_id=tenant_id,
+            token_hash=hash_token(token),
+            scopes=",".join(sorted(parsed)),
+            name=name,
+            created_at=now,
+        )
+    )
+    return token
+
+
+def verify_token(db: Session, token: str) -> Principal | None:
+    """The principal a token stands for, or None if it is unknown or revoked."""
+    digest = hash_token(token)
+    row = db.execute(
+        select(m.Token.token_hash, m.Token.scopes, m.Tenant.id, m.Tenant.name)
+        .join(m.Tenant, m.Tenant.id == m.Token.tenant_id)
+        .where(m.Token.token_hash == digest, m.Token.revoked_at.is_(None))
+    ).first()
+    if row is None or not hmac.compare_digest(row.token_hash, digest):
+        return None
+    return Principal(row.id, row.name, frozenset(row.scopes.split(",")))
