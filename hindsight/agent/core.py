@@ -1,0 +1,483 @@
+"""The agent: a bounded buffer drained by one daemon thread that batches, compresses,
+POSTs, retries and spools.
+
+Producers (Dask hooks, log handlers, ``hindsight.emit``) only call :meth:`Agent.add`.
+Everything slow happens on the thread named ``hindsight-agent``: cutting batches,
+encoding, zstd, HTTP, backoff sleeps and disk I/O.  Delivery is strictly in sequence
+order: batches that cannot be sent right away go to the spool, and once anything is
+spooled every newer batch queues behind it, so the collector sees ``seq`` in order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+import weakref
+from collections import Counter, deque
+from typing import Any
+
+import msgspec
+
+from hindsight.agent.buffer import EventBuffer, Item
+from hindsight.agent.spool import Spool, SpooledBatch
+from hindsight.agent.transport import Outcome, Transport
+from hindsight.config import Settings
+from hindsight.schema import SCHEMA_VERSION, Batch, decode_batch
+from hindsight.sender import compress
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_BASE = 0.5
+BACKOFF_MAX = 30.0
+RETRY_AFTER_MAX = 300.0
+#: Batches kept in memory before the queue spills to the spool.
+OUTBOX_BATCHES = 4
+#: Seconds between two warnings about the same delivery problem.
+WARN_EVERY = 60.0
+
+_encoder = msgspec.json.Encoder()
+_agents: weakref.WeakSet[Agent] = weakref.WeakSet()
+
+
+def _event_of(item: Item) -> Any:
+    if isinstance(item, tuple):
+        return item[0](*item[1:])
+    return item
+
+
+def new_agent_name(prefix: str) -> str:
+    """A name unique to one agent instance (``seq`` restarts at 0 with each instance)."""
+    safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
+    return f"{safe[:90] or 'agent'}-{uuid.uuid4().hex[:12]}"
+
+
+class Agent:
+    """Ships events for one ``(cluster, session, agent)`` identity to the collector.
+
+    ``add()`` is the only method meant for hot paths: it never blocks and never raises.
+    ``flush()`` and ``close()`` wait at most their timeout.  After ``os.fork()`` the
+    child's agent becomes a new instance (new name, ``seq`` from 0, empty buffer) and
+    starts its thread on the next ``add()``.
+    """
+
+    def __init__(self, settings: Settings, *, session: str, name: str) -> None:
+        self.settings = settings
+        self.session = session
+        self._name_prefix = name
+        self._closed = False
+        self._lock = threading.Lock()  # guards thread start/stop, not the hot path
+        self._reset(new_agent_name(name))
+        _agents.add(self)
+        _ensure_atexit()
+
+    # -- state ---------------------------------------------------------------------
+    def _reset(self, name: str) -> None:
+        self.name = name
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._flush_now = False
+        self._thread: threading.Thread | None = None
+        self._buffer = EventBuffer(
+            self.settings.buffer_events, self.settings.flush_events, self._wake.set
+        )
+        self._seq = 0
+        self._dropped: Counter[str] = Counter()
+        self._reported_dropped: dict[str, int] = {}
+        self._outbox: deque[SpooledBatch] = deque()
+        self._spool: Spool | None = None
+        self._transport: Transport | None = None
+        self._attempts = 0
+        self._retry_at = 0.0
+        self._warned: dict[str, float] = {}
+        self.stats: Counter[str] = Counter()
+
+    def _after_fork(self) -> None:
+        # The parent keeps delivering what it buffered; the child starts clean under a
+        # new identity so the two never send different batches with the same seq.
+        self._lock = threading.Lock()
+        if self._closed:
+            return
+        self._reset(new_agent_name(self._name_prefix))
+
+    # -- producer side -------------------------------------------------------------
+    def add(self, item: Item) -> None:
+        """Queue one event (or deferred event tuple); never blocks, never raises."""
+        try:
+            if self._thread is None or self._closed:
+                if self._closed:
+                    return
+                self._start()
+            self._buffer.add(item)
+        except Exception:  # never into the host
+            pass
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        """Count events the caller could not record (they travel in the next batch)."""
+        self._buffer.drop(reason, count)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return
+            thread = threading.Thread(target=self._run, name="hindsight-agent", daemon=True)
+            self._thread = thread
+            thread.start()
+
+    # -- control -------------------------------------------------------------------
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Deliver everything added so far; True if nothing is left pending in time."""
+        if self._thread is None:
+            if self._closed or not len(self._buffer):
+                return not len(self._buffer)
+            self._start()
+        deadline = time.monotonic() + timeout
+        self._idle.clear()
+        self._flush_now = True
+        self._wake.set()
+        while time.monotonic() < deadline:
+            if self._idle.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+                if not self.pending():
+                    return True
+                self._idle.clear()
+                self._flush_now = True
+                self._wake.set()
+        return not self.pending()
+
+    def pending(self) -> int:
+        """Events not yet acknowledged by the collector (buffered, queued or spooled)."""
+        spooled = self._spool.events() if self._spool is not None else 0
+        # list() copies atomically under the GIL while the agent thread mutates the deque.
+        return len(self._buffer) + sum(b.events for b in list(self._outbox)) + spooled
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is left, ending with a ``final`` batch, within ``timeout`` seconds.
+
+        Whatever cannot be delivered in time stays in the spool directory.
+        """
+        timeout = self.settings.close_timeout if timeout is None else timeout
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close_deadline = time.monotonic() + timeout
+            thread = self._thread
+            if thread is None:
+                thread = threading.Thread(target=self._run, name="hindsight-agent", daemon=True)
+                self._thread = thread
+                thread.start()
+        self._stop.set()
+        self._wake.set()
+        thread.join(timeout + 0.5)
+        if thread.is_alive():
+            logger.warning("hindsight: agent %s did not finish within %.1fs", self.name, timeout)
+
+    # -- agent thread --------------------------------------------------------------
+    def _run(self) -> None:
+        interval = self.settings.flush_interval
+        next_flush = time.monotonic() + interval
+        while True:
+            try:
+                now = time.monotonic()
+                wait_until = next_flush
+                if self._has_backlog() and self.settings.url:
+                    wait_until = min(wait_until, max(self._retry_at, now + 0.01))
+                self._wake.wait(max(0.0, wait_until - now))
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                now = time.monotonic()
+                forced = self._flush_now or now >= next_flush
+                self._flush_now = False
+                self._cut(force=forced)
+                if forced:
+                    next_flush = now + interval
+                self._deliver(deadline=None)
+                if not self._has_backlog() and not len(self._buffer):
+                    self._idle.set()
+            except Exception:  # keep the thread alive whatever happens
+                logger.exception("hindsight: agent loop error")
+                time.sleep(0.1)
+        try:
+            # Deliver first, then cut the final batch: drops counted during this last
+            # delivery (rejections, splits) still make it into the final batch.
+            self._cut(force=True)
+            self._deliver(deadline=self._close_deadline)
+            self._cut(force=True, final=True)
+            self._deliver(deadline=self._close_deadline)
+            self._park_outbox()
+            if self._spool is not None and not len(self._spool):
+                self._spool.remove_directory()
+        except Exception:
+            logger.exception("hindsight: agent close error")
+        finally:
+            if self._transport is not None:
+                self._transport.close()
+            self._idle.set()
+
+    def _has_backlog(self) -> bool:
+        return bool(self._outbox) or (self._spool is not None and len(self._spool) > 0)
+
+    def _cut(self, force: bool, final: bool = False) -> None:
+        """Turn buffered events into encoded batches: full ones, the rest too if forced.
+
+        A forced cut with nothing buffered still sends an empty batch when drop counts
+        changed, so drops are reported even when events stop; ``final`` always ends with
+        one batch marked final.
+        """
+        limit = self.settings.flush_events
+        while True:
+            n = len(self._buffer)
+            if n == 0:
+                dropped = self._all_dropped()
+                if final or (force and dropped != self._reported_dropped):
+                    self._emit_batch([], dropped, final)
+                return
+            if n < limit and not force:
+                return
+            items = self._buffer.take(limit)
+            events = []
+            for item in items:
+                try:
+                    events.append(_event_of(item))
+                except Exception:
+                    self._dropped["invalid"] += 1
+                    logger.debug("hindsight: cannot build event from %r", item, exc_info=True)
+            last = final and not len(self._buffer)
+            self._emit_batch(events, self._all_dropped(), last)
+            if last:
+                return
+
+    def _all_dropped(self) -> dict[str, int]:
+        total: Counter[str] = Counter(self._dropped)
+        total.update(self._buffer.dropped)
+        if self._spool is not None:
+            total.update(self._spool.dropped)
+        return {k: v for k, v in total.items() if v}
+
+    def _emit_batch(self, events: list[Any], dropped: dict[str, int], final: bool) -> None:
+        seq = self._seq
+        self._seq += 1
+        body = self._encode(seq, events, dropped, final)
+        self._reported_dropped = dropped
+        self._enqueue(SpooledBatch(seq, body, len(events), self.settings.encoding))
+        self.stats["batches"] += 1
+
+    def _encode(self, seq: int, events: list[Any], dropped: dict[str, int], final: bool) -> bytes:
+        batch = Batch(
+            schema=SCHEMA_VERSION,
+            cluster=self.settings.cluster,
+            session=self.session,
+            agent=self.name,
+            seq=seq,
+            events=events,
+            sent_at=time.time(),
+            final=final,
+            dropped=dropped,
+        )
+        return compress(_encoder.encode(batch), self.settings.encoding)
+
+    def _spool_or_memory(self) -> Spool:
+        if self._spool is None:
+            directory = os.path.join(self.settings.spool_dir, self.name)
+            self._spool = Spool(directory, self.settings.spool_max_bytes)
+        return self._spool
+
+    def _enqueue(self, batch: SpooledBatch) -> None:
+        spool = self._spool
+        if (spool is None or not len(spool)) and len(self._outbox) < OUTBOX_BATCHES:
+            self._outbox.append(batch)
+            return
+        # Keep every spooled seq older than every in-memory one: drain order is seq order.
+        self._park_outbox()
+        self._spool_or_memory().put(batch)
+
+    def _park_outbox(self) -> None:
+        if self._outbox:
+            spool = self._spool_or_memory()
+            while self._outbox:
+                spool.put(self._outbox.popleft())
+                self.stats["spooled"] += 1
+
+    def _head(self) -> tuple[SpooledBatch, bool] | None:
+        if self._spool is not None and len(self._spool):
+            batch = self._spool.peek()
+            if batch is not None:
+                return batch, True
+        if self._outbox:
+            return self._outbox[0], False
+        return None
+
+    def _pop_head(self, batch: SpooledBatch, spooled: bool) -> None:
+        if spooled:
+            assert self._spool is not None
+            self._spool.remove(batch.seq)
+        else:
+            self._outbox.popleft()
+
+    def _deliver(self, deadline: float | None) -> None:
+        """Send queued batches in order until done, backing off, or past ``deadline``."""
+        if not self.settings.url:
+            return
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            if now < self._retry_at:
+                if deadline is None:
+                    return
+                # Closing: sleep out the backoff if the budget allows, interruptibly.
+                if self._retry_at >= deadline:
+                    return
+                time.sleep(self._retry_at - now)
+                continue
+            head = self._head()
+            if head is None:
+                return
+            batch, spooled = head
+            if self._transport is None:
+                self._transport = Transport(
+                    self.settings.url, self.settings.token, self.settings.request_timeout
+                )
+            outcome = self._transport.post(batch.body, batch.encoding)
+            self.stats["posts"] += 1
+            if outcome.verdict == "ok":
+                self._pop_head(batch, spooled)
+                self._attempts = 0
+                self.stats["sent_batches"] += 1
+                self.stats["sent_events"] += batch.events
+                continue
+            if outcome.verdict == "retry":
+                self._backoff(outcome)
+                if not spooled:
+                    # The collector is away: let the backlog wait on disk, not in memory.
+                    self._park_outbox()
+                return
+            if outcome.verdict == "too_large":
+                self._pop_head(batch, spooled)
+                self._split(batch, spooled)
+                continue
+            self._pop_head(batch, spooled)
+            reason = f"http_{outcome.status}"
+            self._dropped[reason] += batch.events
+            self.stats["rejected_batches"] += 1
+            self._warn(
+                reason,
+                "hindsight: collector rejected batch %s/%s (HTTP %s: %s); %d events dropped",
+                self.name,
+                batch.seq,
+                outcome.status,
+                outcome.message,
+                batch.events,
+            )
+
+    def _backoff(self, outcome: Outcome) -> None:
+        self._attempts += 1
+        self.stats["retries"] += 1
+        if outcome.retry_after is not None:
+            delay = min(outcome.retry_after, RETRY_AFTER_MAX)
+        else:
+            cap = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(self._attempts - 1, 16))
+            delay = random.uniform(cap / 2, cap)  # jitter: agents must not retry in step
+        self._retry_at = time.monotonic() + delay
+        self._warn(
+            f"retry_{outcome.status}",
+            "hindsight: collector unavailable (%s %s); retrying in %.1fs",
+            outcome.status or "no answer",
+            outcome.message,
+            delay,
+        )
+
+    def _split(self, batch: SpooledBatch, spooled: bool) -> None:
+        """Re-send a batch the collector found too large as two halves."""
+        try:
+            decoded = decode_batch(_decompress(batch.body, batch.encoding))
+        except Exception:
+            self._dropped["too_large"] += batch.events
+            logger.warning("hindsight: cannot split batch %s/%s", self.name, batch.seq)
+            return
+        events = decoded.events
+        if len(events) <= 1:
+            self._dropped["too_large"] += len(events)
+            self._warn("too_large", "hindsight: an event is too large for the collector; dropped")
+            return
+        half = len(events) // 2
+        # The first half keeps the sequence number, the second takes the next free one,
+        # so sequence numbers stay gapless; "final" moves to the later half.
+        first = SpooledBatch(
+            batch.seq,
+            self._encode(batch.seq, events[:half], decoded.dropped, False),
+            half,
+            self.settings.encoding,
+        )
+        seq = self._seq
+        self._seq += 1
+        second = SpooledBatch(
+            seq,
+            self._encode(seq, events[half:], decoded.dropped, decoded.final),
+            len(events) - half,
+            self.settings.encoding,
+        )
+        self.stats["splits"] += 1
+        if spooled:
+            assert self._spool is not None
+            self._spool.put(first)
+            self._spool.put(second)
+        else:
+            self._outbox.appendleft(second)
+            self._outbox.appendleft(first)
+
+    def _warn(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last = self._warned.get(key)
+        if last is None or now - last >= WARN_EVERY:
+            self._warned[key] = now
+            logger.warning(msg, *args)
+        else:
+            logger.debug(msg, *args)
+
+
+def _decompress(body: bytes, encoding: str) -> bytes:
+    if encoding == "zstd":
+        import zstandard
+
+        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    if encoding == "gzip":
+        import gzip
+
+        return gzip.decompress(body)
+    return body
+
+
+def _reinit_after_fork() -> None:
+    for agent in list(_agents):
+        try:
+            agent._after_fork()
+        except Exception:
+            pass
+
+
+def _close_all_at_exit() -> None:
+    for agent in list(_agents):
+        try:
+            agent.close()
+        except Exception:
+            pass
+
+
+_atexit_registered = False
+
+
+def _ensure_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        _atexit_registered = True
+        atexit.register(_close_all_at_exit)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_reinit_after_fork)

@@ -1,0 +1,77 @@
+"""HTTP delivery of one batch body, with the collector's answer classified for the agent."""
+
+from __future__ import annotations
+
+import email.utils
+import http.client
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from hindsight.sender import Sender
+
+logger = logging.getLogger(__name__)
+
+#: Statuses worth another try: the collector is overloaded or a proxy could not reach it.
+RETRYABLE = frozenset({429, 502, 503, 504})
+
+Verdict = Literal["ok", "retry", "too_large", "reject"]
+
+
+@dataclass
+class Outcome:
+    """What to do with a batch after one POST."""
+
+    verdict: Verdict
+    status: int | None = None  # None: no HTTP answer (connection error, timeout)
+    retry_after: float | None = None
+    message: str = ""
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+class Transport:
+    """POSTs batch bodies over one keep-alive connection (see :class:`hindsight.sender.Sender`)."""
+
+    def __init__(self, url: str, token: str | None, timeout: float) -> None:
+        self._sender = Sender(url, token, timeout=timeout)
+
+    def post(self, body: bytes, encoding: str) -> Outcome:
+        """Send one compressed body; never raises."""
+        try:
+            resp = self._sender.send(body, encoding=encoding, compressed=True)
+        except (OSError, http.client.HTTPException) as exc:
+            self._sender.close()
+            return Outcome("retry", None, None, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug here must not kill the agent thread
+            self._sender.close()
+            logger.debug("hindsight: unexpected transport error", exc_info=True)
+            return Outcome("retry", None, None, f"{type(exc).__name__}: {exc}")
+        error = resp.body.get("error") if isinstance(resp.body, dict) else None
+        message = error.get("message", "") if isinstance(error, dict) else ""
+        if 200 <= resp.status < 300:
+            return Outcome("ok", resp.status)
+        if resp.status in RETRYABLE:
+            retry_after = parse_retry_after(resp.headers.get("retry-after"))
+            return Outcome("retry", resp.status, retry_after, message)
+        if resp.status == 413:
+            return Outcome("too_large", resp.status, None, message)
+        return Outcome("reject", resp.status, None, message)
+
+    def close(self) -> None:
+        self._sender.close()

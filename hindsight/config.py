@@ -1,0 +1,159 @@
+"""SDK settings: the one place the agent reads its environment and Dask config.
+
+Precedence, highest first: explicit arguments (``install(client, url=...)`` or the
+preload's command-line options), Dask config keys ``hindsight.*`` (which Dask itself also
+fills from ``DASK_HINDSIGHT__*`` variables and YAML files), the ``HINDSIGHT_*`` environment
+variables, then the defaults below.  A bad value is logged and replaced by its default:
+the agent never takes its host down over configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
+
+
+def _default_spool_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "hindsight-spool")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the agent needs; picklable, so plugins can carry it to the cluster."""
+
+    #: Collector base URL, e.g. ``http://collector:8080``; ``None`` disables the agent.
+    url: str | None = None
+    #: Bearer token; optional for a collector running without auth (embedded mode).
+    token: str | None = None
+    #: The long-lived name of this cluster, e.g. ``prod-etl``.
+    cluster: str = "default"
+    #: Directory for the on-disk spool; one sub-directory per agent instance.
+    spool_dir: str = field(default_factory=_default_spool_dir)
+    #: Upper bound of the spool on disk; the oldest batches are dropped (and counted) past it.
+    spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    #: A batch is cut as soon as this many events are buffered.
+    flush_events: int = 5000
+    #: ... or at the latest this many seconds after the previous batch.
+    flush_interval: float = 1.0
+    #: Bound of the in-memory buffer, in events; further events are dropped and counted.
+    buffer_events: int = 100_000
+    #: Seconds ``close()`` (and interpreter exit) may spend delivering what is left.
+    close_timeout: float = 10.0
+    #: Seconds between worker metric samples.
+    sample_interval: float = 1.0
+    #: Worker log records at or above this level are recorded.
+    log_level: str = "WARNING"
+    #: Content-Encoding of request bodies: zstd, gzip or identity.
+    encoding: str = "zstd"
+    #: Socket timeout of one HTTP request.
+    request_timeout: float = 10.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url)
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` applied (``None`` values are ignored)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# (field, environment variable) pairs; dask config uses the field name with "-" for "_".
+_ENV = {
+    "url": "HINDSIGHT_URL",
+    "token": "HINDSIGHT_TOKEN",
+    "cluster": "HINDSIGHT_CLUSTER",
+    "spool_dir": "HINDSIGHT_SPOOL_DIR",
+    "spool_max_bytes": "HINDSIGHT_SPOOL_MAX_BYTES",
+    "flush_events": "HINDSIGHT_FLUSH_EVENTS",
+    "flush_interval": "HINDSIGHT_FLUSH_INTERVAL",
+    "buffer_events": "HINDSIGHT_BUFFER_EVENTS",
+    "close_timeout": "HINDSIGHT_CLOSE_TIMEOUT",
+    "sample_interval": "HINDSIGHT_SAMPLE_INTERVAL",
+    "log_level": "HINDSIGHT_LOG_LEVEL",
+    "encoding": "HINDSIGHT_ENCODING",
+    "request_timeout": "HINDSIGHT_REQUEST_TIMEOUT",
+}
+
+_TYPES = {f.name: f.type for f in dataclasses.fields(Settings)}
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    kind = _TYPES[name]
+    if "int" in kind:
+        return int(raw)
+    if "float" in kind:
+        return float(raw)
+    return str(raw)
+
+
+def _valid(name: str, value: Any) -> bool:
+    if name in ("spool_max_bytes", "flush_events", "buffer_events"):
+        return value > 0
+    if name in ("flush_interval", "close_timeout", "sample_interval", "request_timeout"):
+        return value > 0
+    if name == "encoding":
+        return value in ("zstd", "gzip", "identity")
+    if name == "log_level":
+        return isinstance(logging.getLevelName(value.upper()), int)
+    if name == "url":
+        return value.startswith(("http://", "https://"))
+    if name == "cluster":
+        from hindsight.schema import valid_name
+
+        return valid_name(value)
+    return True
+
+
+def _dask_config() -> Mapping[str, Any]:
+    try:
+        import dask.config
+    except ImportError:  # the SDK works without Dask (emit from scripts, tests)
+        return {}
+    value = dask.config.get("hindsight", default={}) or {}
+    return value if isinstance(value, Mapping) else {}
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    dask_config: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Resolve settings from ``overrides`` > Dask config > environment > defaults.
+
+    ``environ`` and ``dask_config`` default to ``os.environ`` and ``dask.config``; tests
+    pass dicts instead.
+    """
+    environ = os.environ if environ is None else environ
+    dconf = _dask_config() if dask_config is None else dask_config
+    values: dict[str, Any] = {}
+    for name, env_name in _ENV.items():
+        sources = (
+            ("argument", (overrides or {}).get(name)),
+            ("dask config", dconf.get(name.replace("_", "-"), dconf.get(name))),
+            ("environment", environ.get(env_name)),
+        )
+        for source, raw in sources:
+            if raw is None or raw == "":
+                continue
+            try:
+                value = _coerce(name, raw)
+                if not _valid(name, value):
+                    raise ValueError(raw)
+            except (TypeError, ValueError):
+                logger.warning("hindsight: ignoring invalid %s %s=%r", source, name, raw)
+                continue
+            values[name] = value
+            break
+    if "url" in values:
+        values["url"] = values["url"].rstrip("/")
+    return Settings(**values)
