@@ -35,7 +35,11 @@ Id = BigInteger().with_variant(Integer(), "sqlite")
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+    # none_as_null: Python None is SQL NULL (not JSON 'null'), so IS NULL tests work.
+    type_annotation_map = {
+        dict[str, Any]: JSON(none_as_null=True),
+        list[Any]: JSON(none_as_null=True),
+    }
 
 
 class Tenant(Base):
@@ -77,7 +81,7 @@ class Session(Base):
     name: Mapped[str] = mapped_column(String(128))
     first_seen: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float)
-    info: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    info: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
 
 class Agent(Base):
@@ -93,7 +97,7 @@ class Agent(Base):
     max_seq: Mapped[int] = mapped_column(BigInteger, default=-1)
     final_seq: Mapped[int | None] = mapped_column(BigInteger)
     # Cumulative drop counters reported by the agent, as of batch ``dropped_seq``.
-    dropped: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    dropped: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     dropped_seq: Mapped[int] = mapped_column(BigInteger, default=-1)
 
 
@@ -129,7 +133,7 @@ class Run(Base):
     session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
     run_key: Mapped[str] = mapped_column(String(1024))
     name: Mapped[str | None] = mapped_column(String(1024))
-    span: Mapped[list[Any] | None] = mapped_column(JSON)
+    span: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True))
     client: Mapped[str | None] = mapped_column(String(1024))
     status: Mapped[str] = mapped_column(String(16), default="running")
     # From run events (the scheduler's view) ...

@@ -239,7 +239,7 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
 
 def task_record(ev: TaskEvent) -> dict[str, Any]:
     rec = {f: getattr(ev, f) for f in TASK_FIELDS}
-    rec["startstops"] = [msgspec.structs.asdict(ss) for ss in ev.startstops]
+    rec["startstops"] = msgspec.to_builtins(ev.startstops)  # "source" only where present
     return rec
 
 

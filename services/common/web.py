@@ -57,6 +57,8 @@ def _register_errors(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:
         code = (exc.name or "error").lower().replace(" ", "_")
+        if exc.code == 413:
+            code = "batch_too_large"
         headers = (
             {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else {}
         )

@@ -1,0 +1,162 @@
+"""The index is a function of the set of stored batches: order, retries and rebuilds
+do not change it. Runs on SQLite and Postgres."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+from hindsight.schema import Batch, RunEvent, StartStop, TaskEvent, WorkerEvent
+from storage import queries
+from storage.db import make_engine, make_sessionmaker, upgrade
+from storage.ingest import blob_key, ensure_tenant, index_batch
+from storage.queries import RunFilters
+from tests.conftest import new_tenant
+
+NOW = 1_800_000_000.0
+
+
+def synthetic_batches(seed: int = 0) -> list[Batch]:
+    """Two runs over three agents, with run events, errors, workers and several batches each."""
+    rng = random.Random(seed)
+    batches = []
+    for agent in ("scheduler-1", "worker-a", "worker-b"):
+        for seq in range(4):
+            events: list[Any] = []
+            for i in range(25):
+                run = "run-1" if (seq + i) % 3 else "run-2"
+                start = NOW + rng.random() * 100
+                events.append(
+                    TaskEvent(
+                        key=f"('inc-{seq}', {i}, '{agent}')",
+                        prefix=rng.choice(["inc", "add", "sum-aggregate"]),
+                        status="erred" if i == 7 else "memory",
+                        run=run,
+                        worker=agent,
+                        thread=1,
+                        nbytes=rng.randrange(1000),
+                        startstops=[
+                            StartStop("transfer", start - 0.5, start - 0.1, source="w"),
+                            StartStop("compute", start, start + rng.random()),
+                        ],
+                    )
+                )
+            if agent == "scheduler-1" and seq == 0:
+                events.append(RunEvent("started", "run-1", NOW - 1, name="etl", span=["etl"]))
+                events.append(WorkerEvent("joined", "tcp://w:1", NOW - 2, name="w1", nthreads=2))
+            if agent == "scheduler-1" and seq == 3:
+                events.append(RunEvent("finished", "run-1", NOW + 200))
+                events.append(RunEvent("erred", "run-2", NOW + 150))
+                events.append(WorkerEvent("left", "tcp://w:1", NOW + 300, reason="scale-down"))
+            batches.append(
+                Batch(1, "c1", "sess-1", agent, seq, events, dropped={"buffer_full": seq})
+            )
+    return batches
+
+
+def apply(sessions: Any, tenant: str, batches: list[Batch]) -> list[bool]:
+    done = []
+    for b in batches:
+        with sessions.begin() as db:
+            tid = ensure_tenant(db, tenant, NOW)
+            done.append(
+                index_batch(
+                    db,
+                    tenant_id=tid,
+                    tenant=tenant,
+                    batch=b,
+                    blob_key=blob_key(tenant, b),
+                    size=100,
+                    now=NOW,
+                )
+            )
+    return done
+
+
+def snapshot(db: Session, tenant: str) -> dict[str, Any]:
+    from sqlalchemy import select
+
+    from storage import models as m
+
+    tid = db.execute(select(m.Tenant.id).where(m.Tenant.name == tenant)).scalar_one()
+    runs, _ = queries.list_runs(db, tid, RunFilters(), 100, None)
+    out = {}
+    for r in runs:
+        run, cluster, session = queries.find_run(db, tid, r["id"])
+        d = queries.run_detail(db, run, cluster, session)
+        d.pop("id")  # public ids are per tenant; everything else must match
+        for p in d["prefixes"]:
+            for a in p["actions"].values():
+                a["total"] = round(a["total"], 9)
+        out[d["run_key"]] = d
+    return out
+
+
+@pytest.fixture
+def sessions(index_url):
+    engine = make_engine(index_url)
+    upgrade(engine)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+def test_index_does_not_depend_on_order_or_retries(sessions):
+    batches = synthetic_batches()
+    t1, t2 = new_tenant(), new_tenant()
+    assert all(apply(sessions, t1, batches))
+    shuffled = batches[:]
+    random.Random(1).shuffle(shuffled)
+    assert all(apply(sessions, t2, shuffled))
+    assert not any(apply(sessions, t2, shuffled[:5]))  # retries change nothing
+    with sessions() as db:
+        a, b = snapshot(db, t1), snapshot(db, t2)
+    assert a == b
+    run1 = a["run-1"]
+    assert run1["name"] == "etl" and run1["status"] == "finished"
+    assert a["run-2"]["status"] == "erred"
+    assert run1["task_count"] + a["run-2"]["task_count"] == 12 * 25
+    assert run1["completeness"]["batches_received"] == 12
+    assert run1["completeness"]["ratio"] == 1.0
+    # cumulative drop counters: the highest sequence number's report wins
+    assert run1["completeness"]["events_dropped_at_agents"] == 3 * 3
+
+
+def test_rollups_match_the_task_records(sessions):
+    batches = synthetic_batches(seed=5)
+    tenant = new_tenant()
+    apply(sessions, tenant, batches)
+    tasks = [e for b in batches for e in b.events if isinstance(e, TaskEvent) and e.run == "run-1"]
+    with sessions() as db:
+        run1 = snapshot(db, tenant)["run-1"]
+    assert run1["task_count"] == len(tasks)
+    assert run1["error_count"] == sum(t.status == "erred" for t in tasks)
+    assert run1["nbytes"] == sum(t.nbytes for t in tasks)
+    by_prefix = {p["prefix"]: p for p in run1["prefixes"]}
+    for prefix in {t.prefix for t in tasks}:
+        mine = [t for t in tasks if t.prefix == prefix]
+        durations = [
+            ss.stop - ss.start for t in mine for ss in t.startstops if ss.action == "compute"
+        ]
+        compute = by_prefix[prefix]["actions"]["compute"]
+        assert by_prefix[prefix]["count"] == len(mine)
+        assert compute["count"] == len(durations)
+        assert compute["total"] == pytest.approx(sum(durations))
+        assert compute["min"] == pytest.approx(min(durations))
+        assert compute["max"] == pytest.approx(max(durations))
+    starts = [ss.start for t in tasks for ss in t.startstops]
+    stops = [ss.stop for t in tasks for ss in t.startstops]
+    assert run1["makespan"] == pytest.approx(max(stops) - min(starts))
+
+
+def test_completeness_reports_gaps(sessions):
+    batches = [b for b in synthetic_batches() if not (b.agent == "worker-a" and b.seq == 1)]
+    tenant = new_tenant()
+    apply(sessions, tenant, batches)
+    with sessions() as db:
+        c = snapshot(db, tenant)["run-1"]["completeness"]
+    assert (c["batches_received"], c["batches_expected"]) == (11, 12)
+    (wa,) = [a for a in c["agents"] if a["agent"] == "worker-a"]
+    assert wa["missing"] == 1 and not wa["final"]
