@@ -6,4 +6,16 @@ into every Dask worker.
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
+
+
+def emit(stream: str, value: Any = None) -> bool:
+    """Record ``value`` on a custom stream from inside a Dask task (see hindsight.streams).
+
+    Returns False (and does nothing) where no Hindsight worker agent runs.
+    """
+    from hindsight.streams import emit as _emit
+
+    return _emit(stream, value)

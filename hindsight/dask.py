@@ -1,0 +1,720 @@
+"""The Dask agent: record every run of a Dask cluster in Hindsight.
+
+Four ways to turn it on (see docs/dask.md):
+
+* ``dask scheduler --preload hindsight.dask [--hindsight-url URL --hindsight-cluster NAME]``
+* ``LocalCluster(scheduler_kwargs={"preload": ["hindsight.dask"]})``
+* environment ``HINDSIGHT_URL`` / ``HINDSIGHT_TOKEN`` / ``HINDSIGHT_CLUSTER`` (or Dask config
+  ``hindsight.url`` / ``hindsight.token`` / ``hindsight.cluster``) with either of the above;
+* ``hindsight.dask.install(client, url=..., cluster=...)`` for a cluster already running.
+
+The scheduler plugin records graphs, task records, runs, workers joining and leaving,
+periodic worker samples and the session; it registers the worker plugin, which records
+what only a worker sees: ``hindsight.emit`` streams, log records and spill/disk detail.
+
+Every hook is cheap and guarded: the hot ones (``transition``, ``update_graph``) append
+compact tuples to the agent's bounded buffer and the agent thread builds the protocol
+events.  Nothing here raises into Dask or holds a TaskState.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from tornado.ioloop import PeriodicCallback
+
+from hindsight.agent import Agent
+from hindsight.config import Settings, load_settings
+from hindsight.schema import (
+    GraphEvent,
+    LogEvent,
+    MetricEvent,
+    RunEvent,
+    SessionEvent,
+    StartStop,
+    TaskEvent,
+    WorkerEvent,
+    valid_name,
+)
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "hindsight"
+WORKER_PLUGIN_NAME = "hindsight-worker"
+#: Tasks of a submitted graph turned into graph events per event-loop tick; a larger
+#: graph is walked over several ticks so the scheduler never stalls on us.
+GRAPH_CHUNK = 5000
+
+LABEL_MAX = 1024
+KEY_MAX = 4096
+TEXT_MAX = 65536
+
+# Configuration recorded with the session: what changes how a run behaves.
+SESSION_CONFIG_KEYS = (
+    "distributed.scheduler.worker-saturation",
+    "distributed.scheduler.work-stealing",
+    "distributed.scheduler.allowed-failures",
+    "distributed.worker.memory.target",
+    "distributed.worker.memory.spill",
+    "distributed.worker.memory.pause",
+    "distributed.worker.memory.terminate",
+    "distributed.admin.tick.interval",
+    "distributed.comm.compression",
+)
+
+
+def _label(value: Any) -> str | None:
+    if value is None:
+        return None
+    s = value if type(value) is str else str(value)
+    return s if len(s) <= LABEL_MAX else s[:LABEL_MAX]
+
+
+def _key(key: Any) -> str:
+    s = key if type(key) is str else str(key)
+    return s if len(s) <= KEY_MAX else s[:KEY_MAX]
+
+
+def _text(value: Any) -> str | None:
+    if not value:
+        return None
+    s = str(value)
+    return s if len(s) <= TEXT_MAX else s[-TEXT_MAX:]
+
+
+# -- deferred event builders (run on the agent thread) ------------------------------
+def _task_event(
+    key: Any, prefix: str, group: str, run: str | None, status: str, kw: dict[str, Any]
+) -> TaskEvent:
+    startstops = [
+        StartStop(
+            action=s["action"], start=s["start"], stop=s["stop"], source=_label(s.get("source"))
+        )
+        for s in kw.get("startstops") or ()
+    ]
+    nbytes = kw.get("nbytes")
+    thread = kw.get("thread")
+    return TaskEvent(
+        key=_key(key),
+        prefix=_label(prefix) or "",
+        status=status,
+        group=_label(group),
+        run=run,
+        worker=_label(kw.get("worker")),
+        thread=thread if type(thread) is int else None,
+        nbytes=nbytes if type(nbytes) is int else None,
+        typename=_label(kw.get("typename")),
+        startstops=startstops,
+        exception=_text(kw.get("exception_text")),
+        traceback=_text(kw.get("traceback_text")),
+    )
+
+
+def _graph_event(key: Any, prefix: str, group: str, run: str | None, deps: list[Any]) -> GraphEvent:
+    return GraphEvent(
+        key=_key(key),
+        prefix=_label(prefix) or "",
+        dependencies=[_key(d) for d in deps],
+        group=_label(group),
+        run=run,
+    )
+
+
+def _log_event(created: float, level: str, message: str, name: str, worker: str | None) -> LogEvent:
+    return LogEvent(
+        time=created, level=level, message=_text(message) or "", logger=_label(name), worker=worker
+    )
+
+
+def _session_name(value: str) -> str:
+    if valid_name(value):
+        return value
+    safe = re.sub(r"[^A-Za-z0-9_.\-]", "-", value).strip(".-")[:128]
+    return safe if valid_name(safe) else "session"
+
+
+def _reason(stimulus_id: str | None) -> str | None:
+    if not stimulus_id:
+        return None
+    # "handle-worker-cleanup-1795295401.78" -> "handle-worker-cleanup"
+    return re.sub(r"-\d+(\.\d+)?$", "", str(stimulus_id))[:LABEL_MAX]
+
+
+@dataclass
+class _Run:
+    name: str
+    erred: int = 0
+
+
+class SchedulerAgentPlugin(SchedulerPlugin):
+    """Records runs, graphs, task records, workers and samples from the scheduler.
+
+    ``__init__`` keeps only picklable overrides (``url``, ``token``, ``cluster``, any
+    :class:`~hindsight.config.Settings` field); they are resolved against the
+    scheduler's environment and Dask config in :meth:`start`.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, **overrides: Any) -> None:
+        unknown = set(overrides) - set(Settings.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown Hindsight settings: {sorted(unknown)}")
+        self.overrides = {k: v for k, v in overrides.items() if v is not None}
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self.agent: Agent | None = None
+        self.settings: Settings | None = None
+        self.scheduler: Any = None
+        self._tasks: dict[Any, Any] = {}
+        self._spans: Any = None
+        self._span_runs: dict[str, str] = {}
+        self._open_runs: dict[str, _Run] = {}
+        self._pending_graphs: deque[tuple[Iterable[Any], str]] = deque()
+        self._pump_scheduled = False
+        self._workers: dict[str, str] = {}
+        self._sampler: PeriodicCallback | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"overrides": self.overrides}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.overrides = state["overrides"]
+        self._init_runtime()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self, scheduler: Any) -> None:
+        """Create the agent, record the session and workers, start sampling."""
+        try:
+            if self.agent is None:
+                self._start(scheduler)
+            if self.agent is not None:
+                await self._register_worker_plugin(scheduler)
+        except Exception:
+            logger.exception("hindsight: could not start the scheduler agent; recording is off")
+
+    def _start(self, scheduler: Any) -> None:
+        settings = load_settings(self.overrides)
+        if not settings.enabled:
+            logger.warning(
+                "hindsight: no collector URL (set HINDSIGHT_URL or hindsight.url); "
+                "this cluster is not recorded"
+            )
+            return
+        self.settings = settings
+        self.scheduler = scheduler
+        self._tasks = scheduler.tasks
+        self._spans = scheduler.extensions.get("spans")
+        self.session = _session_name(str(scheduler.id))
+        self.agent = Agent(settings, session=self.session, name="scheduler")
+        self.agent.add(self._session_event(scheduler))
+        for address in list(scheduler.workers):
+            self.add_worker(scheduler, address)
+        self._sampler = PeriodicCallback(self._sample, settings.sample_interval * 1000)
+        scheduler.periodic_callbacks["hindsight-sample"] = self._sampler
+        self._sampler.start()
+        logger.info(
+            "hindsight: recording cluster %r session %s to %s",
+            settings.cluster,
+            self.session,
+            settings.url,
+        )
+
+    async def _register_worker_plugin(self, scheduler: Any) -> None:
+        from distributed.protocol.pickle import dumps
+
+        assert self.settings is not None
+        plugin = WorkerAgentPlugin(self.settings, self.session)
+        await scheduler.register_worker_plugin(
+            None, dumps(plugin), name=WORKER_PLUGIN_NAME, idempotent=True
+        )
+
+    def _session_event(self, scheduler: Any) -> SessionEvent:
+        import dask
+
+        versions: dict[str, str] = {"python": sys.version.split()[0]}
+        for module in ("dask", "distributed", "hindsight", "msgspec", "numpy", "pandas"):
+            mod = sys.modules.get(module)
+            if mod is not None and getattr(mod, "__version__", None):
+                versions[module] = str(mod.__version__)
+        config: dict[str, Any] = {}
+        for key in SESSION_CONFIG_KEYS:
+            try:
+                config[key] = dask.config.get(key)
+            except (KeyError, ValueError):
+                pass
+        assert self.settings is not None
+        config["scheduler.id"] = str(scheduler.id)
+        config["hindsight.cluster"] = self.settings.cluster
+        config["hindsight.sample-interval"] = self.settings.sample_interval
+        return SessionEvent(
+            time=time.time(), versions=versions, config=config, address=_label(scheduler.address)
+        )
+
+    async def close(self) -> None:
+        """Record what finished, then flush within the close budget off the event loop."""
+        agent = self.agent
+        if agent is None:
+            return
+        try:
+            if self._sampler is not None:
+                self._sampler.stop()
+            self._pump_graph(limit=None)
+            self._check_runs(closing=True)
+        except Exception:
+            logger.exception("hindsight: error while closing")
+        self.agent = None
+        await asyncio.get_running_loop().run_in_executor(None, agent.close)
+
+    # -- graph -------------------------------------------------------------------------
+    def update_graph(
+        self, scheduler: Any, *, client: str | None = None, tasks: Any = (), **kw: Any
+    ) -> None:
+        """Queue the submitted tasks for graph events; the first chunk is walked now."""
+        if self.agent is None:
+            return
+        try:
+            self._pending_graphs.append((list(tasks), str(client) if client else None))
+            self._pump_graph(limit=GRAPH_CHUNK)
+        except Exception:
+            logger.exception("hindsight: update_graph failed")
+
+    def _pump_graph(self, limit: int | None = GRAPH_CHUNK) -> None:
+        self._pump_scheduled = False
+        agent = self.agent
+        if agent is None:
+            self._pending_graphs.clear()
+            return
+        budget = limit if limit is not None else sys.maxsize
+        tasks = self._tasks
+        add = agent.add
+        while self._pending_graphs and budget > 0:
+            if limit is not None and len(agent._buffer) > agent.settings.buffer_events // 2:
+                break  # the agent is behind: wait rather than drop graph events
+            keys, client = self._pending_graphs[0]
+            n = min(budget, len(keys))
+            chunk, rest = keys[:n], keys[n:]
+            if rest:
+                self._pending_graphs[0] = (rest, client)
+            else:
+                self._pending_graphs.popleft()
+            budget -= n
+            last_group = None
+            run = prefix = gname = None
+            forgotten = 0
+            for key in chunk:
+                ts = tasks.get(key)
+                if ts is None:
+                    forgotten += 1
+                    continue
+                group = ts.group
+                if group is not last_group:
+                    last_group = group
+                    run = self._run_of(group, client)
+                    prefix = group.prefix.name
+                    gname = group.name
+                add((_graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies]))
+            if forgotten:
+                agent.drop("graph_forgotten", forgotten)
+        if self._pending_graphs and not self._pump_scheduled and self.scheduler is not None:
+            self._pump_scheduled = True
+            delay = 0.0 if len(agent._buffer) <= agent.settings.buffer_events // 2 else 0.05
+            self.scheduler.loop.call_later(delay, self._safe_pump)
+
+    def _safe_pump(self) -> None:
+        try:
+            self._pump_graph()
+        except Exception:
+            logger.exception("hindsight: graph pump failed")
+
+    def _run_of(self, group: Any, client: str | None = None) -> str | None:
+        """The run of a task group: the outermost span of the group's span."""
+        span_id = group.span_id
+        run = self._span_runs.get(span_id) if span_id else None
+        if run is not None and run in self._open_runs:
+            return run
+        span = self._spans.spans.get(span_id) if self._spans is not None and span_id else None
+        if span is None:
+            # No spans extension (very old Dask): one run per scheduler computation.
+            comps = getattr(self.scheduler, "computations", None)
+            run = str(comps[-1].id) if comps else "default"
+            name, path, started = "default", ["default"], time.time()
+        else:
+            root = span
+            while root.parent is not None:
+                root = root.parent
+            run = str(root.id)
+            name, path, started = str(root.name[0]), [str(n) for n in root.name], root.enqueued
+        if span_id:
+            self._span_runs[span_id] = run
+        if run not in self._open_runs and self.agent is not None:
+            self._open_runs[run] = _Run(name)
+            self.agent.add(
+                RunEvent(
+                    event="started",
+                    id=run,
+                    time=started,
+                    name=_label(name),
+                    span=[p[:LABEL_MAX] for p in path],
+                    client=_label(client),
+                )
+            )
+        return run
+
+    # -- tasks -------------------------------------------------------------------------
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """Queue a task record when a task finishes (``processing -> memory | erred``)."""
+        # Hot path: called for every transition of every task; most return here.
+        if start != "processing" or (finish != "memory" and finish != "erred"):
+            return
+        agent = self.agent
+        if agent is None:
+            return
+        try:
+            ts = self._tasks.get(key)
+            if ts is None:
+                return
+            group = ts.group
+            run = self._span_runs.get(group.span_id)
+            if run is None or run not in self._open_runs:
+                run = self._run_of(group)
+            if finish == "erred":
+                state = self._open_runs.get(run)
+                if state is not None:
+                    state.erred += 1
+            kwargs.pop("stimulus_id", None)
+            agent.add((_task_event, key, group.prefix.name, group.name, run, finish, kwargs))
+        except Exception:
+            logger.debug("hindsight: transition hook failed", exc_info=True)
+
+    # -- runs --------------------------------------------------------------------------
+    def _check_runs(self, closing: bool = False) -> None:
+        if self.agent is None or not self._open_runs:
+            return
+        for run_id, state in list(self._open_runs.items()):
+            span = self._spans.spans.get(run_id) if self._spans is not None else None
+            done = span.done if span is not None else closing
+            if not done and not closing:
+                continue
+            stop = span.stop if span is not None and done else time.time()
+            erred = state.erred > 0 or not done
+            self.agent.add(
+                RunEvent(
+                    event="erred" if erred else "finished",
+                    id=run_id,
+                    time=stop,
+                    name=_label(state.name),
+                )
+            )
+            del self._open_runs[run_id]
+
+    # -- workers -----------------------------------------------------------------------
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        """Record a worker joining."""
+        if self.agent is None:
+            return
+        try:
+            ws = scheduler.workers.get(worker)
+            name = _label(ws.name) if ws is not None else None
+            self._workers[worker] = name or worker
+            self.agent.add(
+                WorkerEvent(
+                    event="joined",
+                    address=_label(worker) or "",
+                    time=time.time(),
+                    name=name,
+                    nthreads=ws.nthreads if ws is not None else None,
+                    memory_limit=(ws.memory_limit or None) if ws is not None else None,
+                )
+            )
+        except Exception:
+            logger.debug("hindsight: add_worker hook failed", exc_info=True)
+
+    def remove_worker(
+        self, scheduler: Any, worker: str, *, stimulus_id: str | None = None, **kwargs: Any
+    ) -> None:
+        """Record a worker leaving, with the scheduler's reason (its stimulus)."""
+        if self.agent is None:
+            return
+        try:
+            self.agent.add(
+                WorkerEvent(
+                    event="left",
+                    address=_label(worker) or "",
+                    time=time.time(),
+                    name=self._workers.pop(worker, None),
+                    reason=_reason(stimulus_id),
+                )
+            )
+        except Exception:
+            logger.debug("hindsight: remove_worker hook failed", exc_info=True)
+
+    # -- samples -----------------------------------------------------------------------
+    def _sample(self) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        try:
+            now = time.time()
+            for ws in list(self.scheduler.workers.values()):
+                agent.add(
+                    MetricEvent(worker=_label(ws.address) or "", time=now, values=worker_values(ws))
+                )
+            agent.add(
+                MetricEvent(worker="scheduler", time=now, values=scheduler_values(self.scheduler))
+            )
+            self._check_runs()
+        except Exception:
+            logger.debug("hindsight: sampling failed", exc_info=True)
+
+
+def _number(values: dict[str, float], name: str, value: Any) -> None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        values[name] = float(value)
+
+
+def worker_values(ws: Any) -> dict[str, float]:
+    """One sample of a worker as the scheduler sees it (memory, cpu, tasks, transfers)."""
+    values: dict[str, float] = {}
+    mem = ws.memory
+    _number(values, "memory.managed", mem.managed)
+    _number(values, "memory.unmanaged", mem.unmanaged)
+    _number(values, "memory.unmanaged_old", mem.unmanaged_old)
+    _number(values, "memory.unmanaged_recent", mem.unmanaged_recent)
+    _number(values, "memory.spilled", mem.spilled)
+    _number(values, "memory.process", mem.process)
+    _number(values, "memory.limit", ws.memory_limit or 0)
+    _number(values, "tasks.processing", len(ws.processing))
+    _number(values, "nthreads", ws.nthreads)
+    m = ws.metrics or {}
+    _number(values, "cpu", m.get("cpu"))
+    _number(values, "event_loop_interval", m.get("event_loop_interval"))
+    _number(values, "num_fds", m.get("num_fds"))
+    for state, count in (m.get("task_counts") or {}).items():
+        _number(values, f"tasks.{state}", count)
+    transfer = m.get("transfer") or {}
+    for name in (
+        "incoming_bytes",
+        "outgoing_bytes",
+        "incoming_count_total",
+        "outgoing_count_total",
+    ):
+        _number(values, f"transfer.{name}", transfer.get(name))
+    spilled = m.get("spilled_bytes") or {}
+    _number(values, "spilled.memory", spilled.get("memory"))
+    _number(values, "spilled.disk", spilled.get("disk"))
+    for io in ("host_net_io", "host_disk_io"):
+        for name, v in (m.get(io) or {}).items():
+            _number(values, f"{io}.{name}", v)
+    return values
+
+
+def scheduler_values(scheduler: Any) -> dict[str, float]:
+    """One sample of the scheduler process itself."""
+    values: dict[str, float] = {}
+    try:
+        last = scheduler.monitor.recent()
+    except Exception:
+        last = {}
+    _number(values, "cpu", last.get("cpu"))
+    _number(values, "memory.process", last.get("memory"))
+    _number(values, "tasks", len(scheduler.tasks))
+    _number(values, "workers", len(scheduler.workers))
+    _number(values, "event_loop_interval", getattr(scheduler, "_tick_interval_observed", None))
+    return values
+
+
+class _LogHandler(logging.Handler):
+    """Copies log records at or above the configured level into the worker agent."""
+
+    def __init__(self, agent: Agent, worker: str, level: int) -> None:
+        super().__init__(level)
+        self.agent = agent
+        self.worker = worker
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Our own warnings about delivery problems must not feed back into delivery.
+        if record.name.startswith("hindsight"):
+            return
+        try:
+            message = record.getMessage()
+            if record.exc_info:
+                message = f"{message}\n{logging.Formatter().formatException(record.exc_info)}"
+            self.agent.add(
+                (_log_event, record.created, record.levelname, message, record.name, self.worker)
+            )
+        except Exception:
+            pass
+
+
+class WorkerAgentPlugin(WorkerPlugin):
+    """The worker-side agent: ``hindsight.emit`` streams, log records, spill/disk detail.
+
+    Registered by :class:`SchedulerAgentPlugin`; carries the resolved settings and the
+    scheduler's session so its events join the same session and runs.
+    """
+
+    name = WORKER_PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, settings: Settings, session: str) -> None:
+        self.settings = settings
+        self.session = session
+        self._runtime: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self.settings, "session": self.session}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"], state["session"])
+
+    def setup(self, worker: Any) -> None:
+        """Start the worker's agent, its log handler and its spill/disk sampler."""
+        try:
+            from hindsight.streams import set_worker_context
+
+            agent = Agent(self.settings, session=self.session, name=f"worker-{worker.name}")
+            level = logging.getLevelName(self.settings.log_level.upper())
+            handler = _LogHandler(agent, str(worker.address), level)
+            # "distributed" does not propagate to the root logger (Dask's logging
+            # config), so both need the handler, and no record reaches it twice.
+            loggers = [logging.getLogger(), logging.getLogger("distributed")]
+            for lg in loggers:
+                lg.addHandler(handler)
+            set_worker_context(agent, worker)
+            sampler = PeriodicCallback(
+                lambda: self._sample(worker, agent), self.settings.sample_interval * 1000
+            )
+            worker.periodic_callbacks["hindsight-sample"] = sampler
+            sampler.start()
+            self._runtime = {
+                "agent": agent,
+                "handler": handler,
+                "loggers": loggers,
+                "sampler": sampler,
+            }
+        except Exception:
+            logger.exception("hindsight: could not start the worker agent")
+
+    async def teardown(self, worker: Any) -> None:
+        """Stop sampling and log capture; flush the worker agent within its budget."""
+        runtime, self._runtime = self._runtime, {}
+        agent = runtime.get("agent")
+        if agent is None:
+            return
+        try:
+            from hindsight.streams import clear_worker_context
+
+            runtime["sampler"].stop()
+            worker.periodic_callbacks.pop("hindsight-sample", None)
+            for lg in runtime["loggers"]:
+                lg.removeHandler(runtime["handler"])
+            clear_worker_context(agent)
+            self._sample(worker, agent)
+        except Exception:
+            logger.debug("hindsight: worker teardown failed", exc_info=True)
+        await asyncio.get_running_loop().run_in_executor(None, agent.close)
+
+    def _sample(self, worker: Any, agent: Agent) -> None:
+        try:
+            agent.add(
+                MetricEvent(
+                    worker=_label(worker.address) or "",
+                    time=time.time(),
+                    values=spill_values(worker),
+                )
+            )
+        except Exception:
+            logger.debug("hindsight: worker sampling failed", exc_info=True)
+
+
+def spill_values(worker: Any) -> dict[str, float]:
+    """Spill and disk detail only the worker has (the scheduler sees only totals)."""
+    values: dict[str, float] = {}
+    data = worker.data
+    spilled = getattr(data, "spilled_total", None)
+    if spilled is not None:
+        _number(values, "spill.disk_bytes", spilled.disk)
+        _number(values, "spill.disk_memory_bytes", spilled.memory)
+    slow = getattr(data, "slow", None)
+    if slow is not None:
+        _number(values, "spill.disk_keys", len(slow))
+    fast = getattr(data, "fast", None)
+    if fast is not None:
+        _number(values, "spill.memory_keys", len(fast))
+    for (label, unit), v in list(getattr(data, "cumulative_metrics", {}).items()):
+        _number(values, f"spill.{label}.{unit}", v)
+    try:
+        usage = shutil.disk_usage(worker.local_directory)
+        _number(values, "disk.free_bytes", usage.free)
+        _number(values, "disk.total_bytes", usage.total)
+    except (OSError, AttributeError):
+        pass
+    return values
+
+
+# -- set-up paths ------------------------------------------------------------------------
+def install(
+    client: Any,
+    url: str | None = None,
+    cluster: str | None = None,
+    token: str | None = None,
+    **settings: Any,
+) -> None:
+    """Start recording a running cluster: registers the scheduler plugin (which registers
+    the worker plugin).  A no-op if the cluster already records (e.g. via the preload).
+
+    Settings not given here come from the scheduler's Dask config and environment.
+    """
+    client.register_plugin(
+        SchedulerAgentPlugin(url=url, cluster=cluster, token=token, **settings), name=PLUGIN_NAME
+    )
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--hindsight-url", default=None, help="Collector URL (else HINDSIGHT_URL).")
+@click.option("--hindsight-token", default=None, help="Bearer token (else HINDSIGHT_TOKEN).")
+@click.option("--hindsight-cluster", default=None, help="Cluster name (else HINDSIGHT_CLUSTER).")
+def dask_setup(
+    server: Any,
+    hindsight_url: str | None,
+    hindsight_token: str | None,
+    hindsight_cluster: str | None,
+) -> None:
+    """Preload entry point: ``dask scheduler --preload hindsight.dask``."""
+    from distributed import Scheduler
+
+    if not isinstance(server, Scheduler):
+        logger.warning(
+            "hindsight.dask is a scheduler preload; workers get their plugin from the "
+            "scheduler. Ignoring the preload on %s",
+            type(server).__name__,
+        )
+        return
+    try:
+        server.add_plugin(
+            SchedulerAgentPlugin(
+                url=hindsight_url, token=hindsight_token, cluster=hindsight_cluster
+            ),
+            name=PLUGIN_NAME,
+            idempotent=True,
+        )
+    except Exception:
+        logger.exception("hindsight: could not add the scheduler plugin")
+
+
+def dask_teardown(server: Any) -> None:
+    """Preload teardown: nothing to do, the plugin's ``close`` flushes the agent."""

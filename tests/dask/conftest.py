@@ -1,0 +1,104 @@
+"""A real embedded Hindsight server (``hindsight serve``) in a subprocess, and a LocalCluster
+with worker processes recording into it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class EmbeddedServer:
+    """``hindsight serve`` on a fixed loopback port; can be stopped and started again."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = requests.Session()
+
+    def start(self) -> None:
+        log = open(self.data_dir.parent / f"serve-{self.port}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hindsight.cli", "serve", "--data-dir", str(self.data_dir),
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HINDSIGHT_AUTH": "disabled"},
+        )  # fmt: skip
+        log.close()
+
+        def up() -> bool:
+            try:
+                return self.http.get(f"{self.url}/v1/runs", timeout=1).status_code == 200
+            except requests.ConnectionError:
+                assert self.proc is not None and self.proc.poll() is None, "server died"
+                return False
+
+        wait_until(up, 60, "hindsight serve to answer")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+            self.proc = None
+        self.http.close()
+
+    def get(self, path: str, **params: Any) -> Any:
+        resp = self.http.get(f"{self.url}{path}", params=params, timeout=30)
+        resp.raise_for_status()
+        return resp.json()
+
+    def runs(self, cluster: str) -> list[dict[str, Any]]:
+        return self.get("/v1/runs", cluster=cluster, limit=1000)["runs"]
+
+    def run_named(self, cluster: str, name: str) -> dict[str, Any] | None:
+        found = [r for r in self.runs(cluster) if r.get("name") == name]
+        assert len(found) <= 1, found
+        return found[0] if found else None
+
+    def tasks(self, run_id: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            params: dict[str, Any] = {"limit": 10000}
+            if cursor:
+                params["cursor"] = cursor
+            page = self.get(f"/v1/runs/{run_id}/tasks", **params)
+            out.extend(page["tasks"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return out
+
+
+@pytest.fixture(scope="session")
+def hindsight_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer(tmp_path_factory.mktemp("hindsight") / "data")
+    server.start()
+    yield server
+    server.stop()
