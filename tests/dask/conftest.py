@@ -102,3 +102,58 @@ def hindsight_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embed
     server.start()
     yield server
     server.stop()
+
+
+def stored_events(server: EmbeddedServer, cluster: str) -> list[Any]:
+    """Every event the collector durably stored for ``cluster`` (read from its blob store),
+    for what the read API does not serve yet (graph edges, metrics, custom streams)."""
+    import zstandard
+
+    from hindsight.schema import decode_batch
+
+    root = server.data_dir / "blobs" / "v1" / "default" / cluster
+    events: list[Any] = []
+    for path in sorted(root.rglob("*.json.zst")):
+        raw = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
+        events.extend(decode_batch(raw).events)
+    return events
+
+
+def compute_record(startstops: list[dict[str, Any]]) -> tuple[float, float] | None:
+    for s in startstops:
+        if s["action"] == "compute":
+            return (s["start"], s["stop"])
+    return None
+
+
+def stream_view(records: list[dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
+    """Dask's task stream as {key: (status, worker, compute start/stop)}."""
+    status = {"OK": "memory", "error": "erred"}
+    return {
+        str(r["key"]): (status[r["status"]], r["worker"], compute_record(list(r["startstops"])))
+        for r in records
+    }
+
+
+def recorded_view(tasks: list[dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
+    """Hindsight's task records in the same shape; fails on a key recorded twice."""
+    out = {t["key"]: (t["status"], t["worker"], compute_record(t["startstops"])) for t in tasks}
+    assert len(out) == len(tasks), "a task was recorded twice"
+    return out
+
+
+def wait_for_run(
+    server: EmbeddedServer, cluster: str, name: str, tasks: int, status: str = "finished"
+) -> dict[str, Any]:
+    """Poll the read API until run ``name`` has ``tasks`` task records and ``status``."""
+
+    def ready() -> dict[str, Any] | None:
+        run = server.run_named(cluster, name)
+        if run and run["task_count"] >= tasks and run["status"] == status:
+            return run
+        return None
+
+    try:
+        return wait_until(ready, 60, f"run {name!r} with {tasks} tasks, {status}")
+    except AssertionError:
+        raise AssertionError(f"run never got there: {server.runs(cluster)}") from None
