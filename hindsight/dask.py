@@ -95,29 +95,37 @@ def _text(value: Any) -> str | None:
 
 # -- deferred event builders (run on the agent thread) ------------------------------
 def _task_event(
-    key: Any, prefix: str, group: str, run: str | None, status: str, kw: dict[str, Any]
+    key: Any,
+    prefix: str,
+    group: str,
+    run: str | None,
+    status: str,
+    worker: Any,
+    thread: Any,
+    nbytes: Any,
+    typename: Any,
+    startstops: Any,
+    exception_text: Any,
+    traceback_text: Any,
 ) -> TaskEvent:
-    startstops = [
-        StartStop(
-            action=s["action"], start=s["start"], stop=s["stop"], source=_label(s.get("source"))
-        )
-        for s in kw.get("startstops") or ()
-    ]
-    nbytes = kw.get("nbytes")
-    thread = kw.get("thread")
     return TaskEvent(
         key=_key(key),
         prefix=_label(prefix) or "",
         status=status,
         group=_label(group),
         run=run,
-        worker=_label(kw.get("worker")),
+        worker=_label(worker),
         thread=thread if type(thread) is int else None,
         nbytes=nbytes if type(nbytes) is int else None,
-        typename=_label(kw.get("typename")),
-        startstops=startstops,
-        exception=_text(kw.get("exception_text")),
-        traceback=_text(kw.get("traceback_text")),
+        typename=_label(typename),
+        startstops=[
+            StartStop(
+                action=s["action"], start=s["start"], stop=s["stop"], source=_label(s.get("source"))
+            )
+            for s in startstops or ()
+        ],
+        exception=_text(exception_text),
+        traceback=_text(traceback_text),
     )
 
 
@@ -395,8 +403,26 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 state = self._open_runs.get(run)
                 if state is not None:
                     state.erred += 1
-            kwargs.pop("stimulus_id", None)
-            agent.add((_task_event, key, group.prefix.name, group.name, run, finish, kwargs))
+            # Keep only what the record needs: the pickled type bytes and the exception
+            # objects in kwargs are dropped here rather than held until the batch is cut.
+            get = kwargs.get
+            agent.add(
+                (
+                    _task_event,
+                    key,
+                    group.prefix.name,
+                    group.name,
+                    run,
+                    finish,
+                    get("worker"),
+                    get("thread"),
+                    get("nbytes"),
+                    get("typename"),
+                    get("startstops"),
+                    get("exception_text"),
+                    get("traceback_text"),
+                )
+            )
         except Exception:
             logger.debug("hindsight: transition hook failed", exc_info=True)
 
