@@ -1,0 +1,319 @@
+"""What the Dask agent costs a real cluster: wall time, scheduler-process CPU, memory.
+
+Runs the same workloads with and without the agent, interleaved in pairs, on one
+LocalCluster (2 worker processes, 1 thread each) recording into a real embedded
+Hindsight server (``hindsight serve`` in a subprocess):
+
+* ``map``: ``client.gather(client.map(inc, range(N)))`` with N = 20,000 tasks;
+* ``array``: ``da.ones(...).sum()`` with 15,000 chunks (20,000+ tasks).
+
+"Without" removes the plugin from ``scheduler.plugins`` (and stops its sampler), so
+the scheduler runs exactly its default hooks; "with" puts it back.  Per pair the
+order alternates, and the figures are medians of per-pair ratios, which cancels the
+slow drift of a shared host.  Scheduler CPU is the CPU time of this process: with
+LocalCluster the scheduler, the client and the agent thread all run here, so the
+agent's own thread (batching, encoding, HTTP) is counted against it.
+
+Memory: a 200,000-task ``client.map`` with the agent, sampling the agent's holdings
+(buffer, graph walk queue, in-memory batches) and the process RSS growth against the
+same run without the agent.
+
+``distributed.scheduler.worker-saturation`` is set to ``inf`` to make a run cost
+~1 ms of scheduler time per task instead of ~2.5 ms here (dask-internals.md 7.2):
+that halves the bench's runtime and makes the agent's *relative* cost larger, so the
+figures are conservative.
+
+Usage: ``.venv/bin/python bench/agent_overhead.py [--pairs 5] [--tasks 20000]
+[--memory-tasks 200000]``.  Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import dask  # noqa: E402
+import dask.array as da  # noqa: E402
+import requests  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+TARGETS = {"wall_ratio": 1.03, "scheduler_cpu_ratio": 1.05}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def inc(i: int) -> int:
+    return i + 1
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Server:
+    def __init__(self, data_dir: str) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(data_dir, "serve.log"), "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hindsight.cli", "serve", "--data-dir", data_dir,
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "HINDSIGHT_AUTH": "disabled"},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                requests.get(f"{self.url}/v1/runs", timeout=1)
+                return
+            except requests.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("hindsight serve did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+class Toggle:
+    """Switch the installed scheduler plugin on and off on the in-process scheduler."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.scheduler = cluster.scheduler
+        self.plugin = self.scheduler.plugins["hindsight"]
+
+    def on(self) -> None:
+        self.scheduler.plugins["hindsight"] = self.plugin
+        if self.plugin._sampler is not None:
+            self.plugin._sampler.start()
+
+    def off(self) -> None:
+        self.scheduler.plugins.pop("hindsight", None)
+        if self.plugin._sampler is not None:
+            self.plugin._sampler.stop()
+
+
+def wait_idle(client: Client, cluster: LocalCluster) -> None:
+    deadline = time.monotonic() + 120
+    while cluster.scheduler.tasks and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def run_workload(
+    name: str, client: Client, cluster: LocalCluster, tasks: int
+) -> tuple[float, float]:
+    wait_idle(client, cluster)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    if name == "map":
+        futures = client.map(inc, range(tasks), pure=False)
+        client.gather(futures)
+        del futures
+    else:
+        chunks = max(1, (tasks * 3) // 4)  # + the sum tree, ~tasks in all
+        da.ones((chunks * 10,), chunks=10).sum().compute()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wait_idle(client, cluster)
+    return wall, cpu
+
+
+def agent_holdings(plugin: Any) -> dict[str, int]:
+    agent = plugin.agent
+    if agent is None:
+        return {"buffer_events": 0, "graph_keys": 0, "outbox_bytes": 0}
+    return {
+        "buffer_events": len(agent._buffer),
+        "graph_keys": sum(len(k) for k, _ in list(plugin._pending_graphs)),
+        "outbox_bytes": sum(len(b.body) for b in list(agent._outbox)),
+    }
+
+
+def memory_run(
+    client: Client, cluster: LocalCluster, toggle: Toggle, tasks: int, with_agent: bool
+) -> dict[str, Any]:
+    (toggle.on if with_agent else toggle.off)()
+    wait_idle(client, cluster)
+    base = rss_bytes()
+    peak = {"rss": base, "buffer_events": 0, "graph_keys": 0, "outbox_bytes": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak["rss"] = max(peak["rss"], rss_bytes())
+            for k, v in agent_holdings(toggle.plugin).items():
+                peak[k] = max(peak[k], v)
+            stop.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    futures = client.map(inc, range(tasks), pure=False)
+    client.gather(futures)
+    wall = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    del futures
+    wait_idle(client, cluster)
+    return {
+        "wall": wall,
+        "rss_growth": peak["rss"] - base,
+        **{k: peak[k] for k in ("buffer_events", "graph_keys", "outbox_bytes")},
+    }
+
+
+def item_bytes() -> int:
+    """Bytes one buffered task record holds (tracemalloc over 10,000 typical items)."""
+    import tracemalloc
+
+    from hindsight.dask import _task_event
+
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    items = [
+        (_task_event, f"inc-{i:032x}", "inc", "inc", "run-id", "memory", "tcp://127.0.0.1:40000",
+         140000000000000 + i, 28, "int",
+         ({"action": "compute", "start": 1.7e9 + i, "stop": 1.7e9 + i + 0.001},), None, None)
+        for i in range(10_000)
+    ]  # fmt: skip
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    size = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    del items
+    return size // 10_000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--memory-tasks", type=int, default=200_000)
+    args = parser.parse_args()
+
+    data_dir = tempfile.mkdtemp(prefix="hindsight-bench-")
+    server = Server(data_dir)
+    log(f"hindsight serve on {server.url} (data in {data_dir})")
+    config = {
+        "distributed.scheduler.worker-saturation": float("inf"),
+        "hindsight.url": server.url,
+        "hindsight.cluster": "bench",
+        "hindsight.spool-dir": os.path.join(data_dir, "spool"),
+        "hindsight.close-timeout": 30,
+    }
+    figures: dict[str, Any] = {}
+    try:
+        with dask.config.set(config):
+            with LocalCluster(
+                n_workers=2,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=":0",
+                worker_dashboard_address=":0",
+                scheduler_kwargs={"preload": ["hindsight.dask"]},
+            ) as cluster, Client(cluster) as client:  # fmt: skip
+                toggle = Toggle(cluster)
+                log("warm-up")
+                for name in ("map", "array"):
+                    run_workload(name, client, cluster, 2000)
+                samples: dict[str, dict[str, list[float]]] = {}
+                for pair in range(args.pairs):
+                    for name in ("map", "array"):
+                        order = ("with", "without") if pair % 2 == 0 else ("without", "with")
+                        result = {}
+                        for config_name in order:
+                            (toggle.on if config_name == "with" else toggle.off)()
+                            result[config_name] = run_workload(name, client, cluster, args.tasks)
+                        toggle.on()
+                        s = samples.setdefault(name, {})
+                        for cfg in ("with", "without"):
+                            s.setdefault(f"wall_{cfg}", []).append(result[cfg][0])
+                            s.setdefault(f"cpu_{cfg}", []).append(result[cfg][1])
+                        s.setdefault("wall_pair_ratio", []).append(
+                            result["with"][0] / result["without"][0]
+                        )
+                        s.setdefault("cpu_pair_ratio", []).append(
+                            result["with"][1] / result["without"][1]
+                        )
+                        log(
+                            f"pair {pair + 1}/{args.pairs} {name}: wall with {result['with'][0]:.1f}s "
+                            f"without {result['without'][0]:.1f}s; cpu with {result['with'][1]:.1f}s "
+                            f"without {result['without'][1]:.1f}s"
+                        )
+                all_wall = [r for s in samples.values() for r in s["wall_pair_ratio"]]
+                all_cpu = [r for s in samples.values() for r in s["cpu_pair_ratio"]]
+                figures["wall_ratio"] = round(statistics.median(all_wall), 4)
+                figures["scheduler_cpu_ratio"] = round(statistics.median(all_cpu), 4)
+                for name, s in samples.items():
+                    for k, v in s.items():
+                        figures[f"{name}_{k}_median"] = round(statistics.median(v), 4)
+                figures["pairs"] = args.pairs
+                figures["tasks_per_workload"] = args.tasks
+
+                if args.memory_tasks:
+                    log(f"memory: {args.memory_tasks} tasks without the agent")
+                    without = memory_run(client, cluster, toggle, args.memory_tasks, False)
+                    log(
+                        f"  wall {without['wall']:.1f}s, RSS growth {without['rss_growth'] / 2**20:.1f} MiB"
+                    )
+                    log(f"memory: {args.memory_tasks} tasks with the agent")
+                    with_ = memory_run(client, cluster, toggle, args.memory_tasks, True)
+                    log(
+                        f"  wall {with_['wall']:.1f}s, RSS growth {with_['rss_growth'] / 2**20:.1f} MiB"
+                    )
+                    per_item = item_bytes()
+                    held = (
+                        with_["buffer_events"] * per_item
+                        + with_["outbox_bytes"]
+                        + with_["graph_keys"] * 8
+                    )
+                    figures["memory_tasks"] = args.memory_tasks
+                    figures["agent_peak_buffer_events"] = with_["buffer_events"]
+                    figures["agent_peak_graph_keys_queued"] = with_["graph_keys"]
+                    figures["agent_bytes_per_buffered_task"] = per_item
+                    figures["agent_peak_held_mib"] = round(held / 2**20, 2)
+                    figures["rss_growth_with_agent_mib"] = round(with_["rss_growth"] / 2**20, 1)
+                    figures["rss_growth_without_agent_mib"] = round(
+                        without["rss_growth"] / 2**20, 1
+                    )
+                    figures["memory_run_wall_ratio"] = round(with_["wall"] / without["wall"], 4)
+                stats = toggle.plugin.agent.stats if toggle.plugin.agent else {}
+                figures["agent_batches_sent"] = int(stats.get("sent_batches", 0))
+                figures["agent_events_sent"] = int(stats.get("sent_events", 0))
+                figures["agent_retries"] = int(stats.get("retries", 0))
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    met = (
+        figures["wall_ratio"] <= TARGETS["wall_ratio"]
+        and figures["scheduler_cpu_ratio"] <= TARGETS["scheduler_cpu_ratio"]
+    )
+    print(
+        json.dumps({"bench": "agent_overhead", "figures": figures, "targets": TARGETS, "met": met})
+    )
+
+
+if __name__ == "__main__":
+    main()
