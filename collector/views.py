@@ -69,6 +69,7 @@ def post_batch() -> Any:
         size=len(stored),
         now=time.time(),
         summary=summarize(batch),
+        cache=st.ids,
     )
     session.commit()
     return {

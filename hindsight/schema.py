@@ -32,7 +32,9 @@ def valid_name(value: str) -> bool:
     return bool(_NAME_RE.match(value)) and value not in (".", "..") and ".." not in value
 
 
-class StartStop(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+# gc=False: decoded events hold only JSON values, so they cannot form reference cycles, and
+# untracked structs decode ~1.5x faster (the collector's hot path is decoding).
+class StartStop(msgspec.Struct, omit_defaults=True, gc=False):
     """One timed phase of a task, as in Dask's ``startstops``."""
 
     action: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -41,7 +43,7 @@ class StartStop(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True)
     source: Label | None = None
 
 
-class _Event(msgspec.Struct, tag_field="kind", omit_defaults=True):
+class _Event(msgspec.Struct, tag_field="kind", omit_defaults=True, gc=False):
     pass
 
 

@@ -59,12 +59,16 @@ class Sender:
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
             cls = (
-                http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+                http.client.HTTPSConnection
+                if self._scheme == "https"
+                else http.client.HTTPConnection
             )
             self._conn = cls(self._netloc, timeout=self.timeout)
         return self._conn
 
-    def send(self, batch: Batch | bytes, *, encoding: str | None = None, compressed: bool = False) -> Response:
+    def send(
+        self, batch: Batch | bytes, *, encoding: str | None = None, compressed: bool = False
+    ) -> Response:
         """Send one batch. ``batch`` may be a :class:`Batch`, JSON bytes, or (with
         ``compressed=True``) a body already encoded with ``encoding``."""
         encoding = encoding or self.encoding
@@ -76,7 +80,9 @@ class Sender:
             headers["Authorization"] = f"Bearer {self.token}"
         return self.request("POST", self._path, body, headers)
 
-    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Response:
+    def request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> Response:
         """One request on the kept-alive connection; reconnects once if it went stale."""
         for attempt in (0, 1):
             conn = self._connection()
@@ -92,7 +98,9 @@ class Sender:
             try:
                 parsed = json.loads(raw) if raw else {}
             except ValueError:
-                parsed = {"error": {"code": "not_json", "message": raw[:200].decode(errors="replace")}}
+                parsed = {
+                    "error": {"code": "not_json", "message": raw[:200].decode(errors="replace")}
+                }
             return Response(resp.status, parsed, {k.lower(): v for k, v in resp.getheaders()})
         raise AssertionError("unreachable")
 

@@ -70,7 +70,8 @@ def insert_for(session: Session | Any, model: Any) -> Any:
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
-    return insert(model)
+    # The Core table, not the ORM entity: the ORM's bulk path costs ~0.5 ms a statement.
+    return insert(getattr(model, "__table__", model))
 
 
 def least(session: Session, a: Any, b: Any) -> ColumnElement[Any]:

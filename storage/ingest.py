@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
-from sqlalchemy import case, func, select, update
+from sqlalchemy import case, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from hindsight.schema import (
@@ -178,6 +178,83 @@ def ensure_tenant(db: Session, name: str, now: float) -> int:
 _STATUS_RANK = {"running": 0, "finished": 1, "erred": 2}
 
 
+class IdCache:
+    """Ids of the clusters, sessions and agents this process has indexed batches for.
+
+    Saves the three look-ups a batch would otherwise cost. A cached id is only ever used
+    through :func:`_insert_batch_guarded`, which checks in the same statement that the id
+    still names this tenant/cluster/session/agent, so a pruned or rebuilt index can never
+    be written through a stale id.
+    """
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self._ids: dict[tuple[int, str, str, str], tuple[int, int, int]] = {}
+        self._touched: dict[tuple[str, int], float] = {}
+        self._max = max_entries
+
+    def get(self, key: tuple[int, str, str, str]) -> tuple[int, int, int] | None:
+        return self._ids.get(key)
+
+    def put(self, key: tuple[int, str, str, str], ids: tuple[int, int, int]) -> None:
+        if len(self._ids) >= self._max:
+            self._ids.clear()
+            self._touched.clear()
+        self._ids[key] = ids
+
+    def forget(self, key: tuple[int, str, str, str]) -> None:
+        self._ids.pop(key, None)
+
+    def due(self, table: str, row_id: int, now: float, every: float = 10.0) -> bool:
+        """Whether this process should refresh ``last_seen`` on the row (at most every 10 s)."""
+        if now - self._touched.get((table, row_id), 0.0) < every:
+            return False
+        self._touched[(table, row_id)] = now
+        return True
+
+
+def _batch_values(
+    agent_id: int, batch: Batch, blob_key: str, size: int, now: float
+) -> dict[str, Any]:
+    return {
+        "agent_id": agent_id,
+        "seq": batch.seq,
+        "blob_key": blob_key,
+        "events": len(batch.events),
+        "bytes": size,
+        "received_at": now,
+    }
+
+
+def _insert_batch_guarded(
+    db: Session, tenant_id: int, ids: tuple[int, int, int], batch: Batch, values: dict[str, Any]
+) -> int | None:
+    """Insert the manifest row through cached ids, only if they still name this batch's
+    tenant, cluster, session and agent. None: duplicate or stale ids (take the slow path)."""
+    cluster_id, session_id, agent_id = ids
+    B = m.Batch.__table__
+    cols = list(values)
+    guard = (
+        select(*(literal(values[c], B.c[c].type).label(c) for c in cols))
+        .select_from(m.Agent.__table__.join(m.Session.__table__).join(m.Cluster.__table__))
+        .where(
+            m.Agent.id == agent_id,
+            m.Agent.name == batch.agent,
+            m.Session.id == session_id,
+            m.Session.name == batch.session,
+            m.Cluster.id == cluster_id,
+            m.Cluster.name == batch.cluster,
+            m.Cluster.tenant_id == tenant_id,
+        )
+    )
+    stmt = (
+        insert_for(db, m.Batch)
+        .from_select(cols, guard)
+        .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
+        .returning(m.Batch.id)
+    )
+    return db.execute(stmt).scalar()
+
+
 def index_batch(
     db: Session,
     *,
@@ -188,40 +265,51 @@ def index_batch(
     size: int,
     now: float,
     summary: BatchSummary | None = None,
+    cache: IdCache | None = None,
 ) -> bool:
     """Apply one stored batch to the index. Returns False (and changes nothing) if this
     batch identity was already indexed. The caller owns the transaction."""
-    cluster_id = _get_or_create(
-        db,
-        m.Cluster,
-        {"tenant_id": tenant_id, "name": batch.cluster},
-        {"first_seen": now, "last_seen": now},
-    )
-    session_id = _get_or_create(
-        db,
-        m.Session,
-        {"cluster_id": cluster_id, "name": batch.session},
-        {"first_seen": now, "last_seen": now},
-    )
-    agent_id = _get_or_create(db, m.Agent, {"session_id": session_id, "name": batch.agent}, {})
-    batch_id = db.execute(
-        insert_for(db, m.Batch)
-        .values(
-            agent_id=agent_id,
-            seq=batch.seq,
-            blob_key=blob_key,
-            events=len(batch.events),
-            bytes=size,
-            received_at=now,
+    key = (tenant_id, batch.cluster, batch.session, batch.agent)
+    ids = cache.get(key) if cache else None
+    batch_id = None
+    if ids is not None:
+        batch_id = _insert_batch_guarded(
+            db, tenant_id, ids, batch, _batch_values(ids[2], batch, blob_key, size, now)
         )
-        .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
-        .returning(m.Batch.id)
-    ).scalar()
     if batch_id is None:
-        return False
+        # First batch of this agent in this process, a duplicate, or stale cached ids.
+        cluster_id = _get_or_create(
+            db,
+            m.Cluster,
+            {"tenant_id": tenant_id, "name": batch.cluster},
+            {"first_seen": now, "last_seen": now},
+        )
+        session_id = _get_or_create(
+            db,
+            m.Session,
+            {"cluster_id": cluster_id, "name": batch.session},
+            {"first_seen": now, "last_seen": now},
+        )
+        agent_id = _get_or_create(db, m.Agent, {"session_id": session_id, "name": batch.agent}, {})
+        ids = (cluster_id, session_id, agent_id)
+        if cache:
+            cache.put(key, ids)
+        batch_id = db.execute(
+            insert_for(db, m.Batch)
+            .values(**_batch_values(agent_id, batch, blob_key, size, now))
+            .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
+            .returning(m.Batch.id)
+        ).scalar()
+        if batch_id is None:
+            return False
+    cluster_id, session_id, agent_id = ids
 
-    _touch(db, m.Cluster, cluster_id, now)
-    _touch(db, m.Session, session_id, now)
+    for table, model, row_id in (
+        ("clusters", m.Cluster, cluster_id),
+        ("sessions", m.Session, session_id),
+    ):
+        if cache is None or cache.due(table, row_id, now):
+            _touch(db, model, row_id, now)
     A = m.Agent
     agent_values: dict[str, Any] = {
         "batches": A.batches + 1,
@@ -230,14 +318,14 @@ def index_batch(
     }
     if batch.final:
         agent_values["final_seq"] = batch.seq
-    db.execute(update(A).where(A.id == agent_id).values(**agent_values))
     if batch.dropped:
         # Drop counters are cumulative: the highest sequence number's copy is the total.
-        db.execute(
-            update(A)
-            .where(A.id == agent_id, A.dropped_seq < batch.seq)
-            .values(dropped=dict(batch.dropped), dropped_seq=batch.seq)
+        newer = A.dropped_seq < batch.seq
+        agent_values["dropped"] = case(
+            (newer, literal(dict(batch.dropped), A.dropped.type)), else_=A.dropped
         )
+        agent_values["dropped_seq"] = case((newer, batch.seq), else_=A.dropped_seq)
+    db.execute(update(A).where(A.id == agent_id).values(**agent_values))
 
     summary = summary or summarize(batch)
     for run_key in sorted(summary.runs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 
 from flask import request
@@ -47,8 +48,10 @@ def time_arg(name: str) -> float | None:
         return float(value)
     except ValueError:
         pass
+    # An unencoded "+01:00" offset arrives as " 01:00": put the plus back.
+    value = re.sub(r"(T[\d:.]+) (\d{2}:?\d{2})$", r"\1+\2", value.replace("Z", "+00:00"))
     try:
-        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        dt = datetime.fromisoformat(value)
     except ValueError:
         raise bad(name, "must be epoch seconds or an ISO 8601 time") from None
     if dt.tzinfo is None:

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage.blobs import BlobStore, open_blob_store
 from storage.config import Settings
 from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.ingest import ensure_tenant
+from storage.ingest import IdCache, ensure_tenant
 from storage.tokens import SCOPES, Principal, verify_token
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class Store:
     sessions: sessionmaker[Session]
     blobs: BlobStore
     open_principal: Principal | None = None
+    ids: IdCache = field(default_factory=IdCache)
     _token_cache: dict[str, tuple[float, Principal | None]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

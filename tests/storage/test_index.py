@@ -160,3 +160,46 @@ def test_completeness_reports_gaps(sessions):
     assert (c["batches_received"], c["batches_expected"]) == (11, 12)
     (wa,) = [a for a in c["agents"] if a["agent"] == "worker-a"]
     assert wa["missing"] == 1 and not wa["final"]
+
+
+def test_cached_ids_from_a_rebuilt_index_never_misattribute_a_batch(index_url, tmp_path):
+    """A collector keeps ids in memory; if the index is dropped and rebuilt under it, the
+    same numeric ids now name other rows. The guarded insert must notice."""
+    from sqlalchemy import select
+
+    from storage import models as m
+    from storage.ingest import IdCache
+
+    cache = IdCache()
+    first = make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    upgrade(first)
+    mine, other = new_tenant(), new_tenant()
+    b0, b1 = synthetic_batches()[:2]  # scheduler-1, seq 0 and 1
+    with make_sessionmaker(first).begin() as db:
+        tid = ensure_tenant(db, mine, NOW)
+        assert index_batch(
+            db, tenant_id=tid, tenant=mine, batch=b0, blob_key="k0", size=1, now=NOW, cache=cache
+        )
+    first.dispose()
+
+    engine = make_engine(index_url)  # the "rebuilt" index: another tenant's rows get the low ids
+    upgrade(engine)
+    sessions = make_sessionmaker(engine)
+    apply(sessions, other, [b0])
+    with sessions.begin() as db:
+        tid = ensure_tenant(db, mine, NOW)
+        assert index_batch(
+            db, tenant_id=tid, tenant=mine, batch=b1, blob_key="k1", size=1, now=NOW, cache=cache
+        )
+    with sessions() as db:
+        owners = db.execute(
+            select(m.Tenant.name, m.Batch.seq)
+            .join(m.Agent, m.Agent.id == m.Batch.agent_id)
+            .join(m.Session, m.Session.id == m.Agent.session_id)
+            .join(m.Cluster, m.Cluster.id == m.Session.cluster_id)
+            .join(m.Tenant, m.Tenant.id == m.Cluster.tenant_id)
+            .where(m.Tenant.name.in_([mine, other]))
+            .order_by(m.Tenant.name)
+        ).all()
+    assert sorted(owners) == sorted([(other, 0), (mine, 1)])
+    engine.dispose()

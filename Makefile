@@ -1,0 +1,54 @@
+# Hindsight: `make run` serves the embedded stack, `make test` runs the whole suite.
+# Both create .venv and install everything they need on a fresh clone.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8700
+DATA_DIR ?= ./hindsight-data
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-slow lint format schema bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[server,dask,test]'
+	@touch $(STAMP)
+
+## install: create .venv with the SDK, the services, the test tools and the `hindsight` command
+install: $(STAMP)
+
+## run: the embedded server (collector + query, SQLite + local blobs) on http://$(HOST):$(PORT)
+run: install
+	$(BIN)/hindsight serve --data-dir $(DATA_DIR) --host $(HOST) --port $(PORT)
+
+## test: lint, then every test but the slow fault/flood runs
+test: install lint
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+## test-slow: the long fault, flood and scale runs
+test-slow: install
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+## schema: regenerate docs/schema/batch-v1.json from hindsight/schema.py
+schema: install
+	$(BIN)/python -c "import json; from hindsight.schema import json_schema; \
+	open('docs/schema/batch-v1.json', 'w').write(json.dumps(json_schema(), indent=2) + '\n')"
+
+## bench: every benchmark (minutes each; prints figures and a JSON line per bench)
+bench: install
+	@for b in bench/[a-z]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,169 @@
+"""The smallest read path: clusters, runs (filters, cursor), one run, its tasks."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from tests.helpers import auth, example, post
+
+T0 = 1_795_000_000.0
+
+
+def run_batch(cluster: str, session: str, run: str, seq: int, *, n_tasks: int = 3, t: float = T0,
+              status: str | None = "finished", agent: str = "scheduler-1") -> dict[str, Any]:  # fmt: skip
+    events: list[dict[str, Any]] = []
+    if seq == 0:
+        events.append(
+            {"kind": "run", "event": "started", "id": run, "name": f"job-{run}", "time": t}
+        )
+    for i in range(n_tasks):
+        events.append({"kind": "task", "key": f"inc-{run}-{seq}-{i}", "prefix": "inc", "status": "memory",
+                       "run": run, "worker": "tcp://w:1", "thread": 7, "nbytes": 28,
+                       "startstops": [{"action": "compute", "start": t + i, "stop": t + i + 0.5}]})  # fmt: skip
+    if status:
+        events.append({"kind": "run", "event": status, "id": run, "time": t + n_tasks})
+    return example(cluster=cluster, session=session, agent=agent, seq=seq, events=events)
+
+
+@pytest.fixture
+def clients(stack):
+    from collector.app import create_app as collector_app
+    from services.query.app import create_app as query_app
+
+    return collector_app(stack).test_client(), query_app(stack).test_client()
+
+
+@pytest.fixture
+def history(clients, make_token):
+    """Six runs over two clusters and three sessions, one per batch, started an hour apart."""
+    collector, query = clients
+    token = make_token()
+    specs = [("prod", "s1", "finished"), ("prod", "s1", "erred"), ("prod", "s2", "finished"),
+             ("dev", "s3", None), ("dev", "s3", "finished"), ("prod", "s2", "finished")]  # fmt: skip
+    seqs: dict[str, int] = {}
+    for i, (cluster, session, status) in enumerate(specs):
+        seq = seqs.get(session, 0)
+        seqs[session] = seq + 1
+        body = run_batch(cluster, session, f"r{i}", 0, t=T0 + 3600 * i, status=status)
+        body["seq"] = seq
+        assert post(collector, body, token=token).status_code == 202
+    return query, token
+
+
+def names(resp: Any) -> list[str]:
+    assert resp.status_code == 200, resp.json
+    return [r["name"] for r in resp.json["runs"]]
+
+
+def test_runs_newest_first_with_filters(history):
+    query, token = history
+    h = auth(token)
+    assert names(query.get("/v1/runs", headers=h)) == [f"job-r{i}" for i in (5, 4, 3, 2, 1, 0)]
+    assert names(query.get("/v1/runs?cluster=dev", headers=h)) == ["job-r4", "job-r3"]
+    assert names(query.get("/v1/runs?status=erred", headers=h)) == ["job-r1"]
+    assert names(query.get("/v1/runs?status=running", headers=h)) == ["job-r3"]
+    assert names(query.get(f"/v1/runs?since={T0 + 3600 * 2}&until={T0 + 3600 * 4}", headers=h)) == [
+        "job-r3",
+        "job-r2",
+    ]
+    iso = datetime.fromtimestamp(T0 + 3600 * 4, UTC).isoformat()
+    assert names(query.get(f"/v1/runs?since={iso}", headers=h)) == ["job-r5", "job-r4"]
+    assert names(query.get("/v1/runs?cluster=nope", headers=h)) == []
+
+
+def test_cursor_pagination_visits_every_run_once(history):
+    query, token = history
+    seen, cursor = [], None
+    while True:
+        url = "/v1/runs?limit=4" + (f"&cursor={cursor}" if cursor else "")
+        body = query.get(url, headers=auth(token)).json
+        assert len(body["runs"]) <= 4
+        seen += [r["name"] for r in body["runs"]]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [f"job-r{i}" for i in (5, 4, 3, 2, 1, 0)]
+
+
+@pytest.mark.parametrize(
+    "query_string",
+    ["limit=0", "limit=abc", "limit=100000", "status=done", "since=yesterday", "cursor=!!!",
+     "cursor=WzFd", "cluster=../x", "cluster=" + "a" * 300],
+)  # fmt: skip
+def test_bad_parameters_are_400(history, query_string):
+    query, token = history
+    resp = query.get(f"/v1/runs?{query_string}", headers=auth(token))
+    assert resp.status_code == 400
+    assert resp.json["error"]["code"] == "invalid_parameter"
+
+
+def test_clusters(history):
+    query, token = history
+    clusters = query.get("/v1/clusters", headers=auth(token)).json["clusters"]
+    assert [(c["name"], c["runs"], c["sessions"]) for c in clusters] == [
+        ("dev", 2, 1),
+        ("prod", 4, 2),
+    ]
+
+
+def test_run_tasks_paginate_across_batches(clients, make_token):
+    collector, query = clients
+    token = make_token()
+    for seq in range(3):
+        body = run_batch("c", "s", "big", seq, n_tasks=10, status=None, t=T0 + seq * 100)
+        assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    assert run["task_count"] == 30 and run["status"] == "running"
+    keys, cursor = [], None
+    while True:
+        body = query.get(f"/v1/runs/{run['id']}/tasks?limit=7" + (f"&cursor={cursor}" if cursor else ""),
+                         headers=auth(token)).json  # fmt: skip
+        keys += [t["key"] for t in body["tasks"]]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert keys == [f"inc-big-{s}-{i}" for s in range(3) for i in range(10)]
+    whole = query.get(f"/v1/runs/{run['id']}/tasks?limit=30", headers=auth(token)).json
+    assert len(whole["tasks"]) == 30 and whole["next_cursor"] is None
+
+
+def test_tenants_see_only_their_own_runs(clients, make_token):
+    collector, query = clients
+    alice, bob = make_token(), make_token()
+    assert post(collector, example(), token=alice).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(alice)).json["runs"]
+    assert query.get("/v1/runs", headers=auth(bob)).json["runs"] == []
+    assert query.get("/v1/clusters", headers=auth(bob)).json["clusters"] == []
+    for path in (f"/v1/runs/{run['id']}", f"/v1/runs/{run['id']}/tasks"):
+        resp = query.get(path, headers=auth(bob))
+        assert resp.status_code == 404 and resp.json["error"]["code"] == "not_found"
+    # The same batch identity from another tenant is that tenant's own, not a duplicate.
+    resp = post(collector, example(), token=bob)
+    assert resp.status_code == 202 and resp.json["duplicate"] is False
+
+
+def test_read_routes_need_a_token(clients):
+    _, query = clients
+    for path in ("/v1/clusters", "/v1/runs", "/v1/runs/x", "/v1/runs/x/tasks"):
+        resp = query.get(path)
+        assert resp.status_code == 401 and resp.json["error"]["code"] == "unauthorized"
+
+
+@pytest.mark.parametrize("factory", ["collector.app", "services.query.app", "services.embedded"])
+def test_openapi_documents_every_route(stack, factory):
+    import importlib
+
+    app = importlib.import_module(factory).create_app(stack)
+    doc = app.test_client().get("/v1/openapi.json").json
+    assert doc["openapi"].startswith("3.")
+    routes = {
+        (rule.rule.replace("<run_id>", "{run_id}"), method.lower())
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint != "static"
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
+    assert routes == documented

@@ -1,0 +1,183 @@
+"""The `hindsight` command as a user runs it: serve, tokens create, db upgrade, reindex."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from hindsight.sender import Sender
+from tests.helpers import example, example_bytes
+
+HINDSIGHT = [sys.executable, "-m", "hindsight.cli"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_")}
+    e.update(extra)
+    return e
+
+
+def run(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HINDSIGHT, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, data_dir: Path, *extra: str, environ: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [*HINDSIGHT, "serve", "--data-dir", str(data_dir), "--port", str(self.port), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ or env(),
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited: {self.proc.stdout.read()}")
+            try:
+                if requests.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                time.sleep(0.05)  # polling for the port to open, bounded by the deadline
+        raise AssertionError("serve did not become ready in 60 s")
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        return out
+
+
+def test_serve_on_loopback_without_tokens_round_trips_over_http(tmp_path):
+    server = Served(tmp_path)
+    try:
+        with Sender(server.url) as sender:
+            resp = sender.send(example_bytes())
+            assert resp.status == 202 and resp.body["duplicate"] is False
+            again = sender.send(example_bytes(), encoding="gzip")
+            assert again.status == 202 and again.body["duplicate"] is True
+        runs = requests.get(server.url + "/v1/runs", timeout=10).json()["runs"]
+        assert [r["name"] for r in runs] == ["nightly-aggregate"]
+        tasks = requests.get(f"{server.url}/v1/runs/{runs[0]['id']}/tasks", timeout=10).json()[
+            "tasks"
+        ]
+        assert len(tasks) == 4
+    finally:
+        out = server.stop()
+    assert f"{server.url}/v1/batches" in out
+    assert "DISABLED" in out  # it says it runs without tokens
+    assert (tmp_path / "index.db").exists() and (tmp_path / "blobs" / "v1").is_dir()
+
+
+def test_tokens_create_then_serve_with_auth_required(tmp_path):
+    created = run(
+        "tokens",
+        "create",
+        "--tenant",
+        "acme",
+        "--scopes",
+        "ingest,read",
+        "--data-dir",
+        str(tmp_path),
+        env=env(),
+    )
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.strip().splitlines()[-1]
+    assert token.startswith("hs_")
+    server = Served(tmp_path, environ=env(HINDSIGHT_AUTH="required"))
+    try:
+        assert Sender(server.url).send(example_bytes()).status == 401
+        with Sender(server.url, token=token) as sender:
+            assert sender.send(example_bytes()).status == 202
+        h = {"Authorization": f"Bearer {token}"}
+        assert len(requests.get(server.url + "/v1/runs", headers=h, timeout=10).json()["runs"]) == 1
+    finally:
+        server.stop()
+    # only the hash is at rest
+    assert token.encode() not in (tmp_path / "index.db").read_bytes()
+
+
+def test_serve_refuses_a_public_address_without_auth(tmp_path):
+    out = run(
+        "serve",
+        "--data-dir",
+        str(tmp_path),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(free_port()),
+        env=env(),
+    )
+    assert out.returncode != 0 and "no tokens exist" in out.stderr
+    out = run("serve", "--data-dir", str(tmp_path), "--host", "0.0.0.0", "--port", str(free_port()),
+              env=env(HINDSIGHT_AUTH="disabled"))  # fmt: skip
+    assert out.returncode != 0 and "without auth" in out.stderr
+
+
+def test_tokens_create_rejects_bad_input(tmp_path):
+    bad_tenant = run("tokens", "create", "--tenant", "../x", "--data-dir", str(tmp_path), env=env())
+    assert bad_tenant.returncode != 0 and "invalid tenant" in bad_tenant.stderr
+    bad_scope = run(
+        "tokens",
+        "create",
+        "--tenant",
+        "a",
+        "--scopes",
+        "root",
+        "--data-dir",
+        str(tmp_path),
+        env=env(),
+    )
+    assert bad_scope.returncode != 0 and "scopes" in bad_scope.stderr
+
+
+def test_db_upgrade_and_reindex_rebuild_a_deleted_index(tmp_path):
+    up = run("db", "upgrade", "--data-dir", str(tmp_path), env=env())
+    assert up.returncode == 0 and "revision 0001" in up.stdout
+    server = Served(tmp_path)
+    try:
+        with Sender(server.url) as sender:
+            for seq in range(3):
+                assert sender.send(example_json(seq)).status == 202
+        before = requests.get(server.url + "/v1/runs", timeout=10).json()
+    finally:
+        server.stop()
+    for f in tmp_path.glob("index.db*"):
+        f.unlink()
+    rebuilt = run("reindex", "--data-dir", str(tmp_path), env=env())
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "3 blobs: 3 indexed" in rebuilt.stdout
+    server = Served(tmp_path)
+    try:
+        after = requests.get(server.url + "/v1/runs", timeout=10).json()
+    finally:
+        server.stop()
+    assert after == before
+
+
+def example_json(seq: int) -> bytes:
+    import json
+
+    return json.dumps(example(seq=seq)).encode()
+
+
+@pytest.mark.parametrize("module", ["hindsight.cli"])
+def test_help(module):
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    for command in ("serve", "db", "tokens", "reindex"):
+        assert command in out.stdout
