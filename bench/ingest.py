@@ -36,13 +36,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench.workload import task_events  # noqa: E402
 from hindsight.schema import decode_batch  # noqa: E402
+from hindsight.sender import ZSTD_LEVEL as AGENT_ZSTD_LEVEL  # noqa: E402
 from hindsight.sender import Sender  # noqa: E402
 from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from storage.ingest import summarize  # noqa: E402
 from storage.tokens import create_token  # noqa: E402
 
 EVENTS_PER_BATCH = 5000
-AGENT_ZSTD_LEVEL = 9  # what hindsight's agent uses (see docs/protocol.md)
+
 TARGETS = {"events_per_s": 250_000, "ack_p99_ms": 100, "bytes_per_event": 25}
 BIN = Path(sys.executable).parent
 

@@ -3,7 +3,7 @@
 Task events are shaped like the scheduler plugin's records (see
 ../shared/research/dask-internals.md, 1.4): tuple keys with a token, worker address and
 thread id, compute startstops and a transfer on ~30% of tasks, result sizes and types.
-Times are microsecond-rounded epoch floats, as the agent sends them. Array-like prefixes
+Times are full-precision epoch floats, as Dask hands them to the agent. Array-like prefixes
 have one chunk size; dataframe-like prefixes vary around a mean.
 """
 
@@ -42,12 +42,12 @@ def task_events(
     for i in range(n):
         prefix = NAMES[(first + i) % len(NAMES)]
         typename, size, varies = PREFIXES[prefix]
-        start = round(t0 + i * 0.0004 + rng.random() * 0.01, 6)
-        stop = round(start + rng.expovariate(1 / 0.05), 6)
+        start = t0 + i * 0.0004 + rng.random() * 0.01
+        stop = start + rng.expovariate(1 / 0.05)
         ss: list[dict[str, Any]] = [{"action": "compute", "start": start, "stop": stop}]
         if rng.random() < 0.3:
-            tstop = round(start - rng.random() * 0.02, 6)
-            ss.insert(0, {"action": "transfer", "start": round(tstop - rng.random() * 0.05, 6), "stop": tstop,
+            tstop = start - rng.random() * 0.02
+            ss.insert(0, {"action": "transfer", "start": tstop - rng.random() * 0.05, "stop": tstop,
                           "source": rng.choice(workers)})  # fmt: skip
         events.append({
             "kind": "task",
