@@ -147,7 +147,7 @@ def agent_holdings(plugin: Any) -> dict[str, int]:
         return {"buffer_events": 0, "graph_keys": 0, "outbox_bytes": 0}
     return {
         "buffer_events": len(agent._buffer),
-        "graph_keys": sum(len(k) for k, _ in list(plugin._pending_graphs)),
+        "graph_keys": sum(len(e[0]) - e[1] for e in list(plugin._pending_graphs)),
         "outbox_bytes": sum(len(b.body) for b in list(agent._outbox)),
     }
 

@@ -60,9 +60,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
         if proc.poll() is not None:
             raise SystemExit(f"{proc.args} exited with {proc.returncode}")
         try:
-            if requests.get(url, timeout=1).status_code == 200:
+            if requests.get(url, timeout=5).status_code == 200:
                 return
-        except requests.ConnectionError:
+        except requests.RequestException:  # not up yet, or too busy to answer
             pass
         time.sleep(0.1)
     raise SystemExit(f"{url} not ready after {timeout} s")

@@ -1,4 +1,4 @@
-"""Engines, sessions and the portable SQL pieces the index needs (Postgres and SQLite)."""
+"""Engines, sessions and migrations for the index (Postgres and SQLite)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, text
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.sql.elements import ColumnElement
 
 logger = logging.getLogger(__name__)
 
@@ -62,29 +61,3 @@ def current_revision(engine: Engine) -> str | None:
 
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
-
-
-def insert_for(session: Session | Any, model: Any) -> Any:
-    """A dialect-specific INSERT (with ``on_conflict_do_*``) for ``model``."""
-    if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    # The Core table, not the ORM entity: the ORM's bulk path costs ~0.5 ms a statement.
-    return insert(getattr(model, "__table__", model))
-
-
-def least(session: Session, a: Any, b: Any) -> ColumnElement[Any]:
-    """The smaller of two values, ignoring NULLs (LEAST on Postgres, min() on SQLite)."""
-    a2, b2 = func.coalesce(a, b), func.coalesce(b, a)
-    if session.get_bind().dialect.name == "postgresql":
-        return func.least(a2, b2)
-    return func.min(a2, b2)
-
-
-def greatest(session: Session, a: Any, b: Any) -> ColumnElement[Any]:
-    """The larger of two values, ignoring NULLs."""
-    a2, b2 = func.coalesce(a, b), func.coalesce(b, a)
-    if session.get_bind().dialect.name == "postgresql":
-        return func.greatest(a2, b2)
-    return func.max(a2, b2)

@@ -8,14 +8,16 @@ crash between blob write and index update, and ``hindsight reindex`` all converg
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import zstandard
-from sqlalchemy import case, func, literal, select, update
+from sqlalchemy import Boolean, and_, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from hindsight.schema import (
@@ -28,7 +30,6 @@ from hindsight.schema import (
     decode_batch,
 )
 from storage import models as m
-from storage.db import greatest, insert_for, least
 
 logger = logging.getLogger(__name__)
 
@@ -149,33 +150,186 @@ def summarize(batch: Batch) -> BatchSummary:
     return out
 
 
-def _get_or_create(db: Session, model: Any, keys: dict[str, Any], values: dict[str, Any]) -> int:
-    stmt = (
-        insert_for(db, model)
-        .values(**keys, **values)
-        .on_conflict_do_nothing(index_elements=list(keys))
-        .returning(model.id)
+@functools.cache
+def _statements(dialect: str) -> SimpleNamespace:
+    """The index's statements, built once per dialect with bind parameters.
+
+    Building SQLAlchemy statements per batch cost ~1 ms each (expression construction and
+    cache-key generation); a prebuilt statement's cache key is memoized, so executing it
+    costs little more than the driver call.
+    """
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+
+        def lo(a: Any, b: Any) -> Any:
+            return func.least(func.coalesce(a, b), func.coalesce(b, a))
+
+        def hi(a: Any, b: Any) -> Any:
+            return func.greatest(func.coalesce(a, b), func.coalesce(b, a))
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+
+        def lo(a: Any, b: Any) -> Any:
+            return func.min(func.coalesce(a, b), func.coalesce(b, a))
+
+        def hi(a: Any, b: Any) -> Any:
+            return func.max(func.coalesce(a, b), func.coalesce(b, a))
+
+    T, C, S, A, B = (x.__table__ for x in (m.Tenant, m.Cluster, m.Session, m.Agent, m.Batch))
+    R, RS, RB, P, PA, W = (
+        x.__table__
+        for x in (m.Run, m.RunStatusCount, m.RunBatch, m.RunPrefix, m.RunPrefixAction, m.Worker)
     )
-    row_id = db.execute(stmt).scalar()
-    if row_id is None:
-        row_id = db.execute(select(model.id).filter_by(**keys)).scalar_one()
-    return row_id
+    st = SimpleNamespace()
 
+    def get_or_create(table: Any, keys: tuple[str, ...]) -> tuple[Any, Any]:
+        ins = insert(table).on_conflict_do_nothing(index_elements=list(keys)).returning(table.c.id)
+        sel = select(table.c.id).where(*(table.c[k] == bindparam(k) for k in keys))
+        return ins, sel
 
-def _touch(db: Session, model: Any, row_id: int, now: float) -> None:
+    st.tenant = get_or_create(T, ("name",))
+    st.cluster = get_or_create(C, ("tenant_id", "name"))
+    st.session = get_or_create(S, ("cluster_id", "name"))
+    st.agent = get_or_create(A, ("session_id", "name"))
+
+    batch_cols = ("agent_id", "seq", "blob_key", "events", "bytes", "received_at")
+    st.batch = (
+        insert(B).on_conflict_do_nothing(index_elements=["agent_id", "seq"]).returning(B.c.id)
+    )
+    agent_id = bindparam("agent_id", type_=B.c.agent_id.type)
+    guard = (
+        select(
+            agent_id.label("agent_id"),
+            *(bindparam(c, type_=B.c[c].type).label(c) for c in batch_cols[1:]),
+        )
+        .select_from(A.join(S, S.c.id == A.c.session_id).join(C, C.c.id == S.c.cluster_id))
+        .where(
+            A.c.id == agent_id,
+            A.c.name == bindparam("p_agent"),
+            S.c.id == bindparam("p_session_id"),
+            S.c.name == bindparam("p_session"),
+            C.c.id == bindparam("p_cluster_id"),
+            C.c.name == bindparam("p_cluster"),
+            C.c.tenant_id == bindparam("p_tenant_id"),
+        )
+    )
+    st.batch_guarded = (
+        insert(B)
+        .from_select(list(batch_cols), guard)
+        .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
+        .returning(B.c.id)
+    )
+
     # Only take the row lock when last_seen is stale: concurrent batches of one cluster
     # then do not queue behind each other on the cluster and session rows.
-    db.execute(
-        update(model).where(model.id == row_id, model.last_seen < now - 10).values(last_seen=now)
+    st.touch = {
+        t.name: update(t)
+        .where(t.c.id == bindparam("p_id"), t.c.last_seen < bindparam("p_stale"))
+        .values(last_seen=bindparam("p_now"))
+        for t in (C, S)
+    }
+
+    seq = bindparam("p_seq", type_=A.c.max_seq.type)
+    newer_drops = and_(bindparam("p_has_dropped", type_=Boolean), A.c.dropped_seq < seq)
+    st.agent_update = (
+        update(A)
+        .where(A.c.id == bindparam("p_id"))
+        .values(
+            batches=A.c.batches + 1,
+            events=A.c.events + bindparam("p_events", type_=A.c.events.type),
+            max_seq=hi(A.c.max_seq, seq),
+            final_seq=case((bindparam("p_final", type_=Boolean), seq), else_=A.c.final_seq),
+            # Drop counters are cumulative: the highest sequence number's copy is the total.
+            dropped=case(
+                (newer_drops, bindparam("p_dropped", type_=A.c.dropped.type)), else_=A.c.dropped
+            ),
+            dropped_seq=case((newer_drops, seq), else_=A.c.dropped_seq),
+        )
     )
+
+    ins = insert(R)
+    ex = ins.excluded
+    rank = lambda col: case({"running": 0, "finished": 1}, value=col, else_=2)  # noqa: E731
+    st.run = ins.on_conflict_do_update(
+        index_elements=["session_id", "run_key"],
+        set_={
+            "name": func.coalesce(R.c.name, ex.name),
+            "span": case((R.c.span.is_(None), ex.span), else_=R.c.span),
+            "client": func.coalesce(R.c.client, ex.client),
+            "status": case((rank(ex.status) > rank(R.c.status), ex.status), else_=R.c.status),
+            "started_at": lo(R.c.started_at, ex.started_at),
+            "finished_at": hi(R.c.finished_at, ex.finished_at),
+            "task_start": lo(R.c.task_start, ex.task_start),
+            "task_stop": hi(R.c.task_stop, ex.task_stop),
+            "task_count": R.c.task_count + ex.task_count,
+            "error_count": R.c.error_count + ex.error_count,
+            "graph_count": R.c.graph_count + ex.graph_count,
+            "nbytes": R.c.nbytes + ex.nbytes,
+            "last_seen": hi(R.c.last_seen, ex.last_seen),
+        },
+    ).returning(R.c.id)
+    st.run_batch = insert(RB)
+    ins = insert(RS)
+    st.statuses = ins.on_conflict_do_update(
+        index_elements=["run_id", "status"], set_={"count": RS.c.count + ins.excluded.count}
+    )
+    ins = insert(P)
+    st.prefixes = ins.on_conflict_do_update(
+        index_elements=["run_id", "prefix"],
+        set_={
+            "count": P.c.count + ins.excluded.count,
+            "errors": P.c.errors + ins.excluded.errors,
+            "nbytes": P.c.nbytes + ins.excluded.nbytes,
+        },
+    )
+    ins = insert(PA)
+    st.actions = ins.on_conflict_do_update(
+        index_elements=["run_id", "prefix", "action"],
+        set_={
+            "count": PA.c.count + ins.excluded.count,
+            "total": PA.c.total + ins.excluded.total,
+            "min": lo(PA.c.min, ins.excluded.min),
+            "max": hi(PA.c.max, ins.excluded.max),
+        },
+    )
+    ins = insert(W)
+    ex = ins.excluded
+    st.worker = ins.on_conflict_do_update(
+        index_elements=["session_id", "address"],
+        set_={
+            "name": func.coalesce(W.c.name, ex.name),
+            "nthreads": func.coalesce(W.c.nthreads, ex.nthreads),
+            "memory_limit": func.coalesce(W.c.memory_limit, ex.memory_limit),
+            "joined_at": lo(W.c.joined_at, ex.joined_at),
+            "left_at": hi(W.c.left_at, ex.left_at),
+            "left_reason": func.coalesce(ex.left_reason, W.c.left_reason),
+        },
+    )
+    st.session_info = (
+        update(S)
+        .where(S.c.id == bindparam("p_id"), S.c.info.is_(None))
+        .values(info=bindparam("p_info", type_=S.c.info.type))
+    )
+    return st
+
+
+def _stmts(db: Session) -> SimpleNamespace:
+    return _statements(db.get_bind().dialect.name)
+
+
+def _get_or_create(
+    db: Session, pair: tuple[Any, Any], keys: dict[str, Any], values: dict[str, Any]
+) -> int:
+    ins, sel = pair
+    row_id = db.execute(ins, {**keys, **values}).scalar()
+    if row_id is None:
+        row_id = db.execute(sel, keys).scalar_one()
+    return row_id
 
 
 def ensure_tenant(db: Session, name: str, now: float) -> int:
     """The id of tenant ``name``, created if new."""
-    return _get_or_create(db, m.Tenant, {"name": name}, {"created_at": now})
-
-
-_STATUS_RANK = {"running": 0, "finished": 1, "erred": 2}
+    return _get_or_create(db, _stmts(db).tenant, {"name": name}, {"created_at": now})
 
 
 class IdCache:
@@ -212,47 +366,7 @@ class IdCache:
         return True
 
 
-def _batch_values(
-    agent_id: int, batch: Batch, blob_key: str, size: int, now: float
-) -> dict[str, Any]:
-    return {
-        "agent_id": agent_id,
-        "seq": batch.seq,
-        "blob_key": blob_key,
-        "events": len(batch.events),
-        "bytes": size,
-        "received_at": now,
-    }
-
-
-def _insert_batch_guarded(
-    db: Session, tenant_id: int, ids: tuple[int, int, int], batch: Batch, values: dict[str, Any]
-) -> int | None:
-    """Insert the manifest row through cached ids, only if they still name this batch's
-    tenant, cluster, session and agent. None: duplicate or stale ids (take the slow path)."""
-    cluster_id, session_id, agent_id = ids
-    B = m.Batch.__table__
-    cols = list(values)
-    guard = (
-        select(*(literal(values[c], B.c[c].type).label(c) for c in cols))
-        .select_from(m.Agent.__table__.join(m.Session.__table__).join(m.Cluster.__table__))
-        .where(
-            m.Agent.id == agent_id,
-            m.Agent.name == batch.agent,
-            m.Session.id == session_id,
-            m.Session.name == batch.session,
-            m.Cluster.id == cluster_id,
-            m.Cluster.name == batch.cluster,
-            m.Cluster.tenant_id == tenant_id,
-        )
-    )
-    stmt = (
-        insert_for(db, m.Batch)
-        .from_select(cols, guard)
-        .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
-        .returning(m.Batch.id)
-    )
-    return db.execute(stmt).scalar()
+_STATUS_RANK = {"running": 0, "finished": 1, "erred": 2}
 
 
 def index_batch(
@@ -269,68 +383,66 @@ def index_batch(
 ) -> bool:
     """Apply one stored batch to the index. Returns False (and changes nothing) if this
     batch identity was already indexed. The caller owns the transaction."""
+    st = _stmts(db)
+    row = {
+        "seq": batch.seq,
+        "blob_key": blob_key,
+        "events": len(batch.events),
+        "bytes": size,
+        "received_at": now,
+    }
     key = (tenant_id, batch.cluster, batch.session, batch.agent)
     ids = cache.get(key) if cache else None
     batch_id = None
     if ids is not None:
-        batch_id = _insert_batch_guarded(
-            db, tenant_id, ids, batch, _batch_values(ids[2], batch, blob_key, size, now)
-        )
+        # Through cached ids, guarded: the insert happens only if they still name this
+        # tenant/cluster/session/agent, so a pruned or rebuilt index is never written
+        # through a stale id. None means duplicate or stale: take the slow path.
+        batch_id = db.execute(
+            st.batch_guarded,
+            {**row, "agent_id": ids[2], "p_agent": batch.agent, "p_session_id": ids[1],
+             "p_session": batch.session, "p_cluster_id": ids[0], "p_cluster": batch.cluster,
+             "p_tenant_id": tenant_id},
+        ).scalar()  # fmt: skip
     if batch_id is None:
-        # First batch of this agent in this process, a duplicate, or stale cached ids.
         cluster_id = _get_or_create(
             db,
-            m.Cluster,
+            st.cluster,
             {"tenant_id": tenant_id, "name": batch.cluster},
             {"first_seen": now, "last_seen": now},
         )
         session_id = _get_or_create(
             db,
-            m.Session,
+            st.session,
             {"cluster_id": cluster_id, "name": batch.session},
             {"first_seen": now, "last_seen": now},
         )
-        agent_id = _get_or_create(db, m.Agent, {"session_id": session_id, "name": batch.agent}, {})
+        agent_id = _get_or_create(
+            db, st.agent, {"session_id": session_id, "name": batch.agent},
+            {"batches": 0, "events": 0, "max_seq": -1, "dropped_seq": -1},
+        )  # fmt: skip
         ids = (cluster_id, session_id, agent_id)
         if cache:
             cache.put(key, ids)
-        batch_id = db.execute(
-            insert_for(db, m.Batch)
-            .values(**_batch_values(agent_id, batch, blob_key, size, now))
-            .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
-            .returning(m.Batch.id)
-        ).scalar()
+        batch_id = db.execute(st.batch, {**row, "agent_id": agent_id}).scalar()
         if batch_id is None:
             return False
     cluster_id, session_id, agent_id = ids
 
-    for table, model, row_id in (
-        ("clusters", m.Cluster, cluster_id),
-        ("sessions", m.Session, session_id),
-    ):
+    for table, row_id in (("clusters", cluster_id), ("sessions", session_id)):
         if cache is None or cache.due(table, row_id, now):
-            _touch(db, model, row_id, now)
-    A = m.Agent
-    agent_values: dict[str, Any] = {
-        "batches": A.batches + 1,
-        "events": A.events + len(batch.events),
-        "max_seq": greatest(db, A.max_seq, batch.seq),
-    }
-    if batch.final:
-        agent_values["final_seq"] = batch.seq
-    if batch.dropped:
-        # Drop counters are cumulative: the highest sequence number's copy is the total.
-        newer = A.dropped_seq < batch.seq
-        agent_values["dropped"] = case(
-            (newer, literal(dict(batch.dropped), A.dropped.type)), else_=A.dropped
-        )
-        agent_values["dropped_seq"] = case((newer, batch.seq), else_=A.dropped_seq)
-    db.execute(update(A).where(A.id == agent_id).values(**agent_values))
+            db.execute(st.touch[table], {"p_id": row_id, "p_stale": now - 10, "p_now": now})
+    db.execute(
+        st.agent_update,
+        {"p_id": agent_id, "p_events": len(batch.events), "p_seq": batch.seq, "p_final": batch.final,
+         "p_has_dropped": bool(batch.dropped), "p_dropped": dict(batch.dropped) if batch.dropped else None},
+    )  # fmt: skip
 
     summary = summary or summarize(batch)
     for run_key in sorted(summary.runs):
         _index_run(
             db,
+            st,
             tenant,
             tenant_id,
             cluster_id,
@@ -341,8 +453,15 @@ def index_batch(
             summary.runs[run_key],
             now,
         )
-    for ev in sorted(summary.workers, key=lambda w: (w.address, w.time)):
-        _index_worker(db, session_id, ev)
+    workers = sorted(summary.workers, key=lambda w: (w.address, w.time))
+    for ev in workers:
+        joined = ev.event == "joined"
+        db.execute(
+            st.worker,
+            {"session_id": session_id, "address": ev.address, "name": ev.name, "nthreads": ev.nthreads,
+             "memory_limit": ev.memory_limit, "joined_at": ev.time if joined else None,
+             "left_at": None if joined else ev.time, "left_reason": None if joined else ev.reason},
+        )  # fmt: skip
     if summary.session is not None:
         info = {
             "time": summary.session.time,
@@ -350,16 +469,13 @@ def index_batch(
             "versions": summary.session.versions,
             "config": summary.session.config,
         }
-        db.execute(
-            update(m.Session)
-            .where(m.Session.id == session_id, m.Session.info.is_(None))
-            .values(info=info)
-        )
+        db.execute(st.session_info, {"p_id": session_id, "p_info": info})
     return True
 
 
 def _index_run(
     db: Session,
+    st: SimpleNamespace,
     tenant: str,
     tenant_id: int,
     cluster_id: int,
@@ -370,104 +486,55 @@ def _index_run(
     rs: RunSummary,
     now: float,
 ) -> None:
-    R = m.Run
     started = [e for e in rs.events if e.event == "started"]
     ended = [e for e in rs.events if e.event != "started"]
     first = min(started, key=lambda e: e.time) if started else None
     status = max((e.event for e in ended), key=_STATUS_RANK.__getitem__, default="running")
-    values = {
-        "public_id": run_public_id(tenant, batch.cluster, batch.session, run_key),
-        "tenant_id": tenant_id,
-        "cluster_id": cluster_id,
-        "session_id": session_id,
-        "run_key": run_key,
-        "name": first.name if first else None,
-        "span": list(first.span) if first and first.span else None,
-        "client": first.client if first else None,
-        "status": status,
-        # The earliest evidence of the run: its started event, else its first task, else now.
-        "started_at": first.time
-        if first
-        else (rs.task_start if rs.task_start is not None else now),
-        "finished_at": max((e.time for e in ended), default=None),
-        "task_start": rs.task_start,
-        "task_stop": rs.task_stop,
-        "task_count": rs.tasks,
-        "error_count": rs.errors,
-        "graph_count": rs.graph,
-        "nbytes": rs.nbytes,
-        "first_seen": now,
-        "last_seen": now,
-    }
-    ins = insert_for(db, R).values(**values)
-    ex = ins.excluded
-    rank = lambda col: case({"running": 0, "finished": 1}, value=col, else_=2)  # noqa: E731
     run_id = db.execute(
-        ins.on_conflict_do_update(
-            index_elements=["session_id", "run_key"],
-            set_={
-                "name": _coalesce(R.name, ex.name),
-                "span": case((R.span.is_(None), ex.span), else_=R.span),
-                "client": _coalesce(R.client, ex.client),
-                "status": case((rank(ex.status) > rank(R.status), ex.status), else_=R.status),
-                "started_at": least(db, R.started_at, ex.started_at),
-                "finished_at": greatest(db, R.finished_at, ex.finished_at),
-                "task_start": least(db, R.task_start, ex.task_start),
-                "task_stop": greatest(db, R.task_stop, ex.task_stop),
-                "task_count": R.task_count + ex.task_count,
-                "error_count": R.error_count + ex.error_count,
-                "graph_count": R.graph_count + ex.graph_count,
-                "nbytes": R.nbytes + ex.nbytes,
-                "last_seen": greatest(db, R.last_seen, ex.last_seen),
-            },
-        ).returning(R.id)
+        st.run,
+        {
+            "public_id": run_public_id(tenant, batch.cluster, batch.session, run_key),
+            "tenant_id": tenant_id,
+            "cluster_id": cluster_id,
+            "session_id": session_id,
+            "run_key": run_key,
+            "name": first.name if first else None,
+            "span": list(first.span) if first and first.span else None,
+            "client": first.client if first else None,
+            "status": status,
+            # The earliest evidence of the run: its started event, else its first task, else now.
+            "started_at": first.time
+            if first
+            else (rs.task_start if rs.task_start is not None else now),
+            "finished_at": max((e.time for e in ended), default=None),
+            "task_start": rs.task_start,
+            "task_stop": rs.task_stop,
+            "task_count": rs.tasks,
+            "error_count": rs.errors,
+            "graph_count": rs.graph,
+            "nbytes": rs.nbytes,
+            "first_seen": now,
+            "last_seen": now,
+        },
     ).scalar_one()
-
     if rs.tasks or rs.graph:
-        db.execute(
-            insert_for(db, m.RunBatch).values(run_id=run_id, batch_id=batch_id, tasks=rs.tasks)
-        )
+        db.execute(st.run_batch, {"run_id": run_id, "batch_id": batch_id, "tasks": rs.tasks})
     if rs.statuses:
-        S = m.RunStatusCount
-        ins = insert_for(db, S)
         db.execute(
-            ins.on_conflict_do_update(
-                index_elements=["run_id", "status"], set_={"count": S.count + ins.excluded.count}
-            ),
+            st.statuses,
             [{"run_id": run_id, "status": s, "count": c} for s, c in sorted(rs.statuses.items())],
         )
     if rs.prefixes:
-        P = m.RunPrefix
-        ins = insert_for(db, P)
-        ex = ins.excluded
         db.execute(
-            ins.on_conflict_do_update(
-                index_elements=["run_id", "prefix"],
-                set_={
-                    "count": P.count + ex.count,
-                    "errors": P.errors + ex.errors,
-                    "nbytes": P.nbytes + ex.nbytes,
-                },
-            ),
+            st.prefixes,
             [
                 {"run_id": run_id, "prefix": p, "count": c, "errors": e, "nbytes": nb}
                 for p, (c, e, nb) in sorted(rs.prefixes.items())
             ],
         )
     if rs.actions:
-        PA = m.RunPrefixAction
-        ins = insert_for(db, PA)
-        ex = ins.excluded
         db.execute(
-            ins.on_conflict_do_update(
-                index_elements=["run_id", "prefix", "action"],
-                set_={
-                    "count": PA.count + ex.count,
-                    "total": PA.total + ex.total,
-                    "min": least(db, PA.min, ex.min),
-                    "max": greatest(db, PA.max, ex.max),
-                },
-            ),
+            st.actions,
             [
                 {
                     "run_id": run_id,
@@ -481,36 +548,3 @@ def _index_run(
                 for (p, a), (c, t, lo, hi) in sorted(rs.actions.items())
             ],
         )
-
-
-def _coalesce(a: Any, b: Any) -> Any:
-    return func.coalesce(a, b)
-
-
-def _index_worker(db: Session, session_id: int, ev: WorkerEvent) -> None:
-    W = m.Worker
-    joined = ev.event == "joined"
-    ins = insert_for(db, W).values(
-        session_id=session_id,
-        address=ev.address,
-        name=ev.name,
-        nthreads=ev.nthreads,
-        memory_limit=ev.memory_limit,
-        joined_at=ev.time if joined else None,
-        left_at=None if joined else ev.time,
-        left_reason=None if joined else ev.reason,
-    )
-    ex = ins.excluded
-    db.execute(
-        ins.on_conflict_do_update(
-            index_elements=["session_id", "address"],
-            set_={
-                "name": _coalesce(W.name, ex.name),
-                "nthreads": _coalesce(W.nthreads, ex.nthreads),
-                "memory_limit": _coalesce(W.memory_limit, ex.memory_limit),
-                "joined_at": least(db, W.joined_at, ex.joined_at),
-                "left_at": greatest(db, W.left_at, ex.left_at),
-                "left_reason": _coalesce(ex.left_reason, W.left_reason),
-            },
-        )
-    )
