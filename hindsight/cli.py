@@ -3,10 +3,13 @@ so the SDK stays importable in a Dask worker without them."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -18,6 +21,23 @@ def _settings(**overrides: object):  # -> storage.config.Settings
         return load_settings({k: v for k, v in overrides.items() if v is not None})
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _index(data_dir: str | None, *, upgrade: bool | None = True) -> Iterator[tuple[Any, Any]]:
+    """(settings, engine) for a command, the index migrated to head first (``upgrade=None``:
+    as ``HINDSIGHT_AUTO_UPGRADE`` says)."""
+    from storage.db import make_engine
+    from storage.db import upgrade as do_upgrade
+
+    settings = _settings(data_dir=data_dir)
+    engine = make_engine(settings.database_url)
+    try:
+        if upgrade or (upgrade is None and settings.auto_upgrade):
+            do_upgrade(engine)
+        yield settings, engine
+    finally:
+        engine.dispose()
 
 
 def _is_loopback(host: str) -> bool:
@@ -100,14 +120,10 @@ def db() -> None:
 @click.option("--data-dir", type=click.Path(file_okay=False))
 def upgrade(data_dir: str | None) -> None:
     """Apply the index migrations (services also do this on start)."""
-    from storage.db import current_revision, make_engine
-    from storage.db import upgrade as do_upgrade
+    from storage.db import current_revision
 
-    settings = _settings(data_dir=data_dir)
-    engine = make_engine(settings.database_url)
-    do_upgrade(engine)
-    click.echo(f"index at revision {current_revision(engine)}")
-    engine.dispose()
+    with _index(data_dir) as (_, engine):
+        click.echo(f"index at revision {current_revision(engine)}")
 
 
 @main.group()
@@ -127,21 +143,15 @@ def tokens() -> None:
 @click.option("--data-dir", type=click.Path(file_okay=False))
 def tokens_create(tenant: str, scopes: str, name: str | None, data_dir: str | None) -> None:
     """Create a token and print it (it is stored hashed and cannot be shown again)."""
-    from storage.db import make_engine, make_sessionmaker
-    from storage.db import upgrade as do_upgrade
+    from storage.db import make_sessionmaker
     from storage.tokens import create_token
 
-    settings = _settings(data_dir=data_dir)
-    engine = make_engine(settings.database_url)
-    if settings.auto_upgrade:
-        do_upgrade(engine)
-    try:
-        with make_sessionmaker(engine).begin() as session:
-            token = create_token(session, tenant, scopes, name)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        engine.dispose()
+    with _index(data_dir, upgrade=None) as (_, engine):
+        try:
+            with make_sessionmaker(engine).begin() as session:
+                token = create_token(session, tenant, scopes, name)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
     click.echo(token)
 
 
@@ -149,23 +159,16 @@ def tokens_create(tenant: str, scopes: str, name: str | None, data_dir: str | No
 @click.option("--data-dir", type=click.Path(file_okay=False))
 def reindex(data_dir: str | None) -> None:
     """Rebuild the index from the blob store (idempotent; safe on a live index)."""
-    from storage.blobs import open_blob_store
-    from storage.db import make_engine, make_sessionmaker
-    from storage.db import upgrade as do_upgrade
-
-    settings = _settings(data_dir=data_dir)
-    engine = make_engine(settings.database_url)
-    do_upgrade(engine)
-    blobs = open_blob_store(
-        settings.blob_url, endpoint_url=settings.s3_endpoint_url or None, region=settings.s3_region
-    )
+    from storage.blobs import blob_store_for
+    from storage.db import make_sessionmaker
     from storage.reindex import reindex as do_reindex
 
-    click.echo(f"listing {settings.blob_url} ...", err=True)
-    total = sum(1 for _ in blobs.list("v1/"))
-    with click.progressbar(length=total, label="reindexing", file=sys.stderr) as bar:
-        counts = do_reindex(blobs, make_sessionmaker(engine), on_progress=bar.update)
-    engine.dispose()
+    with _index(data_dir) as (settings, engine):
+        blobs = blob_store_for(settings)
+        click.echo(f"listing {settings.blob_url} ...", err=True)
+        total = sum(1 for _ in blobs.list("v1/"))
+        with click.progressbar(length=total, label="reindexing", file=sys.stderr) as bar:
+            counts = do_reindex(blobs, make_sessionmaker(engine), on_progress=bar.update)
     click.echo(
         f"{counts['blobs']} blobs: {counts['indexed']} indexed, {counts['already']} already indexed, "
         f"{counts['skipped']} skipped"

@@ -206,6 +206,13 @@ class S3BlobStore:
         self._call("head_bucket")
 
 
+def blob_store_for(settings: Any) -> BlobStore:
+    """The blob store a :class:`storage.config.Settings` names."""
+    return open_blob_store(
+        settings.blob_url, endpoint_url=settings.s3_endpoint_url or None, region=settings.s3_region
+    )
+
+
 def open_blob_store(
     url: str, *, endpoint_url: str | None = None, region: str = "us-east-1"
 ) -> BlobStore:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.blobs import BlobStore, open_blob_store
+from storage.blobs import BlobStore, blob_store_for
 from storage.config import Settings
 from storage.db import make_engine, make_sessionmaker, upgrade
 from storage.ingest import IdCache, ensure_tenant
@@ -37,12 +37,7 @@ class Store:
         engine = make_engine(settings.database_url)
         if settings.auto_upgrade:
             upgrade(engine)
-        blobs = open_blob_store(
-            settings.blob_url,
-            endpoint_url=settings.s3_endpoint_url or None,
-            region=settings.s3_region,
-        )
-        store = cls(settings, engine, make_sessionmaker(engine), blobs)
+        store = cls(settings, engine, make_sessionmaker(engine), blob_store_for(settings))
         if not settings.auth_required:
             with store.sessions.begin() as db:
                 tenant_id = ensure_tenant(db, DEFAULT_TENANT, time.time())
