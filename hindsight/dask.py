@@ -26,7 +26,6 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,7 @@ from hindsight.schema import (
     WorkerEvent,
     valid_name,
 )
+from hindsight.streams import scheduler_time
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self._spans: Any = None
         self._span_runs: dict[str, str] = {}
         self._open_runs: dict[str, _Run] = {}
-        self._pending_graphs: deque[tuple[Iterable[Any], str]] = deque()
+        # [keys, next position, client] per submission still being walked
+        self._pending_graphs: deque[list[Any]] = deque()
         self._pump_scheduled = False
         self._workers: dict[str, str] = {}
         self._sampler: PeriodicCallback | None = None
@@ -295,7 +296,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         if self.agent is None:
             return
         try:
-            self._pending_graphs.append((list(tasks), str(client) if client else None))
+            self._pending_graphs.append([list(tasks), 0, str(client) if client else None])
             self._pump_graph(limit=GRAPH_CHUNK)
         except Exception:
             logger.exception("hindsight: update_graph failed")
@@ -312,11 +313,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         while self._pending_graphs and budget > 0:
             if limit is not None and len(agent._buffer) > agent.settings.buffer_events // 2:
                 break  # the agent is behind: wait rather than drop graph events
-            keys, client = self._pending_graphs[0]
-            n = min(budget, len(keys))
-            chunk, rest = keys[:n], keys[n:]
-            if rest:
-                self._pending_graphs[0] = (rest, client)
+            entry = self._pending_graphs[0]
+            keys, pos, client = entry
+            n = min(budget, len(keys) - pos)
+            chunk = keys[pos : pos + n]
+            if pos + n < len(keys):
+                entry[1] = pos + n
             else:
                 self._pending_graphs.popleft()
             budget -= n
@@ -566,10 +568,11 @@ def scheduler_values(scheduler: Any) -> dict[str, float]:
 class _LogHandler(logging.Handler):
     """Copies log records at or above the configured level into the worker agent."""
 
-    def __init__(self, agent: Agent, worker: str, level: int) -> None:
+    def __init__(self, agent: Agent, worker: Any, level: int) -> None:
         super().__init__(level)
         self.agent = agent
         self.worker = worker
+        self.address = str(worker.address)
 
     def emit(self, record: logging.LogRecord) -> None:
         # Our own warnings about delivery problems must not feed back into delivery.
@@ -580,7 +583,14 @@ class _LogHandler(logging.Handler):
             if record.exc_info:
                 message = f"{message}\n{logging.Formatter().formatException(record.exc_info)}"
             self.agent.add(
-                (_log_event, record.created, record.levelname, message, record.name, self.worker)
+                (
+                    _log_event,
+                    scheduler_time(self.worker, record.created),
+                    record.levelname,
+                    message,
+                    record.name,
+                    self.address,
+                )
             )
         except Exception:
             pass
@@ -614,7 +624,7 @@ class WorkerAgentPlugin(WorkerPlugin):
 
             agent = Agent(self.settings, session=self.session, name=f"worker-{worker.name}")
             level = logging.getLevelName(self.settings.log_level.upper())
-            handler = _LogHandler(agent, str(worker.address), level)
+            handler = _LogHandler(agent, worker, level)
             # "distributed" does not propagate to the root logger (Dask's logging
             # config), so both need the handler, and no record reaches it twice.
             loggers = [logging.getLogger(), logging.getLogger("distributed")]
@@ -659,7 +669,7 @@ class WorkerAgentPlugin(WorkerPlugin):
             agent.add(
                 MetricEvent(
                     worker=_label(worker.address) or "",
-                    time=time.time(),
+                    time=scheduler_time(worker),
                     values=spill_values(worker),
                 )
             )

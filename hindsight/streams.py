@@ -45,6 +45,20 @@ def clear_worker_context(agent: Any) -> None:
         _context = None
 
 
+def scheduler_time(worker: Any, at: float | None = None) -> float:
+    """``at`` (default: now) on the scheduler's clock, like Dask's compute startstops.
+
+    Dask shifts compute and transfer times by the worker's estimated offset to the
+    scheduler (``Worker.scheduler_delay``, from heartbeats); worker-side events get the
+    same shift so they line up with task records on one timeline.
+    """
+    t = time.time() if at is None else at
+    try:
+        return t + float(worker.scheduler_delay or 0.0)
+    except (AttributeError, TypeError, ValueError):
+        return t
+
+
 def _current_task(worker: Any) -> tuple[str | None, str | None]:
     try:
         from distributed.worker import thread_state
@@ -85,7 +99,12 @@ def emit(stream: str, value: Any = None) -> bool:
         key, run = _current_task(ctx.worker)
         ctx.agent.add(
             CustomEvent(
-                stream=stream, time=time.time(), value=value, worker=ctx.address, run=run, key=key
+                stream=stream,
+                time=scheduler_time(ctx.worker),
+                value=value,
+                worker=ctx.address,
+                run=run,
+                key=key,
             )
         )
         return True

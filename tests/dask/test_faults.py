@@ -18,6 +18,7 @@ from tests.dask.conftest import (
     recorded_view,
     stream_view,
     wait_for_run,
+    wait_until,
 )
 from tests.sdk.fake_collector import FakeCollector
 
@@ -60,7 +61,8 @@ def test_collector_down_then_back_everything_arrives_once(tmp_path):
             during = run_map(
                 client, "during", 300
             )  # completes normally while the collector is away
-            assert list((tmp_path / "spool").rglob("*.hsb")), "nothing was spooled"
+            spool = tmp_path / "spool"
+            wait_until(lambda: list(spool.rglob("*.hsb")), 30, "batches in the spool")
             server.start()
             after = run_map(client, "after", 100)
             for name, stream in (("before", before), ("during", during), ("after", after)):

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import dask
+import pytest
 from distributed import Client, LocalCluster, get_task_stream, span
 
 import hindsight
@@ -33,19 +34,20 @@ def square(i: int) -> int:
     return i * i
 
 
-def test_cli_preload_with_environment_variables(hindsight_server: EmbeddedServer, tmp_path):
+@pytest.mark.parametrize("configured_by", ["environment", "preload options"])
+def test_cli_preload(hindsight_server: EmbeddedServer, tmp_path, configured_by):
     cluster = f"cli-{uuid.uuid4().hex[:8]}"
     port = free_port()
-    env = {
-        **os.environ,
-        "HINDSIGHT_URL": hindsight_server.url,
-        "HINDSIGHT_CLUSTER": cluster,
-        "DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING": "False",
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_")}
+    preload_args = ["--preload", "hindsight.dask"]
+    if configured_by == "environment":
+        env.update(HINDSIGHT_URL=hindsight_server.url, HINDSIGHT_CLUSTER=cluster)
+    else:
+        preload_args += ["--hindsight-url", hindsight_server.url, "--hindsight-cluster", cluster]
     address = f"tcp://127.0.0.1:{port}"
     log = open(tmp_path / "dask.log", "wb")  # noqa: SIM115
     scheduler = subprocess.Popen(
-        [str(BIN / "dask"), "scheduler", "--preload", "hindsight.dask", "--host", "127.0.0.1",
+        [str(BIN / "dask"), "scheduler", *preload_args, "--host", "127.0.0.1",
          "--port", str(port), "--dashboard-address", ":0"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
