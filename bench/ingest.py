@@ -6,7 +6,7 @@ RSS, and - measured in the same run - the single-core decode-and-validate rate o
 batches with the ratio. Everything runs on this machine's 2 cores: the senders, moto's
 server and Postgres share them with the collector.
 
-    .venv/bin/python bench/ingest.py [--duration 30] [--senders 4]
+    .venv/bin/python bench/ingest.py [--duration 30] [--senders 3]
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def decode_limit(frames: Frames, rounds: int = 3) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=30.0)
-    ap.add_argument("--senders", type=int, default=4)
+    ap.add_argument("--senders", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--worker-class", default="gthread")
@@ -227,7 +227,7 @@ def main() -> int:
                 "HINDSIGHT_S3_ENDPOINT_URL": s3_url, "HINDSIGHT_AUTH": "required",
                 "HINDSIGHT_AUTO_UPGRADE": "false", "HINDSIGHT_LOG_LEVEL": "WARNING"}  # fmt: skip
         gunicorn = subprocess.Popen(
-            [str(BIN / "gunicorn"), "--workers", str(args.workers), "--worker-class", args.worker_class,
+            [str(BIN / "gunicorn"), "--config", "python:services.gunicorn_conf", "--workers", str(args.workers), "--worker-class", args.worker_class,
              "--threads", str(args.threads), "--bind", f"127.0.0.1:{port}", "--log-level", "warning",
              "collector.app:create_app()"],
             env=genv, cwd=ROOT,

@@ -4,6 +4,7 @@ so the SDK stays importable in a Dask worker without them."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import ipaddress
 import os
 import socket
@@ -90,6 +91,8 @@ def serve(data_dir: str | None, host: str, port: int) -> None:
                 + (f" --data-dir {data_dir}" if data_dir else "")
             )
     server = make_server(host, port, app, threaded=True)
+    gc.collect()
+    gc.freeze()  # long-lived start-up objects out of the collector's reach (services/gunicorn_conf.py)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{server.port}"
     click.echo(f"Hindsight embedded server (collector + query) on {url}")
     click.echo(f"  data:       {settings.data_dir}")

@@ -90,53 +90,63 @@ class BatchSummary:
 
 
 def summarize(batch: Batch) -> BatchSummary:
-    """One pass over the events: everything the index needs, before touching the database."""
+    """One pass over the events: everything the index needs, before touching the database.
+
+    The collector's hottest loop after decoding: consecutive tasks nearly always share a
+    run, successes skip the status table, and per-prefix action entries carry their own
+    earliest start and latest stop, from which run totals are derived once at the end.
+    """
     out = BatchSummary()
     runs = out.runs
+    # run key -> {prefix: [count, errors, nbytes, {action: [n, total, min, max, first, last]}]}
+    per_run: dict[str, dict[str, list[Any]]] = {}
+    # run key -> {status: count} for statuses other than "memory"
+    other_status: dict[str, dict[str, int]] = {}
+    last_rk: str | None = None
+    prefixes: dict[str, list[Any]] = {}
     for ev in batch.events:
         if type(ev) is TaskEvent:
             rk = ev.run or DEFAULT_RUN
-            rs = runs.get(rk)
-            if rs is None:
-                rs = runs[rk] = RunSummary()
-            rs.tasks += 1
-            status = ev.status
-            rs.statuses[status] = rs.statuses.get(status, 0) + 1
-            erred = status == "erred"
-            if erred:
-                rs.errors += 1
-            nb = ev.nbytes or 0
-            rs.nbytes += nb
-            prefix = ev.prefix
-            p = rs.prefixes.get(prefix)
+            if rk != last_rk:
+                last_rk = rk
+                prefixes = per_run.get(rk)  # type: ignore[assignment]
+                if prefixes is None:
+                    prefixes = per_run[rk] = {}
+            p = prefixes.get(ev.prefix)
             if p is None:
-                p = rs.prefixes[prefix] = [0, 0, 0]
+                p = prefixes[ev.prefix] = [0, 0, 0, {}]
             p[0] += 1
-            p[1] += erred
-            p[2] += nb
-            actions = rs.actions
+            status = ev.status
+            if status != "memory":
+                counts = other_status.setdefault(rk, {})
+                counts[status] = counts.get(status, 0) + 1
+                if status == "erred":
+                    p[1] += 1
+            if ev.nbytes:
+                p[2] += ev.nbytes
+            actions = p[3]
             for ss in ev.startstops:
-                start, stop = ss.start, ss.stop
+                start = ss.start
+                stop = ss.stop
                 d = stop - start
-                a = actions.get((prefix, ss.action))
+                a = actions.get(ss.action)
                 if a is None:
-                    actions[(prefix, ss.action)] = [1, d, d, d]
+                    actions[ss.action] = [1, d, d, d, start, stop]
                 else:
                     a[0] += 1
                     a[1] += d
                     if d < a[2]:
                         a[2] = d
-                    if d > a[3]:
+                    elif d > a[3]:
                         a[3] = d
-                if rs.task_start is None or start < rs.task_start:
-                    rs.task_start = start
-                if rs.task_stop is None or stop > rs.task_stop:
-                    rs.task_stop = stop
+                    if start < a[4]:
+                        a[4] = start
+                    if stop > a[5]:
+                        a[5] = stop
         elif type(ev) is GraphEvent:
-            rk = ev.run or DEFAULT_RUN
-            rs = runs.get(rk)
+            rs = runs.get(ev.run or DEFAULT_RUN)
             if rs is None:
-                rs = runs[rk] = RunSummary()
+                rs = runs[ev.run or DEFAULT_RUN] = RunSummary()
             rs.graph += 1
         elif type(ev) is RunEvent:
             rs = runs.get(ev.id)
@@ -147,6 +157,26 @@ def summarize(batch: Batch) -> BatchSummary:
             out.workers.append(ev)
         elif type(ev) is SessionEvent:
             out.session = ev
+
+    for rk, prefixes in per_run.items():
+        rs = runs.get(rk)
+        if rs is None:
+            rs = runs[rk] = RunSummary()
+        for prefix, (count, errors, nbytes, actions) in prefixes.items():
+            rs.tasks += count
+            rs.errors += errors
+            rs.nbytes += nbytes
+            rs.prefixes[prefix] = [count, errors, nbytes]
+            for action, (n, total, lo, hi, first, last) in actions.items():
+                rs.actions[(prefix, action)] = [n, total, lo, hi]
+                if rs.task_start is None or first < rs.task_start:
+                    rs.task_start = first
+                if rs.task_stop is None or last > rs.task_stop:
+                    rs.task_stop = last
+        others = other_status.get(rk, {})
+        rs.statuses = dict(others)
+        if rs.tasks > sum(others.values()):
+            rs.statuses["memory"] = rs.tasks - sum(others.values())
     return out
 
 

@@ -212,6 +212,10 @@ def test_gunicorn_runs_an_existing_app_factory(
     module_name, _, call = factory.partition(":")
     module = importlib.import_module(module_name)
     assert callable(getattr(module, call.removesuffix("()")))
+    # The shared gunicorn config (gc.freeze after start-up, for ack latency) is loaded.
+    (config,) = [p.split("=", 1)[1] for p in command if p.startswith("--config=")]
+    conf = importlib.import_module(config.removeprefix("python:"))
+    assert callable(conf.post_worker_init)
 
 
 def test_shared_settings_are_identical(services: dict[str, Any]) -> None:
