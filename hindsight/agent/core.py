@@ -281,7 +281,7 @@ class Agent:
             final=final,
             dropped=dropped,
         )
-        return compress(_encoder.encode(batch), self.settings.encoding)
+        return compress(_encoder.encode(batch), self.settings.encoding, self.settings.zstd_level)
 
     def _spool_or_memory(self) -> Spool:
         if self._spool is None:
