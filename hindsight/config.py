@@ -86,7 +86,8 @@ _ENV = {
     "buffer_events": "HINDSIGHT_BUFFER_EVENTS",
     "close_timeout": "HINDSIGHT_CLOSE_TIMEOUT",
     "sample_interval": "HINDSIGHT_SAMPLE_INTERVAL",
-    "log_level": "HINDSIGHT_LOG_LEVEL",
+    # not HINDSIGHT_LOG_LEVEL: that is the services' own logging level (storage/config.py)
+    "log_level": "HINDSIGHT_WORKER_LOG_LEVEL",
     "encoding": "HINDSIGHT_ENCODING",
     "zstd_level": "HINDSIGHT_ZSTD_LEVEL",
     "request_timeout": "HINDSIGHT_REQUEST_TIMEOUT",

@@ -40,7 +40,7 @@ def test_invalid_values_fall_back_with_a_warning(caplog):
         "HINDSIGHT_URL": "ftp://nope",
         "HINDSIGHT_CLUSTER": "../etc",
         "HINDSIGHT_FLUSH_EVENTS": "many",
-        "HINDSIGHT_LOG_LEVEL": "LOUD",
+        "HINDSIGHT_WORKER_LOG_LEVEL": "LOUD",
     }
     s = load_settings(environ=env, dask_config={})
     assert (s.url, s.cluster, s.flush_events, s.log_level) == (None, "default", 5000, "WARNING")
