@@ -30,6 +30,7 @@ from hindsight.schema import (
     decode_batch,
 )
 from storage import models as m
+from storage import sketch
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,92 @@ def summarize(batch: Batch) -> BatchSummary:
         rs.statuses = dict(others)
         if rs.tasks > sum(others.values()):
             rs.statuses["memory"] = rs.tasks - sum(others.values())
+    return out
+
+
+@dataclass
+class Rollups:
+    """The query rollups of one batch (``storage.sketch`` histograms, per-worker and
+    per-hour sums). Like the rest of the index, every figure adds or takes min/max."""
+
+    # run key -> (prefix, action) -> {bucket: count}
+    hists: dict[str, dict[tuple[str, str], dict[int, int]]] = field(default_factory=dict)
+    # run key -> worker -> [tasks, errors, compute, transfer, disk-read, disk-write, other,
+    #                       first start, last stop]
+    workers: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    # hour -> [tasks, errors, compute, transfer, disk, nbytes]
+    hours: dict[int, list[Any]] = field(default_factory=dict)
+    # (prefix, action, hour, bucket) -> [count, total]
+    prefix_hours: dict[tuple[str, str, int, int], list[Any]] = field(default_factory=dict)
+
+
+_ACTION_SLOT = {"compute": 2, "transfer": 3, "disk-read": 4, "disk-write": 5}
+
+
+def rollups(batch: Batch) -> Rollups:
+    """One pass over a batch's task events for the query rollups."""
+    out = Rollups()
+    bucket_of = sketch.bucket
+    for ev in batch.events:
+        if type(ev) is not TaskEvent:
+            continue
+        rk = ev.run or DEFAULT_RUN
+        hists = out.hists.get(rk)
+        if hists is None:
+            hists = out.hists[rk] = {}
+            workers = out.workers[rk] = {}
+        else:
+            workers = out.workers[rk]
+        erred = ev.status == "erred"
+        w = None
+        if ev.worker is not None:
+            w = workers.get(ev.worker)
+            if w is None:
+                w = workers[ev.worker] = [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, None, None]
+            w[0] += 1
+            if erred:
+                w[1] += 1
+        first = None
+        for ss in ev.startstops:
+            start = ss.start
+            d = ss.stop - start
+            b = bucket_of(d)
+            key = (ev.prefix, ss.action)
+            h = hists.get(key)
+            if h is None:
+                h = hists[key] = {}
+            h[b] = h.get(b, 0) + 1
+            hour = int(start // 3600)
+            ph = out.prefix_hours.get((ev.prefix, ss.action, hour, b))
+            if ph is None:
+                out.prefix_hours[(ev.prefix, ss.action, hour, b)] = [1, d]
+            else:
+                ph[0] += 1
+                ph[1] += d
+            if first is None or start < first:
+                first = start
+            if w is not None:
+                w[_ACTION_SLOT.get(ss.action, 6)] += d
+                if w[7] is None or start < w[7]:
+                    w[7] = start
+                if w[8] is None or ss.stop > w[8]:
+                    w[8] = ss.stop
+        if first is not None:
+            hour = int(first // 3600)
+            c = out.hours.get(hour)
+            if c is None:
+                c = out.hours[hour] = [0, 0, 0.0, 0.0, 0.0, 0]
+            c[0] += 1
+            if erred:
+                c[1] += 1
+            for ss in ev.startstops:
+                slot = {"compute": 2, "transfer": 3}.get(
+                    ss.action, 4 if ss.action.startswith("disk") else None
+                )
+                if slot is not None:
+                    c[slot] += ss.stop - ss.start
+            if ev.nbytes:
+                c[5] += ev.nbytes
     return out
 
 
@@ -335,6 +422,48 @@ def _statements(dialect: str) -> SimpleNamespace:
             "left_reason": func.coalesce(ex.left_reason, W.c.left_reason),
         },
     )
+    H, RW, PH, CH = (
+        x.__table__ for x in (m.RunPrefixHist, m.RunWorker, m.PrefixHour, m.ClusterHour)
+    )
+    ins = insert(H)
+    st.hist = ins.on_conflict_do_update(
+        index_elements=["run_id", "prefix", "action", "bucket"],
+        set_={"count": H.c.count + ins.excluded.count},
+    )
+    ins = insert(RW)
+    ex = ins.excluded
+    st.run_workers = ins.on_conflict_do_update(
+        index_elements=["run_id", "worker"],
+        set_={
+            **{
+                c: RW.c[c] + ex[c]
+                for c in (
+                    "tasks",
+                    "errors",
+                    "compute",
+                    "transfer",
+                    "disk_read",
+                    "disk_write",
+                    "other",
+                )
+            },
+            "first_start": lo(RW.c.first_start, ex.first_start),
+            "last_stop": hi(RW.c.last_stop, ex.last_stop),
+        },
+    )
+    ins = insert(PH)
+    st.prefix_hours = ins.on_conflict_do_update(
+        index_elements=["cluster_id", "prefix", "action", "hour", "bucket"],
+        set_={"count": PH.c.count + ins.excluded.count, "total": PH.c.total + ins.excluded.total},
+    )
+    ins = insert(CH)
+    st.cluster_hours = ins.on_conflict_do_update(
+        index_elements=["cluster_id", "hour"],
+        set_={
+            c: CH.c[c] + ins.excluded[c]
+            for c in ("tasks", "errors", "compute", "transfer", "disk", "nbytes")
+        },
+    )
     st.session_info = (
         update(S)
         .where(S.c.id == bindparam("p_id"), S.c.info.is_(None))
@@ -469,8 +598,10 @@ def index_batch(
     )  # fmt: skip
 
     summary = summary or summarize(batch)
+    extra = rollups(batch)
+    run_ids: dict[str, int] = {}
     for run_key in sorted(summary.runs):
-        _index_run(
+        run_ids[run_key] = _index_run(
             db,
             st,
             tenant,
@@ -483,6 +614,7 @@ def index_batch(
             summary.runs[run_key],
             now,
         )
+    _index_rollups(db, st, cluster_id, run_ids, extra)
     workers = sorted(summary.workers, key=lambda w: (w.address, w.time))
     for ev in workers:
         joined = ev.event == "joined"
@@ -515,7 +647,7 @@ def _index_run(
     run_key: str,
     rs: RunSummary,
     now: float,
-) -> None:
+) -> int:
     started = [e for e in rs.events if e.event == "started"]
     ended = [e for e in rs.events if e.event != "started"]
     first = min(started, key=lambda e: e.time) if started else None
@@ -577,4 +709,62 @@ def _index_run(
                 }
                 for (p, a), (c, t, lo, hi) in sorted(rs.actions.items())
             ],
+        )
+    return run_id
+
+
+def _index_rollups(
+    db: Session, st: SimpleNamespace, cluster_id: int, run_ids: dict[str, int], r: Rollups
+) -> None:
+    """Upsert the query rollups; rows in a fixed order so concurrent batches lock alike."""
+    rows: list[dict[str, Any]] = []
+    for rk in sorted(r.hists):
+        run_id = run_ids[rk]
+        for (prefix, action), h in sorted(r.hists[rk].items()):
+            rows += [
+                {"run_id": run_id, "prefix": prefix, "action": action, "bucket": b, "count": c}
+                for b, c in sorted(h.items())
+            ]
+    if rows:
+        db.execute(st.hist, rows)
+    rows = [
+        {"run_id": run_ids[rk], "worker": w, "tasks": v[0], "errors": v[1], "compute": v[2],
+         "transfer": v[3], "disk_read": v[4], "disk_write": v[5], "other": v[6],
+         "first_start": v[7], "last_stop": v[8]}
+        for rk in sorted(r.workers) for w, v in sorted(r.workers[rk].items())
+    ]  # fmt: skip
+    if rows:
+        db.execute(st.run_workers, rows)
+    if r.prefix_hours:
+        db.execute(
+            st.prefix_hours,
+            [
+                {
+                    "cluster_id": cluster_id,
+                    "prefix": p,
+                    "action": a,
+                    "hour": h,
+                    "bucket": b,
+                    "count": c,
+                    "total": t,
+                }
+                for (p, a, h, b), (c, t) in sorted(r.prefix_hours.items())
+            ],  # fmt: skip
+        )
+    if r.hours:
+        db.execute(
+            st.cluster_hours,
+            [
+                {
+                    "cluster_id": cluster_id,
+                    "hour": h,
+                    "tasks": v[0],
+                    "errors": v[1],
+                    "compute": v[2],
+                    "transfer": v[3],
+                    "disk": v[4],
+                    "nbytes": v[5],
+                }
+                for h, v in sorted(r.hours.items())
+            ],  # fmt: skip
         )

@@ -123,6 +123,8 @@ class Run(Base):
         UniqueConstraint("session_id", "run_key"),
         Index("ix_runs_tenant_started", "tenant_id", "started_at", "id"),
         Index("ix_runs_cluster_started", "cluster_id", "started_at", "id"),
+        # Runs by name: the name filter and "previous runs of the same job" (regressions).
+        Index("ix_runs_tenant_name", "tenant_id", "name", "started_at"),
     )
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     # Deterministic public id: uuid5 of tenant/cluster/session/run key, so a rebuilt
@@ -204,3 +206,71 @@ class Worker(Base):
     joined_at: Mapped[float | None] = mapped_column(Float)
     left_at: Mapped[float | None] = mapped_column(Float)
     left_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class RunPrefixHist(Base):
+    """Per-run per-prefix per-action duration histogram (log buckets, ``storage.sketch``).
+
+    Counts add, so histograms of several batches, runs or clusters merge by summing, and
+    quantiles over any set of runs come from the index without reading a task record.
+    """
+
+    __tablename__ = "run_prefix_hist"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    action: Mapped[str] = mapped_column(String(64), primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+
+
+class RunWorker(Base):
+    """Per-run per-worker seconds by action: the workers a run used and where their time went."""
+
+    __tablename__ = "run_workers"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    worker: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    tasks: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    compute: Mapped[float] = mapped_column(Float)
+    transfer: Mapped[float] = mapped_column(Float)
+    disk_read: Mapped[float] = mapped_column(Float)
+    disk_write: Mapped[float] = mapped_column(Float)
+    other: Mapped[float] = mapped_column(Float)
+    first_start: Mapped[float | None] = mapped_column(Float)
+    last_stop: Mapped[float | None] = mapped_column(Float)
+
+
+class PrefixHour(Base):
+    """Duration histogram per cluster, prefix, action and hour (of the phase's start).
+
+    The cross-cluster history rollup: a prefix's quantiles over days of runs read these
+    rows, never the runs' task records. Counts and totals add, so batches commute.
+    """
+
+    __tablename__ = "prefix_hours"
+    __table_args__ = (Index("ix_prefix_hours_prefix_hour", "prefix", "action", "hour"),)
+    cluster_id: Mapped[int] = mapped_column(
+        ForeignKey("clusters.id", ondelete="CASCADE"), primary_key=True
+    )
+    prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    action: Mapped[str] = mapped_column(String(64), primary_key=True)
+    hour: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+    total: Mapped[float] = mapped_column(Float)
+
+
+class ClusterHour(Base):
+    """Per-cluster per-hour task totals (by the task's first start): tasks, errors, seconds."""
+
+    __tablename__ = "cluster_hours"
+    cluster_id: Mapped[int] = mapped_column(
+        ForeignKey("clusters.id", ondelete="CASCADE"), primary_key=True
+    )
+    hour: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    tasks: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    compute: Mapped[float] = mapped_column(Float)
+    transfer: Mapped[float] = mapped_column(Float)
+    disk: Mapped[float] = mapped_column(Float)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
