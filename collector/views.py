@@ -12,6 +12,7 @@ from flask import Blueprint, current_app, request
 from collector.body import decompress, normalise_encoding
 from collector.ratelimit import RateLimiter
 from hindsight.schema import SchemaError, decode_batch
+from services.common.ops import BATCHES, BLOB_SECONDS, BYTES, EVENTS, INDEX_SECONDS, timed
 from services.common.web import ApiError, db, require, store
 from storage.ingest import blob_key, decode_stored, index_batch, summarize
 
@@ -52,14 +53,17 @@ def post_batch() -> Any:
     )
     key = blob_key(principal.tenant, batch)
     st = store()
-    written = st.blobs.put(key, stored, if_absent=True)
+    with timed(BLOB_SECONDS.labels("put")):
+        written = st.blobs.put(key, stored, if_absent=True)
     if not written:
         # Index what the store holds, not this request: the index stays a function of the
         # blob store even if a buggy agent reused an identity for different content.
-        stored = st.blobs.get(key)
+        with timed(BLOB_SECONDS.labels("get")):
+            stored = st.blobs.get(key)
         batch = decode_stored(stored)
 
     session = db()
+    t0 = time.perf_counter()
     index_batch(
         session,
         tenant_id=principal.tenant_id,
@@ -72,6 +76,11 @@ def post_batch() -> Any:
         cache=st.ids,
     )
     session.commit()
+    INDEX_SECONDS.observe(time.perf_counter() - t0)
+    BATCHES.labels(str(not written).lower()).inc()
+    if written:
+        EVENTS.inc(len(batch.events))
+        BYTES.labels(encoding).inc(len(raw))
     return {
         "batch_id": batch.batch_id,
         "accepted": len(batch.events),

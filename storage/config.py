@@ -28,6 +28,11 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_AUTO_UPGRADE": ("auto_upgrade", bool, True),
     "HINDSIGHT_TOKEN_CACHE_SECONDS": ("token_cache_seconds", float, 10.0),
     "HINDSIGHT_LOG_LEVEL": ("log_level", str, "INFO"),
+    "HINDSIGHT_LOG_FORMAT": ("log_format", str, "text"),
+    "HINDSIGHT_ACCESS_LOG": ("access_log", bool, True),
+    "HINDSIGHT_METRICS": ("metrics", bool, True),
+    "HINDSIGHT_MAX_IN_FLIGHT": ("max_in_flight", int, 64),
+    "HINDSIGHT_MAX_IN_FLIGHT_BYTES": ("max_in_flight_bytes", int, 256 * 1024 * 1024),
 }
 
 
@@ -50,6 +55,11 @@ class Settings:
     auto_upgrade: bool
     token_cache_seconds: float
     log_level: str
+    log_format: str
+    access_log: bool
+    metrics: bool
+    max_in_flight: int
+    max_in_flight_bytes: int
 
     @property
     def auth_required(self) -> bool:
@@ -104,6 +114,12 @@ def load_settings(
         )
     if values["max_batch_bytes"] < 1024:
         raise ConfigError("HINDSIGHT_MAX_BATCH_BYTES must be at least 1024")
+    if values["log_format"] not in ("text", "json"):
+        raise ConfigError(
+            f"HINDSIGHT_LOG_FORMAT must be 'text' or 'json', not {values['log_format']!r}"
+        )
+    if values["max_in_flight"] < 0 or values["max_in_flight_bytes"] < 0:
+        raise ConfigError("HINDSIGHT_MAX_IN_FLIGHT and ..._BYTES must not be negative (0: no cap)")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
     if not values["blob_url"].startswith(("s3://", "file://")):

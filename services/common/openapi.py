@@ -44,6 +44,18 @@ HEALTH_PATHS = {
             "responses": {**ok("ready"), "503": error("not ready")},
         }
     },
+    "/metrics": {
+        "get": {
+            "summary": "Prometheus metrics (no tenant labels)",
+            "security": [],
+            "responses": {
+                "200": {
+                    "description": "exposition text",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            },
+        }
+    },
     "/v1/openapi.json": {
         "get": {"summary": "This document", "security": [], "responses": ok("OpenAPI 3.1")}
     },

@@ -13,6 +13,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 from werkzeug.exceptions import HTTPException
 
+from services.common import ops
 from services.common.store import Store
 from storage.config import Settings, load_settings
 from storage.tokens import Principal
@@ -99,6 +100,7 @@ def require(scope: str) -> Principal:
     """The caller's principal, if its token carries ``scope``; else 401/403."""
     st = store()
     if st.open_principal is not None:
+        g.principal = st.open_principal
         return st.open_principal
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
@@ -109,13 +111,21 @@ def require(scope: str) -> Principal:
         raise ApiError(
             401, "unauthorized", "unknown or revoked token", {"WWW-Authenticate": "Bearer"}
         )
+    g.principal = principal  # for the access log
     if scope not in principal.scopes:
         raise ApiError(403, "forbidden", f"token lacks the {scope!r} scope")
     return principal
 
 
-def health_blueprint(openapi: dict[str, Any]) -> Blueprint:
+def health_blueprint(openapi: dict[str, Any], metrics: bool = True) -> Blueprint:
     bp = Blueprint("health", __name__)
+
+    if metrics:
+
+        @bp.get("/metrics")
+        def metrics_text() -> Any:
+            # Unauthenticated, like every Prometheus scrape target: no metric names a tenant.
+            return ops.metrics_response()
 
     @bp.get("/healthz")
     def healthz() -> Any:
@@ -149,6 +159,9 @@ def health_blueprint(openapi: dict[str, Any]) -> Blueprint:
     return bp
 
 
+_SERVICE_NAMES = {"collector.app": "collector", "services.query.app": "query"}
+
+
 def make_app(
     name: str,
     config: dict[str, Any] | None,
@@ -158,14 +171,15 @@ def make_app(
 ) -> Flask:
     """An app with the shared plumbing: settings, store, errors, health, teardown."""
     settings = settings or load_settings(config)
-    logging.basicConfig(level=settings.log_level.upper())
+    ops.configure_logging(settings.log_level, settings.log_format)
     app = Flask(name)
     app.config["SETTINGS"] = settings
     app.config["MAX_CONTENT_LENGTH"] = settings.max_batch_bytes
     app.json.sort_keys = False
     app.extensions["hindsight"] = Store.open(settings)
     _register_errors(app)
-    app.register_blueprint(health_blueprint(openapi))
+    ops.install(app, _SERVICE_NAMES.get(name, name))
+    app.register_blueprint(health_blueprint(openapi, settings.metrics))
     for bp in blueprints:
         app.register_blueprint(bp)
 
