@@ -178,5 +178,60 @@ def reindex(data_dir: str | None) -> None:
     )
 
 
+@main.group()
+def retention() -> None:
+    """Retention: remove old history (blobs and index rows) per tenant."""
+
+
+@retention.command("apply")
+@click.option("--tenant", required=True)
+@click.option(
+    "--max-age-days",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Remove sessions nothing arrived for in this many days.",
+)
+@click.option(
+    "--max-runs",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Keep the sessions of the tenant's newest N runs; remove the others.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; change nothing.")
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def retention_apply(
+    tenant: str,
+    max_age_days: float | None,
+    max_runs: int | None,
+    dry_run: bool,
+    data_dir: str | None,
+) -> None:
+    """Remove a tenant's sessions past retention: blobs first, then index rows (a crash in
+    between is finished by the next run; reindex cannot resurrect what is removed)."""  # fmt: skip
+    from storage.blobs import blob_store_for
+    from storage.db import make_sessionmaker
+    from storage.retention import apply
+
+    if max_age_days is None and max_runs is None:
+        raise click.UsageError("give --max-age-days, --max-runs, or both")
+    with _index(data_dir) as (settings, engine):
+        done = apply(
+            blob_store_for(settings),
+            make_sessionmaker(engine),
+            tenant,
+            max_age=None if max_age_days is None else max_age_days * 86400,
+            max_runs=max_runs,
+            dry_run=dry_run,
+        )
+    verb = "would remove" if dry_run else "removed"
+    for s in done.sessions:
+        click.echo(f"  {s.prefix.rstrip('/')}: {s.runs} runs, {s.batches} batches, {s.bytes} bytes")
+    click.echo(
+        f"{verb} {len(done.sessions)} sessions of tenant {tenant!r}: {done.runs} runs, "
+        f"{done.batches} batches, {done.bytes} bytes"
+        + ("" if dry_run else f" ({done.blobs_deleted} blobs deleted)")
+    )
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,191 @@
+"""Retention per tenant: remove old history from the blob store and the index.
+
+The unit removed is a **session** (one scheduler lifetime), not a single run: a batch holds
+events of every run its agent saw, and batches are stored once and never rewritten, so a
+run's blobs can only go when every run sharing them goes. A session expires when
+
+- ``max_age``: nothing arrived for it for longer than ``max_age`` seconds (``last_seen``), or
+- ``max_runs``: none of its runs is among the tenant's newest ``max_runs`` runs (by start).
+
+A long-lived session that keeps starting runs is kept whole until it falls out of both.
+
+Order: **blobs first, then index rows.** The blob store is the source of truth and
+``hindsight reindex`` rebuilds the index from it, so deleting index rows first would let a
+crash (or a reindex running meanwhile) resurrect the session from its blobs, with fresh
+``last_seen`` times that age-based retention would not catch for another ``max_age``.
+Deleting blobs first, a crash leaves index rows whose blobs are (partly) gone: the session is
+still expired, so the next ``apply`` finishes it (deleting a missing blob is not an error).
+Index rows go in one transaction per session (ON DELETE CASCADE takes agents, batches, runs
+and their rollups). Per-cluster hourly rollups older than the age cut-off go too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage import models as m
+from storage.blobs import BlobStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExpiredSession:
+    """One session retention removes, with what it holds."""
+
+    id: int
+    cluster: str
+    name: str
+    last_seen: float
+    runs: int
+    batches: int
+    bytes: int
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.cluster}/{self.name}/"
+
+
+@dataclass
+class RetentionPlan:
+    """What ``apply`` removes (or, on a dry run, would remove)."""
+
+    tenant: str
+    sessions: list[ExpiredSession] = field(default_factory=list)
+    hour_cutoff: int | None = None
+    blobs_deleted: int = 0
+
+    @property
+    def runs(self) -> int:
+        return sum(s.runs for s in self.sessions)
+
+    @property
+    def batches(self) -> int:
+        return sum(s.batches for s in self.sessions)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.sessions)
+
+
+def plan(
+    db: Session,
+    tenant: str,
+    *,
+    max_age: float | None = None,
+    max_runs: int | None = None,
+    now: float | None = None,
+) -> RetentionPlan:
+    """The sessions of ``tenant`` past retention (nothing is changed)."""
+    if max_age is None and max_runs is None:
+        raise ValueError("give a maximum age, a maximum number of runs, or both")
+    if (max_age is not None and max_age < 0) or (max_runs is not None and max_runs < 0):
+        raise ValueError("retention limits must not be negative")
+    now = time.time() if now is None else now
+    out = RetentionPlan(tenant)
+    tenant_id = db.scalar(select(m.Tenant.id).where(m.Tenant.name == tenant))
+    if tenant_id is None:
+        return out
+    expired: set[int] = set()
+    base = (
+        select(m.Session.id)
+        .join(m.Cluster, m.Cluster.id == m.Session.cluster_id)
+        .where(m.Cluster.tenant_id == tenant_id)
+    )
+    if max_age is not None:
+        cutoff = now - max_age
+        expired |= set(db.scalars(base.where(m.Session.last_seen < cutoff)))
+        out.hour_cutoff = int(cutoff // 3600)
+    if max_runs is not None:
+        started = func.coalesce(m.Run.started_at, m.Run.first_seen)
+        newest = (
+            select(m.Run.session_id)
+            .where(m.Run.tenant_id == tenant_id)
+            .order_by(started.desc(), m.Run.id.desc())
+            .limit(max_runs)
+        )
+        keep = set(db.scalars(newest))
+        with_runs = set(
+            db.scalars(select(m.Run.session_id).where(m.Run.tenant_id == tenant_id).distinct())
+        )
+        expired |= with_runs - keep
+    if not expired:
+        return out
+    runs = dict(
+        db.execute(
+            select(m.Run.session_id, func.count())
+            .where(m.Run.session_id.in_(expired))
+            .group_by(m.Run.session_id)
+        ).all()
+    )
+    sizes = {
+        sid: (n, b or 0)
+        for sid, n, b in db.execute(
+            select(m.Agent.session_id, func.count(m.Batch.id), func.sum(m.Batch.bytes))
+            .join(m.Batch, m.Batch.agent_id == m.Agent.id)
+            .where(m.Agent.session_id.in_(expired))
+            .group_by(m.Agent.session_id)
+        ).all()
+    }
+    rows = db.execute(
+        select(m.Session.id, m.Cluster.name, m.Session.name, m.Session.last_seen)
+        .join(m.Cluster, m.Cluster.id == m.Session.cluster_id)
+        .where(m.Session.id.in_(expired))
+        .order_by(m.Session.last_seen, m.Session.id)
+    ).all()
+    for sid, cluster, name, last_seen in rows:
+        n, b = sizes.get(sid, (0, 0))
+        out.sessions.append(
+            ExpiredSession(sid, cluster, name, last_seen, runs.get(sid, 0), n, int(b))
+        )
+    return out
+
+
+def apply(
+    blobs: BlobStore,
+    sessions: sessionmaker[Session],
+    tenant: str,
+    *,
+    max_age: float | None = None,
+    max_runs: int | None = None,
+    dry_run: bool = False,
+    now: float | None = None,
+    on_progress: Callable[[ExpiredSession], None] | None = None,
+) -> RetentionPlan:
+    """Remove the expired sessions of ``tenant``: blobs first, then index rows (see the
+    module docstring for why). With ``dry_run`` only the plan is returned."""
+    with sessions() as db:
+        result = plan(db, tenant, max_age=max_age, max_runs=max_runs, now=now)
+    if dry_run:
+        return result
+    for s in result.sessions:
+        # Every blob under the session's prefix, indexed or not: a batch stored but not yet
+        # indexed (index down at the time) would otherwise survive and be reindexed later.
+        for key in list(blobs.list(f"v1/{tenant}/{s.prefix}")):
+            blobs.delete(key)
+            result.blobs_deleted += 1
+        with sessions.begin() as db:
+            db.execute(delete(m.Session).where(m.Session.id == s.id))
+        logger.info(
+            "retention: removed session %s of tenant %s (%d runs, %d batches)",
+            s.prefix.rstrip("/"), tenant, s.runs, s.batches,
+        )  # fmt: skip
+        if on_progress:
+            on_progress(s)
+    if result.hour_cutoff is not None:
+        with sessions.begin() as db:
+            clusters = select(m.Cluster.id).join(m.Tenant, m.Tenant.id == m.Cluster.tenant_id)
+            clusters = clusters.where(m.Tenant.name == tenant)
+            for table in (m.PrefixHour, m.ClusterHour):
+                db.execute(
+                    delete(table).where(
+                        table.cluster_id.in_(clusters), table.hour < result.hour_cutoff
+                    )
+                )
+    return result
