@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import TaskEvent
 from storage import models as m
+from storage.analysis import fingerprint
 from storage.blobs import BlobStore
 from storage.ingest import DEFAULT_RUN, decode_stored
 
@@ -121,18 +122,41 @@ def run_summary(run: m.Run, cluster: str, session: str) -> dict[str, Any]:
     }
 
 
+RUN_SORTS = ("-started_at", "started_at", "-makespan", "makespan", "-task_count", "task_count",
+             "-error_count", "error_count")  # fmt: skip
+
+
 @dataclass
 class RunFilters:
     cluster: str | None = None
     status: str | None = None
     since: float | None = None
     until: float | None = None
+    # exact name; a trailing "*" matches names starting with the rest
+    name: str | None = None
+    min_duration: float | None = None  # makespan in seconds
+    has_errors: bool | None = None
+
+
+def _sort_column(sort: str) -> Any:
+    col = sort.lstrip("-")
+    if col == "makespan":
+        # Runs without task times sort as makespan -1 (last when descending).
+        return func.coalesce(m.Run.task_stop - m.Run.task_start, -1.0)
+    return {"started_at": m.Run.started_at, "task_count": m.Run.task_count,
+            "error_count": m.Run.error_count}[col]  # fmt: skip
 
 
 def list_runs(
-    db: Session, tenant_id: int, filters: RunFilters, limit: int, cursor: str | None
+    db: Session,
+    tenant_id: int,
+    filters: RunFilters,
+    limit: int,
+    cursor: str | None,
+    sort: str = "-started_at",
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Runs newest first; keyset pagination on (started_at, id)."""
+    """Runs filtered and sorted (newest first by default); keyset pagination on
+    (sort value, id), the cursor naming its sort so it cannot be replayed on another."""
     q = _run_select(tenant_id)
     if filters.cluster is not None:
         q = q.where(m.Cluster.name == filters.cluster)
@@ -142,16 +166,36 @@ def list_runs(
         q = q.where(m.Run.started_at >= filters.since)
     if filters.until is not None:
         q = q.where(m.Run.started_at < filters.until)
+    if filters.name is not None:
+        if filters.name.endswith("*"):
+            stem = filters.name[:-1].replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            q = q.where(m.Run.name.like(stem + "%", escape="\\"))
+        else:
+            q = q.where(m.Run.name == filters.name)
+    if filters.min_duration is not None:
+        q = q.where(m.Run.task_stop - m.Run.task_start >= filters.min_duration)
+    if filters.has_errors is not None:
+        q = q.where(m.Run.error_count > 0 if filters.has_errors else m.Run.error_count == 0)
+    col = _sort_column(sort)
+    desc = sort.startswith("-")
     if cursor:
-        at, rid = decode_cursor(cursor, (float, int))
-        q = q.where(or_(m.Run.started_at < at, and_(m.Run.started_at == at, m.Run.id < rid)))
-    rows = db.execute(q.order_by(m.Run.started_at.desc(), m.Run.id.desc()).limit(limit + 1)).all()
+        got_sort, at, rid = decode_cursor(cursor, (str, float, int))
+        if got_sort != sort:
+            raise BadCursor(cursor)
+        if desc:
+            q = q.where(or_(col < at, and_(col == at, m.Run.id < rid)))
+        else:
+            q = q.where(or_(col > at, and_(col == at, m.Run.id > rid)))
+    order = (col.desc(), m.Run.id.desc()) if desc else (col.asc(), m.Run.id.asc())
+    rows = db.execute(
+        q.add_columns(col.label("sort_value")).order_by(*order).limit(limit + 1)
+    ).all()
     page = rows[:limit]
     next_cursor = None
     if len(rows) > limit:
-        last = page[-1][0]
-        next_cursor = encode_cursor(last.started_at, last.id)
-    return [run_summary(r, c, s) for r, c, s in page], next_cursor
+        last = page[-1]
+        next_cursor = encode_cursor(sort, float(last[3]), last[0].id)
+    return [run_summary(r, c, s) for r, c, s, _ in page], next_cursor
 
 
 def find_run(db: Session, tenant_id: int, public_id: str) -> tuple[m.Run, str, str] | None:
@@ -226,9 +270,30 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
             "min": a.min,
             "max": a.max,
         }
+    seconds: dict[str, float] = {
+        "compute": 0.0,
+        "transfer": 0.0,
+        "disk-read": 0.0,
+        "disk-write": 0.0,
+    }
+    for entry in prefixes.values():
+        for action, a in entry["actions"].items():
+            seconds[action] = seconds.get(action, 0.0) + a["total"]
+    workers = [
+        {"worker": w.worker, "tasks": w.tasks, "errors": w.errors, "compute": w.compute,
+         "transfer": w.transfer, "disk_read": w.disk_read, "disk_write": w.disk_write,
+         "first_start": w.first_start, "last_stop": w.last_stop}
+        for w in db.execute(
+            select(m.RunWorker).where(m.RunWorker.run_id == run.id).order_by(m.RunWorker.worker)
+        ).scalars()
+    ]  # fmt: skip
     detail.update(
         tasks_by_status={s: c for s, c in sorted(statuses)},
         graph_count=run.graph_count,
+        seconds_by_action=seconds,
+        workers_used=len(workers),
+        workers=workers,
+        fingerprint=fingerprint(run, list(prefixes)),
         prefixes=list(prefixes.values()),
         completeness=completeness(db, run.session_id),
         first_seen=run.first_seen,

@@ -71,3 +71,40 @@ def name_arg(name: str) -> str | None:
     if value is not None and not valid_name(value):
         raise bad(name, "not a valid name")
     return value
+
+
+def float_arg(name: str, lo: float | None = None, hi: float | None = None) -> float | None:
+    """A finite number, optionally bounded."""
+    value = arg(name)
+    if value is None:
+        return None
+    try:
+        x = float(value)
+    except ValueError:
+        raise bad(name, "must be a number") from None
+    if x != x or x in (float("inf"), float("-inf")):
+        raise bad(name, "must be a finite number")
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        raise bad(name, f"must be between {lo} and {hi}")
+    return x
+
+
+def bool_arg(name: str) -> bool | None:
+    """``true``/``false`` (also 1/0, yes/no)."""
+    value = arg(name)
+    if value is None:
+        return None
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise bad(name, "must be true or false")
+
+
+def label_arg(name: str, max_length: int = MAX_PARAM) -> str | None:
+    """Free text (a prefix, a worker address, a metric name), length-capped."""
+    value = arg(name)
+    if value is not None and len(value) > max_length:
+        raise bad(name, f"longer than {max_length} characters")
+    return value

@@ -34,6 +34,45 @@ def _get(
 
 
 _run = {"$ref": "#/components/schemas/Run"}
+_q = lambda name, schema, desc=None: {  # noqa: E731
+    "name": name, "in": "query", "schema": schema, **({"description": desc} if desc else {}),
+}  # fmt: skip
+_str = lambda n=1024: {"type": "string", "maxLength": n}  # noqa: E731
+_obj = {"type": "object"}
+_arr = {"type": "array", "items": _obj}
+_task_filters = [
+    _q("prefix", _str(), "tasks of this prefix"),
+    _q("worker", _str(), "tasks that ran on this worker address"),
+    _q("status", _str(32), "memory or erred"),
+    _time("since", "tasks that stopped at or after"),
+    _time("until", "tasks that started before"),
+    _q("sort", {"type": "string", "enum": ["duration", "-duration", "start", "-start"]},
+       "duration is compute seconds; '-' for descending"),
+]  # fmt: skip
+_action = _q("action", _str(64), "compute (default), transfer, disk-read, disk-write")
+
+
+def _json(summary: str, props: dict[str, Any]) -> dict[str, Any]:
+    return _get(summary, [_run_id], {"type": "object", "properties": props}, _not_found)
+
+
+_stats = {
+    "type": "object",
+    "properties": {k: {"type": ["number", "null"]} for k in
+                   ("count", "total", "mean", "min", "p50", "p90", "p99", "max")},
+}  # fmt: skip
+_time_props = {k: {"type": "number"} for k in
+               ("capacity", "compute", "transfer", "spill", "other", "idle")} | {"workers": _arr}  # fmt: skip
+
+
+def _binary(summary: str, mime: str, params: list[dict[str, Any]]) -> dict[str, Any]:
+    op = _get(summary, params, _obj, _not_found)
+    op["get"]["responses"]["200"]["content"] = {
+        mime: {"schema": {"type": "string", "format": "binary"}}
+    }
+    return op
+
+
 PATHS = {
     "/v1/clusters": _get(
         "Clusters of the caller's tenant",
@@ -44,7 +83,7 @@ PATHS = {
         },
     ),
     "/v1/runs": _get(
-        "Runs, newest first, with filters and cursor pagination",
+        "Runs with filters, sort and cursor pagination (newest first by default)",
         [
             {"name": "cluster", "in": "query", "schema": {"type": "string", "maxLength": 128}},
             {
@@ -54,6 +93,29 @@ PATHS = {
             },
             _time("since", "runs started at or after"),
             _time("until", "runs started before"),
+            _q("name", _str(), "exact run name; a trailing * matches a name prefix"),
+            _q("min_duration", {"type": "number", "minimum": 0}, "makespan at least (seconds)"),
+            _q(
+                "has_errors",
+                {"type": "boolean"},
+                "only runs with (true) or without (false) erred tasks",
+            ),
+            _q(
+                "sort",
+                {
+                    "type": "string",
+                    "enum": [
+                        "-started_at",
+                        "started_at",
+                        "-makespan",
+                        "makespan",
+                        "-task_count",
+                        "task_count",
+                        "-error_count",
+                        "error_count",
+                    ],
+                },
+            ),
             _limit(100, 1000),
             _cursor,
         ],
@@ -66,22 +128,144 @@ PATHS = {
         },
     ),
     "/v1/runs/{run_id}": _get(
-        "One run: status, times, counts, per-prefix rollups, completeness",
+        "One run: status, times, counts, seconds by action, workers used, fingerprint, "
+        "per-prefix rollups, completeness",
         [_run_id],
         _run,
         _not_found,
     ),
     "/v1/runs/{run_id}/tasks": _get(
-        "A run's task records, read from the blob store",
-        [_run_id, _limit(1000, 10000), _cursor],
+        "A run's task records (from its compacted copy), filtered, sorted, paginated",
+        [_run_id, *_task_filters, _limit(1000, 10000), _cursor],
         {
             "type": "object",
             "properties": {
                 "tasks": {"type": "array", "items": {"type": "object"}},
+                "total": {"type": "integer"},
                 "next_cursor": {"type": ["string", "null"]},
             },
         },
         _not_found,
+    ),
+    "/v1/runs/{run_id}/tasks/stream": _binary(
+        "Every matching task record as NDJSON (one JSON object per line), streamed",
+        "application/x-ndjson",
+        [_run_id, *_task_filters],
+    ),
+    "/v1/runs/{run_id}/tasks.parquet": _binary(
+        "The run's tasks as Parquet (the compacted copy: one row per task, seconds per action, "
+        "startstops as JSON)",
+        "application/vnd.apache.parquet",
+        [_run_id],
+    ),
+    "/v1/runs/{run_id}/summary": _json(
+        "Per prefix: count, errors, bytes and per action count/total/mean/min/p50/p90/p99/max "
+        "(quantiles from mergeable histograms, within 4.5%)",
+        {
+            "prefixes": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "prefix": {"type": "string"},
+                        "actions": {"type": "object", "additionalProperties": _stats},
+                    },
+                },
+            }
+        },
+    ),
+    "/v1/runs/{run_id}/metrics": _get(
+        "Worker metric series during the run, each downsampled to at most `points` points",
+        [
+            _run_id,
+            _q("points", {"type": "integer", "minimum": 2, "maximum": 10000, "default": 500}),
+            _q("worker", _str()),
+            _q("name", _str(256), "metric name, e.g. managed_bytes"),
+        ],
+        {"type": "object", "properties": {"series": _arr}},
+        _not_found,
+    ),
+    "/v1/runs/{run_id}/progress": _get(
+        "Completed tasks per prefix per time bucket",
+        [_run_id, _q("buckets", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50})],
+        {"type": "object", "properties": {"times": {"type": "array"}, "prefixes": _obj}},
+        _not_found,
+    ),
+    "/v1/runs/{run_id}/graph": _json(
+        "The task graph: nodes with duration, worker, nbytes, typename, status; edges",
+        {"nodes": _arr, "edges": _arr},
+    ),
+    "/v1/runs/{run_id}/errors": _json("Erred tasks grouped by exception", {"groups": _arr}),
+    "/v1/runs/{run_id}/critical-path": _json(
+        "The chain of compute, transfer and waiting through the DAG that set the makespan",
+        {"makespan": {"type": ["number", "null"]}, "segments": _arr, "totals": _obj},
+    ),
+    "/v1/runs/{run_id}/time": _json(
+        "Where the time went: compute / transfer / spill / other / idle worker-thread-seconds",
+        _time_props,
+    ),
+    "/v1/runs/{run_id}/regressions": _get(
+        "Prefixes whose p90 moved more than `threshold` % against the previous `baseline` runs "
+        "with the same fingerprint",
+        [
+            _run_id,
+            _q("baseline", {"type": "integer", "minimum": 1, "maximum": 100, "default": 5}),
+            _q("threshold", {"type": "number", "minimum": 0, "default": 20}),
+            _action,
+        ],
+        {"type": "object", "properties": {"regressions": _arr, "baseline_runs": {"type": "array"}}},
+        _not_found,
+    ),
+    "/v1/runs/{run_id}/trace": _get(
+        "The run as Chrome trace-event JSON (Perfetto): a track per worker thread, every phase",
+        [_run_id],
+        {"type": "object", "properties": {"traceEvents": _arr}},
+        _not_found,
+    ),
+    "/v1/compare": _get(
+        "Run b against run a: makespan, per-prefix count and duration deltas, new/missing prefixes",
+        [_q("a", _str(64)), _q("b", _str(64)), _action],
+        {
+            "type": "object",
+            "properties": {
+                "makespan": _obj,
+                "prefixes": _arr,
+                "new_prefixes": {"type": "array"},
+                "missing_prefixes": {"type": "array"},
+            },
+        },
+        _not_found,
+    ),
+    "/v1/clusters/{cluster}/time": _get(
+        "Where the time went on a cluster over its runs started in the window",
+        [
+            {"name": "cluster", "in": "path", "required": True, "schema": _str(128)},
+            _time("since", "runs started at or after"),
+            _time("until", "runs started before"),
+        ],
+        {"type": "object", "properties": _time_props},
+    ),
+    "/v1/history/prefixes": _get(
+        "A prefix's duration quantiles per hour or day across the tenant's clusters (index rollups)",
+        [
+            _q("prefix", _str()),
+            _action,
+            _q("bucket", {"type": "string", "enum": ["hour", "day"]}),
+            _time("since", "from"),
+            _time("until", "to"),
+            _q("cluster", _str(128)),
+        ],
+        {"type": "object", "properties": {"points": _arr}},
+    ),
+    "/v1/history/clusters": _get(
+        "Per cluster per hour or day: runs, tasks, errors, compute/transfer/disk seconds",
+        [
+            _q("bucket", {"type": "string", "enum": ["hour", "day"]}),
+            _time("since", "from"),
+            _time("until", "to"),
+            _q("cluster", _str(128)),
+        ],
+        {"type": "object", "properties": {"points": _arr}},
     ),
 }
 

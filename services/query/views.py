@@ -1,29 +1,51 @@
-"""The query service's REST API: clusters, runs, one run, its tasks."""
+"""The query service's REST API: clusters, runs, one run in depth, comparisons, histories
+and exports. Every route needs the ``read`` scope and answers only the caller's tenant."""
 
 from __future__ import annotations
 
+import io
+import logging
 from typing import Any
 
-from flask import Blueprint
+import msgspec
+from flask import Blueprint, Response
 
-from services.common.params import arg, bad, choice_arg, int_arg, name_arg, time_arg
+from hindsight.schema import valid_name
+from services.common.params import (
+    arg,
+    bad,
+    bool_arg,
+    choice_arg,
+    float_arg,
+    int_arg,
+    label_arg,
+    name_arg,
+    time_arg,
+)
 from services.common.web import ApiError, db, require, store
-from storage import queries
+from storage import analysis, queries, runfile
 from storage.queries import BadCursor, RunFilters
+
+logger = logging.getLogger(__name__)
 
 bp = Blueprint("query", __name__)
 
 MAX_LIMIT = 10_000
+STREAM_CHUNK = 10_000
 
 
-def _run_or_404(run_id: str) -> Any:
+def _run_or_404(run_id: str, param: str = "run") -> Any:
     principal = require("read")
     if len(run_id) > 64:
-        raise ApiError(404, "not_found", "no such run")
+        raise ApiError(404, "not_found", f"no such {param}")
     found = queries.find_run(db(), principal.tenant_id, run_id)
     if found is None:
         raise ApiError(404, "not_found", f"no run {run_id!r}")
     return found
+
+
+def _run_data(run: Any) -> runfile.RunData:
+    return runfile.load_run(db(), store().blobs, run)
 
 
 @bp.get("/v1/clusters")
@@ -35,19 +57,24 @@ def clusters() -> Any:
 @bp.get("/v1/runs")
 def runs() -> Any:
     principal = require("read")
+    name = label_arg("name", 1024)
     filters = RunFilters(
         cluster=name_arg("cluster"),
         status=choice_arg("status", queries.RUN_STATUSES),
         since=time_arg("since"),
         until=time_arg("until"),
+        name=name,
+        min_duration=float_arg("min_duration", 0.0),
+        has_errors=bool_arg("has_errors"),
     )
+    sort = choice_arg("sort", queries.RUN_SORTS) or "-started_at"
     limit = int_arg("limit", 100, 1, 1000)
     try:
         page, next_cursor = queries.list_runs(
-            db(), principal.tenant_id, filters, limit, arg("cursor")
+            db(), principal.tenant_id, filters, limit, arg("cursor"), sort
         )
     except BadCursor:
-        raise bad("cursor", "not a cursor from this API") from None
+        raise bad("cursor", "not a cursor from this API for this sort") from None
     return {"runs": page, "next_cursor": next_cursor}
 
 
@@ -57,20 +84,188 @@ def run(run_id: str) -> Any:
     return queries.run_detail(db(), *found)
 
 
+def _task_query(run: Any) -> Any:
+    filters = analysis.TaskFilters(
+        prefix=label_arg("prefix", 1024),
+        worker=label_arg("worker", 1024),
+        status=label_arg("status", 32),
+        since=time_arg("since"),
+        until=time_arg("until"),
+    )
+    sort = choice_arg("sort", analysis.TASK_SORTS)
+    return analysis.filter_tasks(_run_data(run), filters, sort), sort
+
+
 @bp.get("/v1/runs/<run_id>/tasks")
 def run_tasks(run_id: str) -> Any:
     run, _cluster, _session = _run_or_404(run_id)
     limit = int_arg("limit", 1000, 1, MAX_LIMIT)
-    tasks: list[dict[str, Any]] = []
-    next_cursor: str | None = None
-    try:
-        for record, cursor in queries.iter_run_tasks(db(), store().blobs, run, arg("cursor")):
-            if len(tasks) == limit:
-                break  # there is at least one more: hand out the cursor after the last
-            tasks.append(record)
-            next_cursor = cursor
-        else:
-            next_cursor = None
-    except BadCursor:
-        raise bad("cursor", "not a cursor from this API") from None
-    return {"tasks": tasks, "next_cursor": next_cursor}
+    table, sort = _task_query(run)
+    offset = 0
+    cursor = arg("cursor")
+    if cursor:
+        try:
+            got_sort, offset = queries.decode_cursor(cursor, (str, int))
+        except BadCursor:
+            raise bad("cursor", "not a cursor from this API") from None
+        if got_sort != (sort or "") or offset < 0:
+            raise bad("cursor", "not a cursor for this sort")
+    page = table.slice(offset, limit)
+    end = offset + len(page)
+    next_cursor = queries.encode_cursor(sort or "", end) if end < len(table) else None
+    return {"tasks": analysis.task_records(page), "total": len(table), "next_cursor": next_cursor}
+
+
+@bp.get("/v1/runs/<run_id>/tasks/stream")
+def run_tasks_stream(run_id: str) -> Any:
+    """Every matching task as NDJSON, one record a line, written as it is produced."""
+    run, _cluster, _session = _run_or_404(run_id)
+    table, _sort = _task_query(run)
+    enc = msgspec.json.Encoder()
+
+    def lines() -> Any:
+        for start in range(0, len(table), STREAM_CHUNK):
+            records = analysis.task_records(table.slice(start, STREAM_CHUNK))
+            yield b"".join(enc.encode(r) + b"\n" for r in records)
+
+    return Response(lines(), mimetype="application/x-ndjson")
+
+
+@bp.get("/v1/runs/<run_id>/tasks.parquet")
+def run_tasks_parquet(run_id: str) -> Any:
+    """The run's compacted tasks file as it is stored (built now if needed)."""
+    run, _cluster, _session = _run_or_404(run_id)
+    blobs = store().blobs
+    key = runfile.compacted_tasks_key(db(), blobs, run)
+    if key is not None:
+        body = blobs.get(key)
+    else:  # a running run: a snapshot, not stored
+        import pyarrow.parquet as pq
+
+        buf = io.BytesIO()
+        pq.write_table(_run_data(run).tasks, buf, compression="zstd")
+        body = buf.getvalue()
+    return Response(
+        body,
+        mimetype="application/vnd.apache.parquet",
+        headers={"Content-Disposition": f'attachment; filename="{run.public_id}-tasks.parquet"'},
+    )
+
+
+@bp.get("/v1/runs/<run_id>/summary")
+def run_summary(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    return {"run": run.public_id, "prefixes": analysis.prefix_summary(db(), run)}
+
+
+@bp.get("/v1/runs/<run_id>/metrics")
+def run_metrics(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    points = int_arg("points", 500, 2, 10_000)
+    series = analysis.metric_series(
+        _run_data(run), points, worker=label_arg("worker", 1024), name=label_arg("name", 256)
+    )
+    return {"run": run.public_id, "series": series}
+
+
+@bp.get("/v1/runs/<run_id>/progress")
+def run_progress(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    buckets = int_arg("buckets", 50, 1, 1000)
+    return {"run": run.public_id, **analysis.progress(_run_data(run), buckets)}
+
+
+@bp.get("/v1/runs/<run_id>/graph")
+def run_graph(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    return {"run": run.public_id, **analysis.graph(_run_data(run))}
+
+
+@bp.get("/v1/runs/<run_id>/errors")
+def run_errors(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    return {"run": run.public_id, "groups": analysis.errors(_run_data(run))}
+
+
+@bp.get("/v1/runs/<run_id>/critical-path")
+def run_critical_path(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    return {"run": run.public_id, **analysis.critical_path(_run_data(run))}
+
+
+@bp.get("/v1/runs/<run_id>/time")
+def run_time(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    return {"run": run.public_id, **analysis.time_breakdown(db(), [run.id])}
+
+
+@bp.get("/v1/runs/<run_id>/regressions")
+def run_regressions(run_id: str) -> Any:
+    run, _c, _s = _run_or_404(run_id)
+    baseline = int_arg("baseline", 5, 1, 100)
+    threshold = float_arg("threshold", 0.0, 10_000.0)
+    action = label_arg("action", 64) or "compute"
+    return analysis.regressions(
+        db(), run, baseline, 20.0 if threshold is None else threshold, action
+    )
+
+
+@bp.get("/v1/runs/<run_id>/trace")
+def run_trace(run_id: str) -> Any:
+    """Chrome trace-event JSON; open it in Perfetto (ui.perfetto.dev) or chrome://tracing."""
+    run, _c, _s = _run_or_404(run_id)
+    trace = analysis.chrome_trace(_run_data(run), run.name or run.run_key)
+    return Response(
+        msgspec.json.encode(trace),
+        mimetype="application/json",
+        headers={"Content-Disposition": f'attachment; filename="{run.public_id}-trace.json"'},
+    )
+
+
+@bp.get("/v1/compare")
+def compare() -> Any:
+    a_id, b_id = arg("a"), arg("b")
+    if a_id is None or b_id is None:
+        require("read")
+        raise bad("a" if a_id is None else "b", "required: a run id")
+    a, _, _ = _run_or_404(a_id)
+    b, _, _ = _run_or_404(b_id)
+    return analysis.compare(db(), a, b, label_arg("action", 64) or "compute")
+
+
+@bp.get("/v1/clusters/<cluster>/time")
+def cluster_time(cluster: str) -> Any:
+    principal = require("read")
+    if not valid_name(cluster):
+        raise bad("cluster", "not a valid name")
+    return {
+        "cluster": cluster,
+        **analysis.cluster_time_breakdown(
+            db(), principal.tenant_id, cluster, time_arg("since"), time_arg("until")
+        ),
+    }
+
+
+@bp.get("/v1/history/prefixes")
+def prefix_history() -> Any:
+    principal = require("read")
+    prefix = label_arg("prefix", 1024)
+    if prefix is None:
+        raise bad("prefix", "required")
+    action = label_arg("action", 64) or "compute"
+    bucket = choice_arg("bucket", tuple(analysis.BUCKETS)) or "hour"
+    points = analysis.prefix_history(
+        db(), principal.tenant_id, prefix, action, bucket, time_arg("since"), time_arg("until"),
+        name_arg("cluster"),
+    )  # fmt: skip
+    return {"prefix": prefix, "action": action, "bucket": bucket, "points": points}
+
+
+@bp.get("/v1/history/clusters")
+def cluster_history() -> Any:
+    principal = require("read")
+    bucket = choice_arg("bucket", tuple(analysis.BUCKETS)) or "hour"
+    points = analysis.cluster_history(
+        db(), principal.tenant_id, bucket, time_arg("since"), time_arg("until"), name_arg("cluster")
+    )
+    return {"bucket": bucket, "points": points}

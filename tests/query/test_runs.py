@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -160,7 +161,7 @@ def test_openapi_documents_every_route(stack, factory):
     doc = app.test_client().get("/v1/openapi.json").json
     assert doc["openapi"].startswith("3.")
     routes = {
-        (rule.rule.replace("<run_id>", "{run_id}"), method.lower())
+        (re.sub(r"<(\w+)>", r"{\1}", rule.rule), method.lower())
         for rule in app.url_map.iter_rules()
         if rule.endpoint != "static"
         for method in rule.methods - {"HEAD", "OPTIONS"}

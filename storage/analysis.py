@@ -1,0 +1,625 @@
+"""Read-side analysis of runs: one run in depth (from its compacted copy, ``runfile``) and
+histories across runs and clusters (from the index rollups). Functions take a session or
+a :class:`~storage.runfile.RunData`, scope by tenant, and never commit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, select
+from sqlalchemy.orm import Session
+
+from storage import models as m
+from storage import sketch
+from storage.ingest import DEFAULT_RUN
+from storage.runfile import RunData
+
+logger = logging.getLogger(__name__)
+
+QUANTILES = (0.5, 0.9, 0.99)
+ACTIONS = ("compute", "transfer", "disk-read", "disk-write")
+TASK_SORTS = ("duration", "-duration", "start", "-start")
+
+
+# ---------------------------------------------------------------- tasks
+
+
+@dataclass
+class TaskFilters:
+    prefix: str | None = None
+    worker: str | None = None
+    status: str | None = None
+    since: float | None = None  # tasks that stopped at or after
+    until: float | None = None  # tasks that started before
+
+
+def filter_tasks(data: RunData, f: TaskFilters, sort: str | None) -> Any:
+    """The run's tasks table, filtered and sorted (stored order when ``sort`` is None)."""
+    import pyarrow.compute as pc
+
+    t = data.tasks
+    mask = None
+    for col, want in (("prefix", f.prefix), ("worker", f.worker), ("status", f.status)):
+        if want is not None:
+            cond = pc.equal(t[col], want)
+            mask = cond if mask is None else pc.and_(mask, cond)
+    if f.since is not None:
+        cond = pc.greater_equal(t["stop"], f.since)
+        mask = cond if mask is None else pc.and_(mask, cond)
+    if f.until is not None:
+        cond = pc.less(t["start"], f.until)
+        mask = cond if mask is None else pc.and_(mask, cond)
+    if mask is not None:
+        t = t.filter(pc.fill_null(mask, False))
+    if sort:
+        col = "compute" if sort.lstrip("-") == "duration" else "start"
+        order = "descending" if sort.startswith("-") else "ascending"
+        t = t.take(pc.sort_indices(t, sort_keys=[(col, order)], null_placement="at_end"))
+    return t
+
+
+def task_records(table: Any) -> list[dict[str, Any]]:
+    """Rows of a tasks table as the API's task records (startstops as sent)."""
+    out = []
+    for row in table.select(
+        ["key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
+         "startstops", "exception", "traceback", "compute"]
+    ).to_pylist():  # fmt: skip
+        row["startstops"] = json.loads(row["startstops"])
+        row["duration"] = row.pop("compute")
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- per-prefix summary
+
+
+def _hists(
+    db: Session, run_ids: list[int], prefix: str | None = None
+) -> dict[tuple[str, str], dict[int, int]]:
+    q = select(
+        m.RunPrefixHist.prefix, m.RunPrefixHist.action, m.RunPrefixHist.bucket,
+        func.sum(m.RunPrefixHist.count),
+    ).where(m.RunPrefixHist.run_id.in_(run_ids))  # fmt: skip
+    if prefix is not None:
+        q = q.where(m.RunPrefixHist.prefix == prefix)
+    q = q.group_by(m.RunPrefixHist.prefix, m.RunPrefixHist.action, m.RunPrefixHist.bucket)
+    out: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
+    for p, a, b, c in db.execute(q):
+        out[(p, a)][b] = int(c)
+    return out
+
+
+def prefix_summary(db: Session, run: m.Run) -> list[dict[str, Any]]:
+    """Per prefix: count, errors, bytes, and per action count/total/mean/min/p50/p90/p99/max.
+
+    Quantiles come from the run's mergeable histograms (within 4.5%), clamped to the
+    exact min and max."""
+    hists = _hists(db, [run.id])
+    prefixes: dict[str, dict[str, Any]] = {}
+    for p in db.execute(
+        select(m.RunPrefix).where(m.RunPrefix.run_id == run.id).order_by(m.RunPrefix.prefix)
+    ).scalars():
+        prefixes[p.prefix] = {"prefix": p.prefix, "count": p.count, "errors": p.errors,
+                              "nbytes": p.nbytes, "actions": {}}  # fmt: skip
+    for a in db.execute(
+        select(m.RunPrefixAction)
+        .where(m.RunPrefixAction.run_id == run.id)
+        .order_by(m.RunPrefixAction.prefix, m.RunPrefixAction.action)
+    ).scalars():
+        entry = prefixes.setdefault(
+            a.prefix, {"prefix": a.prefix, "count": 0, "errors": 0, "nbytes": 0, "actions": {}}
+        )
+        p50, p90, p99 = sketch.quantiles(
+            hists.get((a.prefix, a.action), {}), QUANTILES, a.min, a.max
+        )
+        entry["actions"][a.action] = {
+            "count": a.count, "total": a.total, "mean": a.total / a.count if a.count else None,
+            "min": a.min, "p50": p50, "p90": p90, "p99": p99, "max": a.max,
+        }  # fmt: skip
+    return list(prefixes.values())
+
+
+# ---------------------------------------------------------------- metrics, progress
+
+
+def metric_series(
+    data: RunData, points: int, worker: str | None = None, name: str | None = None
+) -> list[dict[str, Any]]:
+    """Per (worker, metric) series, downsampled to at most ``points`` points: the run's
+    time range cut into equal bins, each bin's samples averaged (``max`` kept alongside)."""
+    rows = data.metrics.to_pylist()
+    series: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for r in rows:
+        if (worker is None or r["worker"] == worker) and (name is None or r["name"] == name):
+            series[(r["worker"], r["name"])].append((r["time"], r["value"]))
+    out = []
+    for (w, n), samples in sorted(series.items()):
+        samples.sort()
+        if len(samples) > points:
+            t0, t1 = samples[0][0], samples[-1][0]
+            width = (t1 - t0) / points or 1.0
+            bins: dict[int, list[float]] = defaultdict(list)
+            for t, v in samples:
+                bins[min(points - 1, int((t - t0) / width))].append(v)
+            pts = [
+                {"time": t0 + (i + 0.5) * width, "value": sum(vs) / len(vs), "max": max(vs)}
+                for i, vs in sorted(bins.items())
+            ]
+        else:
+            pts = [{"time": t, "value": v, "max": v} for t, v in samples]
+        out.append({"worker": w, "name": n, "samples": len(samples), "points": pts})
+    return out
+
+
+def progress(data: RunData, buckets: int) -> dict[str, Any]:
+    """Completed tasks per prefix per time bucket (by each task's last stop)."""
+    stops = [
+        (s, p) for s, p in zip(data.tasks["stop"].to_pylist(), data.tasks["prefix"].to_pylist(), strict=True)
+        if s is not None
+    ]  # fmt: skip
+    if not stops:
+        return {"start": None, "bucket_seconds": None, "times": [], "prefixes": {}}
+    t0 = min(s for s, _ in stops)
+    t1 = max(s for s, _ in stops)
+    width = (t1 - t0) / buckets if t1 > t0 else 1.0
+    counts: dict[str, list[int]] = defaultdict(lambda: [0] * buckets)
+    for s, p in stops:
+        counts[p][min(buckets - 1, int((s - t0) / width))] += 1
+    return {
+        "start": t0,
+        "bucket_seconds": width,
+        "times": [t0 + (i + 1) * width for i in range(buckets)],
+        "prefixes": dict(sorted(counts.items())),
+    }
+
+
+# ---------------------------------------------------------------- graph, errors
+
+
+def graph(data: RunData) -> dict[str, Any]:
+    """Nodes (every task of the graph, with what its record says) and edges (dep -> key)."""
+    attrs = {
+        r["key"]: r
+        for r in data.tasks.select(
+            ["key", "prefix", "status", "worker", "nbytes", "typename", "compute", "start", "stop"]
+        ).to_pylist()
+    }
+    nodes: dict[str, dict[str, Any]] = {}
+    edges = []
+    for r in data.graph.to_pylist():
+        nodes[r["key"]] = {"key": r["key"], "prefix": r["prefix"]}
+        edges += [{"source": d, "target": r["key"]} for d in r["dependencies"]]
+    for key, a in attrs.items():
+        nodes.setdefault(key, {"key": key, "prefix": a["prefix"]})
+    out = []
+    for key, n in nodes.items():
+        a = attrs.get(key)
+        if a is not None:
+            n.update(status=a["status"], worker=a["worker"], nbytes=a["nbytes"],
+                     typename=a["typename"], duration=a["compute"], start=a["start"], stop=a["stop"])  # fmt: skip
+        out.append(n)
+    return {"nodes": out, "edges": edges}
+
+
+def errors(data: RunData) -> list[dict[str, Any]]:
+    """Erred tasks grouped by exception text, largest group first."""
+    groups: dict[str, dict[str, Any]] = {}
+    for r in data.tasks.select(
+        ["key", "prefix", "status", "worker", "exception", "traceback"]
+    ).to_pylist():
+        if r["status"] != "erred":
+            continue
+        exc = r["exception"] or "(no exception recorded)"
+        g = groups.get(exc)
+        if g is None:
+            g = groups[exc] = {"exception": exc, "count": 0, "prefixes": {}, "workers": set(),
+                               "keys": [], "traceback": r["traceback"]}  # fmt: skip
+        g["count"] += 1
+        g["prefixes"][r["prefix"]] = g["prefixes"].get(r["prefix"], 0) + 1
+        if r["worker"]:
+            g["workers"].add(r["worker"])
+        if len(g["keys"]) < 10:
+            g["keys"].append(r["key"])
+    out = sorted(groups.values(), key=lambda g: (-g["count"], g["exception"]))
+    for g in out:
+        g["workers"] = sorted(g["workers"])
+    return out
+
+
+# ---------------------------------------------------------------- critical path
+
+
+def critical_path(data: RunData) -> dict[str, Any]:
+    """The chain of tasks that set the makespan, walked back from the last task to finish:
+    each step goes to the dependency that finished last (the one the task waited for).
+    Between a dependency's end and the task's compute, the time is split into the task's
+    transfers and disk reads (the phases recorded in that gap) and waiting (queued, or no
+    free thread). Segments are in time order."""
+    rows = data.tasks.select(["key", "prefix", "worker", "start", "stop", "compute_start",
+                              "compute_stop", "startstops"]).to_pylist()  # fmt: skip
+    tasks = {r["key"]: r for r in rows if r["stop"] is not None}
+    deps = {r["key"]: r["dependencies"] for r in data.graph.to_pylist()}
+    if not tasks:
+        return {"makespan": None, "segments": [], "totals": {}}
+    t0 = min(r["start"] for r in tasks.values())
+    last = max(tasks.values(), key=lambda r: r["stop"])
+    segments: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    node: dict[str, Any] | None = last
+    while node is not None and node["key"] not in seen:
+        seen.add(node["key"])
+        phases = json.loads(node["startstops"])
+        cstart = node["compute_start"] if node["compute_start"] is not None else node["start"]
+        cstop = node["compute_stop"] if node["compute_stop"] is not None else node["stop"]
+        mine = [{"kind": "compute", "key": node["key"], "prefix": node["prefix"],
+                 "worker": node["worker"], "start": cstart, "stop": cstop}]  # fmt: skip
+        preds = [tasks[d] for d in deps.get(node["key"], ()) if d in tasks]
+        pred = max(preds, key=lambda r: r["stop"]) if preds else None
+        ready = pred["stop"] if pred is not None else t0
+        # The gap before compute: its recorded transfers / disk reads, the rest waiting.
+        cursor = cstart
+        for ph in sorted(phases, key=lambda p: -p["stop"]):
+            if ph["action"] == "compute" or ph["stop"] > cstart or ph["stop"] <= ready:
+                continue
+            lo = max(ph["start"], ready)
+            hi = min(ph["stop"], cursor)
+            if hi <= lo:
+                continue
+            if hi < cursor:
+                mine.append({"kind": "wait", "key": node["key"], "prefix": node["prefix"],
+                             "worker": node["worker"], "start": hi, "stop": cursor})  # fmt: skip
+            mine.append({"kind": ph["action"], "key": node["key"], "prefix": node["prefix"],
+                         "worker": node["worker"], "start": lo, "stop": hi,
+                         "source": ph.get("source")})  # fmt: skip
+            cursor = lo
+        if cursor > ready:
+            mine.append({"kind": "wait", "key": node["key"], "prefix": node["prefix"],
+                         "worker": node["worker"], "start": ready, "stop": cursor})  # fmt: skip
+        segments += mine
+        node = pred
+    segments.sort(key=lambda s: (s["start"], s["stop"]))
+    totals: dict[str, float] = defaultdict(float)
+    for s in segments:
+        s["seconds"] = s["stop"] - s["start"]
+        totals[s["kind"]] += s["seconds"]
+    return {
+        "makespan": last["stop"] - t0,
+        "tasks": len(seen),
+        "segments": segments,
+        "totals": dict(sorted(totals.items())),
+    }
+
+
+# ---------------------------------------------------------------- time breakdown
+
+
+def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
+    """Worker-thread-seconds of the given runs: compute, transfer, spill (disk read+write),
+    other phases, and idle (thread-seconds the workers offered over each run's makespan
+    that no task phase used). Threads come from the worker's ``joined`` event."""
+    if not run_ids:
+        return {"runs": 0, "capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0,
+                "other": 0.0, "idle": 0.0, "workers": []}  # fmt: skip
+    rows = db.execute(
+        select(m.RunWorker, m.Run.task_start, m.Run.task_stop, m.Worker.nthreads)
+        .join(m.Run, m.Run.id == m.RunWorker.run_id)
+        .outerjoin(
+            m.Worker,
+            and_(m.Worker.session_id == m.Run.session_id, m.Worker.address == m.RunWorker.worker),
+        )  # fmt: skip
+        .where(m.RunWorker.run_id.in_(run_ids))
+    ).all()
+    per_worker: dict[str, dict[str, float]] = {}
+    tot = {"capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0, "other": 0.0}
+    for w, start, stop, nthreads in rows:
+        span = (stop - start) if start is not None and stop is not None else 0.0
+        cap = span * (nthreads or 1)
+        d = per_worker.setdefault(
+            w.worker, {k: 0.0 for k in tot} | {"tasks": 0, "nthreads": nthreads}
+        )
+        vals = {"capacity": cap, "compute": w.compute, "transfer": w.transfer,
+                "spill": w.disk_read + w.disk_write, "other": w.other}  # fmt: skip
+        for k, v in vals.items():
+            d[k] += v
+            tot[k] += v
+        d["tasks"] += w.tasks
+    for d in per_worker.values():
+        d["idle"] = max(0.0, d["capacity"] - d["compute"] - d["transfer"] - d["spill"] - d["other"])
+    idle = sum(d["idle"] for d in per_worker.values())
+    return {"runs": len(run_ids), **tot, "idle": idle,
+            "workers": [{"worker": k, **v} for k, v in sorted(per_worker.items())]}  # fmt: skip
+
+
+# ---------------------------------------------------------------- fingerprints, compare, regressions
+
+
+def fingerprint(run: m.Run, prefixes: list[str]) -> str:
+    """A stable identity of "the same job": its name when it has one, else its set of
+    task prefixes. 16 hex digits of sha256."""
+    name = run.name or (None if run.run_key == DEFAULT_RUN else run.run_key)
+    basis = f"name:{name}" if name else "prefixes:" + ",".join(sorted(set(prefixes)))
+    return hashlib.sha256(basis.encode()).hexdigest()[:16]
+
+
+def run_fingerprint(db: Session, run: m.Run) -> str:
+    prefixes = db.execute(select(m.RunPrefix.prefix).where(m.RunPrefix.run_id == run.id)).scalars()
+    return fingerprint(run, list(prefixes))
+
+
+def _prefix_stats(db: Session, run_ids: list[int], action: str) -> dict[str, dict[str, Any]]:
+    hists = _hists(db, run_ids)
+    out: dict[str, dict[str, Any]] = {}
+    for p, count, total in db.execute(
+        select(m.RunPrefixAction.prefix, func.sum(m.RunPrefixAction.count), func.sum(m.RunPrefixAction.total))
+        .where(m.RunPrefixAction.run_id.in_(run_ids), m.RunPrefixAction.action == action)
+        .group_by(m.RunPrefixAction.prefix)
+    ):  # fmt: skip
+        p50, p90, p99 = sketch.quantiles(hists.get((p, action), {}), QUANTILES)
+        out[p] = {"count": int(count), "total": float(total), "mean": float(total) / int(count),
+                  "p50": p50, "p90": p90, "p99": p99}  # fmt: skip
+    counts = db.execute(
+        select(m.RunPrefix.prefix, func.sum(m.RunPrefix.count))
+        .where(m.RunPrefix.run_id.in_(run_ids))
+        .group_by(m.RunPrefix.prefix)
+    ).all()
+    for p, c in counts:
+        out.setdefault(
+            p, {"count": 0, "total": 0.0, "mean": None, "p50": None, "p90": None, "p99": None}
+        )
+        out[p]["tasks"] = int(c)
+    return out
+
+
+def _makespan(run: m.Run) -> float | None:
+    if run.task_start is None or run.task_stop is None:
+        return None
+    return run.task_stop - run.task_start
+
+
+def _delta(a: float | None, b: float | None) -> dict[str, Any]:
+    if a is None or b is None:
+        return {"a": a, "b": b, "delta": None, "ratio": None}
+    return {"a": a, "b": b, "delta": b - a, "ratio": (b / a) if a else None}
+
+
+def compare(db: Session, a: m.Run, b: m.Run, action: str = "compute") -> dict[str, Any]:
+    """Run ``b`` against run ``a``: makespan, per-prefix task counts and duration deltas,
+    prefixes new in ``b`` or missing from it."""
+    sa, sb = _prefix_stats(db, [a.id], action), _prefix_stats(db, [b.id], action)
+    prefixes = []
+    for p in sorted(set(sa) & set(sb)):
+        x, y = sa[p], sb[p]
+        prefixes.append({
+            "prefix": p,
+            "tasks": _delta(x.get("tasks"), y.get("tasks")),
+            "mean": _delta(x["mean"], y["mean"]),
+            "p90": _delta(x["p90"], y["p90"]),
+            "total": _delta(x["total"], y["total"]),
+        })  # fmt: skip
+    return {
+        "a": a.public_id,
+        "b": b.public_id,
+        "action": action,
+        "makespan": _delta(_makespan(a), _makespan(b)),
+        "tasks": _delta(a.task_count, b.task_count),
+        "errors": _delta(a.error_count, b.error_count),
+        "prefixes": prefixes,
+        "new_prefixes": sorted(set(sb) - set(sa)),
+        "missing_prefixes": sorted(set(sa) - set(sb)),
+    }
+
+
+def previous_runs(db: Session, run: m.Run, n: int, scan: int = 1000) -> list[m.Run]:
+    """The ``n`` latest runs of the tenant with the same fingerprint, started before ``run``."""
+    fp = run_fingerprint(db, run)
+    q = select(m.Run).where(
+        m.Run.tenant_id == run.tenant_id, m.Run.id != run.id, m.Run.started_at <= run.started_at
+    )
+    if run.name:
+        q = q.where(m.Run.name == run.name)  # ix_runs_tenant_name
+    candidates = list(db.execute(q.order_by(m.Run.started_at.desc()).limit(scan)).scalars())
+    if not candidates:
+        return []
+    prefixes: dict[int, list[str]] = defaultdict(list)
+    for rid, p in db.execute(
+        select(m.RunPrefix.run_id, m.RunPrefix.prefix).where(
+            m.RunPrefix.run_id.in_([c.id for c in candidates])
+        )
+    ):
+        prefixes[rid].append(p)
+    return [c for c in candidates if fingerprint(c, prefixes[c.id]) == fp][:n]
+
+
+def regressions(
+    db: Session, run: m.Run, baseline: int, threshold_pct: float, action: str = "compute"
+) -> dict[str, Any]:
+    """Prefixes whose p90 in ``run`` moved more than ``threshold_pct`` against the merged
+    histogram of the previous ``baseline`` runs with the same fingerprint."""
+    prev = previous_runs(db, run, baseline)
+    mine = _prefix_stats(db, [run.id], action)
+    base = _prefix_stats(db, [p.id for p in prev], action) if prev else {}
+    flagged, checked = [], []
+    for p in sorted(set(mine) & set(base)):
+        a, b = base[p]["p90"], mine[p]["p90"]
+        if a is None or b is None or a == 0:
+            continue
+        change = (b - a) / a * 100.0
+        entry = {"prefix": p, "baseline_p90": a, "p90": b, "change_pct": change}
+        checked.append(entry)
+        if abs(change) > threshold_pct:
+            flagged.append(entry | {"direction": "slower" if change > 0 else "faster"})
+    return {
+        "run": run.public_id,
+        "fingerprint": run_fingerprint(db, run),
+        "action": action,
+        "threshold_pct": threshold_pct,
+        "baseline_runs": [p.public_id for p in prev],
+        "regressions": sorted(flagged, key=lambda e: -abs(e["change_pct"])),
+        "checked": checked,
+    }
+
+
+# ---------------------------------------------------------------- histories across clusters
+
+BUCKETS = {"hour": 1, "day": 24}
+
+
+def _tenant_clusters(db: Session, tenant_id: int, cluster: str | None) -> dict[int, str]:
+    q = select(m.Cluster.id, m.Cluster.name).where(m.Cluster.tenant_id == tenant_id)
+    if cluster is not None:
+        q = q.where(m.Cluster.name == cluster)
+    return dict(db.execute(q).tuples().all())
+
+
+def _hour_range(since: float | None, until: float | None) -> tuple[int | None, int | None]:
+    lo = math.floor(since / 3600) if since is not None else None
+    hi = math.ceil(until / 3600) if until is not None else None
+    return lo, hi
+
+
+def prefix_history(
+    db: Session, tenant_id: int, prefix: str, action: str, bucket: str,
+    since: float | None, until: float | None, cluster: str | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """A prefix's duration quantiles per time bucket across the tenant's clusters (or one),
+    merged from the hourly histograms in the index."""
+    clusters = _tenant_clusters(db, tenant_id, cluster)
+    if not clusters:
+        return []
+    per = BUCKETS[bucket]
+    PH = m.PrefixHour
+    q = select(
+        (PH.hour - PH.hour % per).label("slot"), PH.bucket, func.sum(PH.count), func.sum(PH.total)
+    ).where(PH.cluster_id.in_(list(clusters)), PH.prefix == prefix, PH.action == action)
+    lo, hi = _hour_range(since, until)
+    if lo is not None:
+        q = q.where(PH.hour >= lo)
+    if hi is not None:
+        q = q.where(PH.hour < hi)
+    q = q.group_by("slot", PH.bucket)
+    hists: dict[int, dict[int, int]] = defaultdict(dict)
+    totals: dict[int, float] = defaultdict(float)
+    for s, b, c, t in db.execute(q):
+        hists[int(s)][b] = int(c)
+        totals[int(s)] += float(t)
+    out = []
+    for s in sorted(hists):
+        h = hists[s]
+        n = sum(h.values())
+        p50, p90, p99 = sketch.quantiles(h, QUANTILES)
+        out.append({"time": s * 3600.0, "count": n, "mean": totals[s] / n, "p50": p50, "p90": p90,
+                    "p99": p99, "max": sketch.value(max(h))})  # fmt: skip
+    return out
+
+
+def cluster_history(
+    db: Session, tenant_id: int, bucket: str, since: float | None, until: float | None,
+    cluster: str | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Per cluster per time bucket: runs started, tasks, errors, compute/transfer/disk seconds."""
+    clusters = _tenant_clusters(db, tenant_id, cluster)
+    if not clusters:
+        return []
+    per = BUCKETS[bucket]
+    CH = m.ClusterHour
+    lo, hi = _hour_range(since, until)
+    q = select(
+        CH.cluster_id, (CH.hour - CH.hour % per).label("slot"), func.sum(CH.tasks),
+        func.sum(CH.errors), func.sum(CH.compute), func.sum(CH.transfer), func.sum(CH.disk),
+        func.sum(CH.nbytes),
+    ).where(CH.cluster_id.in_(list(clusters)))  # fmt: skip
+    if lo is not None:
+        q = q.where(CH.hour >= lo)
+    if hi is not None:
+        q = q.where(CH.hour < hi)
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for cid, s, tasks, errs, comp, tr, disk, nb in db.execute(q.group_by(CH.cluster_id, "slot")):
+        rows[(cid, int(s))] = {"cluster": clusters[cid], "time": int(s) * 3600.0, "runs": 0,
+                               "tasks": int(tasks), "errors": int(errs), "compute_seconds": comp,
+                               "transfer_seconds": tr, "disk_seconds": disk, "nbytes": int(nb)}  # fmt: skip
+    sec = per * 3600
+    rq = select(m.Run.cluster_id, m.Run.started_at).where(
+        m.Run.tenant_id == tenant_id, m.Run.cluster_id.in_(list(clusters))
+    )
+    if since is not None:
+        rq = rq.where(m.Run.started_at >= lo * 3600)
+    if until is not None:
+        rq = rq.where(m.Run.started_at < hi * 3600)
+    sub = rq.subquery()
+    for cid, s, n in db.execute(
+        select(
+            sub.c.cluster_id, func.floor(sub.c.started_at / sec).label("s"), func.count()
+        ).group_by(sub.c.cluster_id, "s")
+    ):
+        hour = int(s) * per
+        entry = rows.setdefault((cid, hour), {"cluster": clusters[cid], "time": hour * 3600.0,
+                                "runs": 0, "tasks": 0, "errors": 0, "compute_seconds": 0.0,
+                                "transfer_seconds": 0.0, "disk_seconds": 0.0, "nbytes": 0})  # fmt: skip
+        entry["runs"] = int(n)
+    return [rows[k] for k in sorted(rows, key=lambda k: (clusters[k[0]], k[1]))]
+
+
+def cluster_time_breakdown(
+    db: Session, tenant_id: int, cluster: str, since: float | None, until: float | None
+) -> dict[str, Any]:
+    """Where the time went on one cluster: the time breakdown of its runs in the window."""
+    q = (
+        select(m.Run.id)
+        .join(m.Cluster, m.Cluster.id == m.Run.cluster_id)
+        .where(m.Run.tenant_id == tenant_id, m.Cluster.name == cluster)
+    )
+    if since is not None:
+        q = q.where(m.Run.started_at >= since)
+    if until is not None:
+        q = q.where(m.Run.started_at < until)
+    return time_breakdown(db, list(db.execute(q).scalars()))
+
+
+# ---------------------------------------------------------------- Chrome trace / Perfetto
+
+
+def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
+    """The run as Chrome trace-event JSON (Perfetto opens it): one process per worker, one
+    track (thread) per worker thread, every task phase a complete event (compute,
+    transfer with its source, disk-read/disk-write = spill), and erred tasks marked."""
+    rows = data.tasks.select(
+        ["key", "prefix", "worker", "thread", "status", "startstops"]
+    ).to_pylist()
+    starts = [r for r in data.tasks["start"].to_pylist() if r is not None]
+    t0 = min(starts) if starts else 0.0
+    pids: dict[str, int] = {}
+    tids: dict[tuple[str, int], int] = {}
+    events: list[dict[str, Any]] = []
+    for r in rows:
+        worker = r["worker"] or "unknown"
+        pid = pids.setdefault(worker, len(pids) + 1)
+        thread = r["thread"] if r["thread"] is not None else 0
+        if (worker, thread) not in tids:
+            tids[(worker, thread)] = len(tids) + 1
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[(worker, thread)],
+                           "args": {"name": f"thread {thread}"}})  # fmt: skip
+        tid = tids[(worker, thread)]
+        for ph in json.loads(r["startstops"]):
+            args = {"key": r["key"], "status": r["status"]}
+            if ph.get("source"):
+                args["source"] = ph["source"]
+            events.append({
+                "ph": "X", "name": f"{r['prefix']} {ph['action']}" if ph["action"] != "compute" else r["prefix"],
+                "cat": ph["action"], "pid": pid, "tid": tid,
+                "ts": (ph["start"] - t0) * 1e6, "dur": max(0.0, ph["stop"] - ph["start"]) * 1e6,
+                "args": args,
+            })  # fmt: skip
+    for worker, pid in pids.items():
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": worker}})
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"run": run_name, "start_epoch_s": t0},
+    }

@@ -1,0 +1,243 @@
+"""One run's full detail, read fast: a compacted columnar copy in the blob store.
+
+The raw batches stay the source of truth. The first read of a run that is no longer
+running decodes its batches (named by ``run_batches``) once and writes three Parquet
+files next to them under ``compact/``: tasks (one row per task, startstops flattened to
+per-action seconds plus the raw list as JSON), graph (key, dependencies) and metrics
+(worker, time, name, value). Every later read, in any process, reads Parquet instead of
+decoding JSON. The file names carry the run's batch count and highest batch id, so a
+batch indexed after compaction (a late retry) makes the next read build a fresh copy.
+Running runs are read from the raw batches and not compacted.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from hindsight.schema import GraphEvent, MetricEvent, TaskEvent
+from storage import models as m
+from storage.blobs import BlobStore
+from storage.ingest import DEFAULT_RUN, decode_stored
+
+logger = logging.getLogger(__name__)
+
+# Metric batches are not tied to a run: take the session's batches received within this
+# many seconds of the run's own, then keep samples inside the run's time window.
+METRIC_SLACK_S = 60.0
+ROW_GROUP = 65_536
+_CACHE_SIZE = 4
+
+TASK_COLUMNS = (
+    "key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
+    "exception", "traceback", "start", "stop", "compute_start", "compute_stop",
+    "compute", "transfer", "disk_read", "disk_write", "startstops",
+)  # fmt: skip
+
+
+@dataclass
+class RunData:
+    """A run's tasks, graph and metrics as Arrow tables."""
+
+    tasks: Any  # pyarrow.Table
+    graph: Any
+    metrics: Any
+    tag: str
+    source: str  # "compact" (read from the compacted copy), "raw" (decoded batches)
+
+
+_cache: OrderedDict[str, RunData] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _schemas() -> tuple[Any, Any, Any]:
+    import pyarrow as pa
+
+    s, f, i = pa.string(), pa.float64(), pa.int64()
+    tasks = pa.schema(
+        [("key", s), ("prefix", s), ("group", s), ("worker", s), ("thread", i),
+         ("status", s), ("nbytes", i), ("typename", s), ("exception", s), ("traceback", s),
+         ("start", f), ("stop", f), ("compute_start", f), ("compute_stop", f),
+         ("compute", f), ("transfer", f), ("disk_read", f), ("disk_write", f),
+         ("startstops", s)]
+    )  # fmt: skip
+    graph = pa.schema([("key", s), ("prefix", s), ("dependencies", pa.list_(s))])
+    metrics = pa.schema([("worker", s), ("time", f), ("name", s), ("value", f)])
+    return tasks, graph, metrics
+
+
+def run_tag(db: Session, run: m.Run) -> str:
+    """The version of a run's stored data: its batch count and highest batch id."""
+    n, hi = db.execute(
+        select(func.count(), func.max(m.RunBatch.batch_id)).where(m.RunBatch.run_id == run.id)
+    ).one()
+    return f"{n}-{hi or 0}"
+
+
+def compact_prefix(db: Session, run: m.Run) -> str:
+    tenant, cluster, session = db.execute(
+        select(m.Tenant.name, m.Cluster.name, m.Session.name)
+        .join(m.Cluster, m.Cluster.tenant_id == m.Tenant.id)
+        .join(m.Session, m.Session.cluster_id == m.Cluster.id)
+        .where(m.Session.id == run.session_id)
+    ).one()
+    return f"compact/v1/{tenant}/{cluster}/{session}/{run.public_id}"
+
+
+def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
+    """Decode the run's raw batches into Arrow tables."""
+    import pyarrow as pa
+
+    tasks_schema, graph_schema, metrics_schema = _schemas()
+    rows = db.execute(
+        select(m.Batch.id, m.Batch.blob_key)
+        .join(m.RunBatch, m.RunBatch.batch_id == m.Batch.id)
+        .where(m.RunBatch.run_id == run.id)
+        .order_by(m.Batch.id)
+    ).all()
+    run_ids = {i for i, _ in rows}
+    window_lo = run.first_seen - METRIC_SLACK_S
+    window_hi = run.last_seen + METRIC_SLACK_S
+    others = db.execute(
+        select(m.Batch.id, m.Batch.blob_key)
+        .join(m.Agent, m.Agent.id == m.Batch.agent_id)
+        .where(
+            m.Agent.session_id == run.session_id,
+            m.Batch.received_at >= window_lo,
+            m.Batch.received_at <= window_hi,
+        )
+        .order_by(m.Batch.id)
+    ).all()
+    keys = sorted({*rows, *((i, k) for i, k in others if i not in run_ids)})
+    cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
+    g_key: list[str] = []
+    g_prefix: list[str] = []
+    g_deps: list[list[str]] = []
+    metrics: list[tuple[str, float, dict[str, float]]] = []
+    enc = msgspec.json.Encoder()
+    run_key = run.run_key
+    for batch_id, key in keys:
+        batch = decode_stored(blobs.get(key))
+        mine = batch_id in run_ids
+        for ev in batch.events:
+            t = type(ev)
+            if t is TaskEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
+                secs = {"compute": 0.0, "transfer": 0.0, "disk-read": 0.0, "disk-write": 0.0}
+                start = stop = cstart = cstop = None
+                for ss in ev.startstops:
+                    if ss.action in secs:
+                        secs[ss.action] += ss.stop - ss.start
+                    if start is None or ss.start < start:
+                        start = ss.start
+                    if stop is None or ss.stop > stop:
+                        stop = ss.stop
+                    if ss.action == "compute" and cstart is None:
+                        cstart, cstop = ss.start, ss.stop
+                for c, v in (
+                    ("key", ev.key), ("prefix", ev.prefix), ("group", ev.group),
+                    ("worker", ev.worker), ("thread", ev.thread), ("status", ev.status),
+                    ("nbytes", ev.nbytes), ("typename", ev.typename),
+                    ("exception", ev.exception), ("traceback", ev.traceback),
+                    ("start", start), ("stop", stop), ("compute_start", cstart),
+                    ("compute_stop", cstop), ("compute", secs["compute"]),
+                    ("transfer", secs["transfer"]), ("disk_read", secs["disk-read"]),
+                    ("disk_write", secs["disk-write"]),
+                    ("startstops", enc.encode(ev.startstops).decode()),
+                ):  # fmt: skip
+                    cols[c].append(v)
+            elif t is GraphEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
+                g_key.append(ev.key)
+                g_prefix.append(ev.prefix)
+                g_deps.append(list(ev.dependencies))
+            elif t is MetricEvent:
+                metrics.append((ev.worker, ev.time, ev.values))
+    tasks = pa.table(cols, schema=tasks_schema)
+    graph = pa.table(
+        {"key": g_key, "prefix": g_prefix, "dependencies": g_deps}, schema=graph_schema
+    )
+    lo = run.started_at if run.started_at is not None else run.task_start
+    hi = run.finished_at if run.finished_at is not None else run.task_stop
+    if run.task_stop is not None and (hi is None or run.task_stop > hi):
+        hi = run.task_stop
+    mw: list[str] = []
+    mt: list[float] = []
+    mn: list[str] = []
+    mv: list[float] = []
+    for worker, t, values in metrics:
+        if lo is not None and t < lo - 1.0:
+            continue
+        if hi is not None and t > hi + 1.0:
+            continue
+        for name, v in values.items():
+            mw.append(worker)
+            mt.append(t)
+            mn.append(name)
+            mv.append(float(v))
+    metrics_t = pa.table({"worker": mw, "time": mt, "name": mn, "value": mv}, schema=metrics_schema)
+    return tasks, graph, metrics_t
+
+
+def _parquet(table: Any) -> bytes:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", row_group_size=ROW_GROUP)
+    return buf.getvalue()
+
+
+def load_run(db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True) -> RunData:
+    """The run's tasks, graph and metrics: from the process cache, the compacted copy, or
+    the raw batches (then compacted, if the run has ended and ``write``)."""
+    import pyarrow.parquet as pq
+
+    tag = run_tag(db, run)
+    base = compact_prefix(db, run)
+    cache_key = f"{base}/{tag}"
+    with _cache_lock:
+        hit = _cache.get(cache_key)
+        if hit is not None:
+            _cache.move_to_end(cache_key)
+            return hit
+    names = ("tasks", "graph", "metrics")
+    try:
+        tables = [pq.read_table(io.BytesIO(blobs.get(f"{cache_key}/{n}.parquet"))) for n in names]
+        data = RunData(*tables, tag=tag, source="compact")
+    except FileNotFoundError:
+        tasks, graph, metrics = _build(db, blobs, run)
+        data = RunData(tasks, graph, metrics, tag=tag, source="raw")
+        if write and run.status != "running":
+            # Metrics and graph first, tasks last: tasks.parquet present means complete.
+            for n, table in (("graph", graph), ("metrics", metrics), ("tasks", tasks)):
+                blobs.put(f"{cache_key}/{n}.parquet", _parquet(table), if_absent=True)
+            logger.info("compacted run %s (%d tasks) at %s", run.public_id, len(tasks), cache_key)
+    if data.source == "compact" or run.status != "running":
+        with _cache_lock:
+            _cache[cache_key] = data
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+    return data
+
+
+def compacted_tasks_key(db: Session, blobs: BlobStore, run: m.Run) -> str | None:
+    """The blob key of the run's compacted tasks file (compacting it now if needed), or
+    None for a running run."""
+    if run.status == "running":
+        return None
+    key = f"{compact_prefix(db, run)}/{run_tag(db, run)}/tasks.parquet"
+    if not blobs.exists(key):
+        load_run(db, blobs, run)
+    return key
+
+
+def clear_cache() -> None:
+    """Forget the in-process copies (benchmarks measure cold reads)."""
+    with _cache_lock:
+        _cache.clear()
