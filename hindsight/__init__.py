@@ -19,3 +19,12 @@ def emit(stream: str, value: Any = None) -> bool:
     from hindsight.streams import emit as _emit
 
     return _emit(stream, value)
+
+
+def __getattr__(name: str) -> Any:
+    # hindsight.Client is imported on first use: the agent in workers never loads it.
+    if name == "Client":
+        from hindsight.client import Client
+
+        return Client
+    raise AttributeError(f"module 'hindsight' has no attribute {name!r}")

@@ -1,0 +1,202 @@
+"""Query a Hindsight server from Python: ``hindsight.Client(url, token=None)``.
+
+Every method maps to one REST endpoint and returns a pandas DataFrame (or a dict where the
+answer is one object). pandas and pyarrow are imported when first needed, so the SDK that
+runs inside Dask workers stays light: ``pip install 'hindsight[client]'`` for them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class HindsightError(Exception):
+    """An error answer from the server: its HTTP status, code and message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _pd() -> Any:
+    import pandas as pd
+
+    return pd
+
+
+class Client:
+    """A client of the query API. ``token`` needs the ``read`` scope (an embedded server
+    on loopback may run without tokens)."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    # ------------------------------------------------------------ transport
+
+    def _open(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        query = {k: _param(v) for k, v in (params or {}).items() if v is not None}
+        url = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        req = urllib.request.Request(url)
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout)  # noqa: S310
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
+            try:
+                err = json.loads(body)["error"]
+                raise HindsightError(exc.code, err["code"], err["message"]) from None
+            except (ValueError, KeyError, TypeError):
+                raise HindsightError(
+                    exc.code, "http_error", body[:200].decode(errors="replace")
+                ) from None
+
+    def get(self, path: str, **params: Any) -> Any:
+        """GET ``path`` and decode its JSON answer."""
+        with self._open(path, params) as resp:
+            return json.loads(resp.read())
+
+    def _pages(
+        self, path: str, key: str, params: dict[str, Any], limit: int | None
+    ) -> Iterator[dict[str, Any]]:
+        cursor = None
+        n = 0
+        while True:
+            body = self.get(path, **params, cursor=cursor)
+            for item in body[key]:
+                yield item
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+            cursor = body.get("next_cursor")
+            if not cursor:
+                return
+
+    # ------------------------------------------------------------ runs
+
+    def clusters(self) -> Any:
+        """The tenant's clusters: name, sessions, runs, first/last seen."""
+        return _pd().DataFrame(self.get("/v1/clusters")["clusters"])
+
+    def runs(self, limit: int | None = None, **filters: Any) -> Any:
+        """Runs matching ``filters`` (cluster, status, name, since, until, min_duration,
+        has_errors, sort), following cursors up to ``limit`` runs."""
+        page = min(limit or 1000, 1000)
+        rows = list(self._pages("/v1/runs", "runs", {**filters, "limit": page}, limit))
+        return _pd().DataFrame(rows)
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        """One run's detail (a dict: it is one object with nested parts)."""
+        return self.get(f"/v1/runs/{run_id}")
+
+    def tasks(self, run_id: str, **filters: Any) -> Any:
+        """A run's tasks. Without filters, the run's Parquet copy (fast for very large runs);
+        with filters (prefix, worker, status, since, until, sort), the NDJSON stream."""
+        pd = _pd()
+        if not filters:
+            with self._open(f"/v1/runs/{run_id}/tasks.parquet") as resp:
+                return pd.read_parquet(io.BytesIO(resp.read()))
+        with self._open(f"/v1/runs/{run_id}/tasks/stream", filters) as resp:
+            return pd.DataFrame([json.loads(line) for line in resp if line.strip()])
+
+    def summary(self, run_id: str) -> Any:
+        """Per prefix and action: count, total, mean, min, p50, p90, p99, max."""
+        rows = []
+        for p in self.get(f"/v1/runs/{run_id}/summary")["prefixes"]:
+            for action, stats in p["actions"].items():
+                rows.append({"prefix": p["prefix"], "action": action, "tasks": p["count"],
+                             "errors": p["errors"], **stats})  # fmt: skip
+        return _pd().DataFrame(rows)
+
+    def metrics(self, run_id: str, points: int = 500, **filters: Any) -> Any:
+        """Worker metric samples (downsampled): worker, name, time, value, max."""
+        body = self.get(f"/v1/runs/{run_id}/metrics", points=points, **filters)
+        rows = [
+            {"worker": s["worker"], "name": s["name"], **p}
+            for s in body["series"]
+            for p in s["points"]
+        ]
+        return _pd().DataFrame(rows, columns=["worker", "name", "time", "value", "max"])
+
+    def progress(self, run_id: str, buckets: int = 50) -> Any:
+        """Completed tasks per prefix (columns) per time bucket (index: bucket end)."""
+        body = self.get(f"/v1/runs/{run_id}/progress", buckets=buckets)
+        return _pd().DataFrame(body["prefixes"], index=body["times"])
+
+    def graph(self, run_id: str) -> tuple[Any, Any]:
+        """(nodes, edges) DataFrames of the run's task graph."""
+        body = self.get(f"/v1/runs/{run_id}/graph")
+        pd = _pd()
+        return pd.DataFrame(body["nodes"]), pd.DataFrame(
+            body["edges"], columns=["source", "target"]
+        )
+
+    def errors(self, run_id: str) -> Any:
+        """Erred tasks grouped by exception."""
+        return _pd().DataFrame(self.get(f"/v1/runs/{run_id}/errors")["groups"])
+
+    def critical_path(self, run_id: str) -> Any:
+        """The critical path's segments in time order (kind, key, worker, start, stop, seconds)."""
+        return _pd().DataFrame(self.get(f"/v1/runs/{run_id}/critical-path")["segments"])
+
+    def time(self, run_id: str) -> Any:
+        """Where the time went, per worker (compute, transfer, spill, other, idle seconds)."""
+        return _pd().DataFrame(self.get(f"/v1/runs/{run_id}/time")["workers"])
+
+    def cluster_time(self, cluster: str, **window: Any) -> Any:
+        """Where the time went on a cluster, per worker, over runs in ``since``/``until``."""
+        return _pd().DataFrame(self.get(f"/v1/clusters/{cluster}/time", **window)["workers"])
+
+    def regressions(self, run_id: str, **params: Any) -> Any:
+        """Prefixes whose p90 moved beyond ``threshold`` % against ``baseline`` earlier runs."""
+        body = self.get(f"/v1/runs/{run_id}/regressions", **params)
+        return _pd().DataFrame(
+            body["regressions"],
+            columns=["prefix", "baseline_p90", "p90", "change_pct", "direction"],
+        )
+
+    def compare(self, a: str, b: str, action: str = "compute") -> Any:
+        """Per-prefix deltas of run ``b`` against run ``a`` (tasks, mean, p90, total)."""
+        body = self.get("/v1/compare", a=a, b=b, action=action)
+        rows = []
+        for p in body["prefixes"]:
+            row: dict[str, Any] = {"prefix": p["prefix"], "status": "both"}
+            for k in ("tasks", "mean", "p90", "total"):
+                row |= {f"{k}_a": p[k]["a"], f"{k}_b": p[k]["b"], f"{k}_delta": p[k]["delta"]}
+            rows.append(row)
+        rows += [{"prefix": p, "status": "new"} for p in body["new_prefixes"]]
+        rows += [{"prefix": p, "status": "missing"} for p in body["missing_prefixes"]]
+        df = _pd().DataFrame(rows)
+        df.attrs["makespan"] = body["makespan"]
+        return df
+
+    def prefix_history(self, prefix: str, **params: Any) -> Any:
+        """A prefix's duration quantiles per hour or day across clusters."""
+        return _pd().DataFrame(self.get("/v1/history/prefixes", prefix=prefix, **params)["points"])
+
+    def cluster_history(self, **params: Any) -> Any:
+        """Per cluster per hour or day: runs, tasks, errors, seconds."""
+        return _pd().DataFrame(self.get("/v1/history/clusters", **params)["points"])
+
+    def trace(self, run_id: str) -> dict[str, Any]:
+        """The run as Chrome trace-event JSON (save it and open it in ui.perfetto.dev)."""
+        return self.get(f"/v1/runs/{run_id}/trace")
+
+
+def _param(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,377 @@
+"""Every query endpoint on runs recorded from a real LocalCluster (worker processes)
+through the Dask agent into a real embedded server (``hindsight serve``), and the Python
+client round-tripping each into DataFrames."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+import dask.array as da
+import pytest
+from distributed import Client, LocalCluster, get_task_stream, span
+
+from hindsight.client import Client as HindsightClient
+from hindsight.client import HindsightError
+from hindsight.schema import GraphEvent
+from tests.dask.conftest import (
+    EmbeddedServer,
+    stored_events,
+    wait_for_run,
+    wait_until,
+)
+
+
+def inc(i: int) -> int:
+    return i + 1
+
+
+def boom(x: int) -> int:
+    raise ValueError(f"boom on {x}")
+
+
+def array_job() -> Any:
+    x = da.random.random((400, 400), chunks=(50, 50))
+    return (x + x.T).sum()  # the transpose moves chunks between workers
+
+
+@pytest.fixture(scope="module")
+def history(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
+    """Three runs on one cluster: the same array job twice ("etl"), and a failing one."""
+    cluster = f"q-{uuid.uuid4().hex[:8]}"
+    config = {
+        "hindsight.url": hindsight_server.url,
+        "hindsight.cluster": cluster,
+        "hindsight.sample-interval": 0.1,
+    }
+    runs: dict[str, dict[str, Any]] = {}
+    with dask.config.set(config):
+        with LocalCluster(
+            n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0",
+            worker_dashboard_address=":0", scheduler_kwargs={"preload": ["hindsight.dask"]},
+        ) as lc, Client(lc) as client:  # fmt: skip
+            workers = set(client.scheduler_info()["workers"])
+            for label in ("etl-1", "etl-2"):
+                with span("etl"), get_task_stream(client) as ts:
+                    dask.compute(array_job(), optimize_graph=False)
+                before = {r["id"] for r in runs.values()}
+
+                def new(ts: Any = ts, before: set[str] = before) -> dict[str, Any] | None:
+                    found = [r for r in hindsight_server.runs(cluster)
+                             if r["name"] == "etl" and r["id"] not in before
+                             and r["status"] == "finished" and r["task_count"] >= len(ts.data)]  # fmt: skip
+                    return found[0] if found else None
+
+                runs[label] = wait_until(new, 60, f"run {label}")
+            parts = [dask.delayed(inc)(i) for i in range(20)]
+            bad = [dask.delayed(boom)(parts[3])]
+            total = dask.delayed(sum)([*parts, *bad])
+            with span("failing"), get_task_stream(client) as ts:
+                with pytest.raises(ValueError):
+                    dask.compute(total, optimize_graph=False)
+            runs["failing"] = wait_for_run(
+                hindsight_server, cluster, "failing", len(ts.data), "erred"
+            )
+    yield {"cluster": cluster, "runs": runs, "workers": workers, "server": hindsight_server}
+
+
+def get(h: dict[str, Any], path: str, **params: Any) -> Any:
+    return h["server"].get(path, **params)
+
+
+def all_tasks(h: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
+    return h["server"].tasks(run_id)
+
+
+def test_runs_filters_and_sort(history):
+    h, cluster = history, history["cluster"]
+    runs = history["runs"]
+    names = lambda **p: [r["id"] for r in get(h, "/v1/runs", cluster=cluster, **p)["runs"]]  # noqa: E731
+    assert set(names(name="etl")) == {runs["etl-1"]["id"], runs["etl-2"]["id"]}
+    assert names(name="fail*") == [runs["failing"]["id"]]
+    assert names(has_errors="true") == [runs["failing"]["id"]]
+    assert set(names(has_errors="false")) == {runs["etl-1"]["id"], runs["etl-2"]["id"]}
+    by_makespan = get(h, "/v1/runs", cluster=cluster, sort="-makespan")["runs"]
+    spans = [r["makespan"] for r in by_makespan]
+    assert spans == sorted(spans, reverse=True) and len(spans) == 3
+    longest = spans[0]
+    assert names(min_duration=longest) == [by_makespan[0]["id"]]
+    # cursor pagination under a sort visits each run once, in order
+    seen, cursor = [], None
+    while True:
+        page = get(h, "/v1/runs", cluster=cluster, sort="task_count", limit=1,
+                   **({"cursor": cursor} if cursor else {}))  # fmt: skip
+        seen += [r["task_count"] for r in page["runs"]]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert seen == sorted(r["task_count"] for r in by_makespan)
+
+
+def test_run_detail_additions(history):
+    h = history
+    a, b, f = (
+        get(h, f"/v1/runs/{history['runs'][k]['id']}") for k in ("etl-1", "etl-2", "failing")
+    )
+    assert a["fingerprint"] == b["fingerprint"] != f["fingerprint"]
+    assert a["workers_used"] == 2 and {w["worker"] for w in a["workers"]} == history["workers"]
+    assert sum(w["tasks"] for w in a["workers"]) == a["task_count"]
+    tasks = all_tasks(h, a["id"])
+    compute = sum(
+        s["stop"] - s["start"] for t in tasks for s in t["startstops"] if s["action"] == "compute"
+    )
+    assert a["seconds_by_action"]["compute"] == pytest.approx(compute)
+    transfer = sum(
+        s["stop"] - s["start"] for t in tasks for s in t["startstops"] if s["action"] == "transfer"
+    )
+    assert transfer > 0 and a["seconds_by_action"]["transfer"] == pytest.approx(transfer)
+    assert a["tasks_by_status"] == {"memory": a["task_count"]}
+    assert a["completeness"]["batches_received"] >= 1
+    assert f["tasks_by_status"]["erred"] == f["error_count"] == 1
+
+
+def test_tasks_filters_sort_pages_stream_and_parquet(history, tmp_path):
+    import pandas as pd
+
+    h = history
+    run_id = history["runs"]["etl-1"]["id"]
+    tasks = all_tasks(h, run_id)
+    worker = sorted(history["workers"])[0]
+    on_worker = get(h, f"/v1/runs/{run_id}/tasks", worker=worker, limit=10000)["tasks"]
+    assert on_worker and {t["key"] for t in on_worker} == {
+        t["key"] for t in tasks if t["worker"] == worker
+    }
+    prefix = tasks[0]["prefix"]
+    by_prefix = get(h, f"/v1/runs/{run_id}/tasks", prefix=prefix, limit=10000)
+    assert by_prefix["total"] == sum(t["prefix"] == prefix for t in tasks)
+    longest = get(h, f"/v1/runs/{run_id}/tasks", sort="-duration", limit=5)["tasks"]
+    durations = sorted((t["duration"] for t in tasks), reverse=True)
+    assert [t["duration"] for t in longest] == durations[:5]
+    # a time window: tasks that ran at some point in [t, t+dt)
+    mid = sorted(t["startstops"][-1]["stop"] for t in tasks)[len(tasks) // 2]
+    window = get(h, f"/v1/runs/{run_id}/tasks", since=mid, until=mid + 0.01, limit=10000)["tasks"]
+    assert window and all(min(s["start"] for s in t["startstops"]) < mid + 0.01 for t in window)
+    # sorted pages chain through the cursor
+    keys, cursor = [], None
+    while True:
+        page = get(h, f"/v1/runs/{run_id}/tasks", sort="-duration", limit=37,
+                   **({"cursor": cursor} if cursor else {}))  # fmt: skip
+        keys += [t["key"] for t in page["tasks"]]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert sorted(keys) == sorted(t["key"] for t in tasks) and len(keys) == len(set(keys))
+    # the streaming form equals the pages
+    resp = h["server"].http.get(f"{h['server'].url}/v1/runs/{run_id}/tasks/stream", stream=True)
+    assert resp.headers["Content-Type"].startswith("application/x-ndjson")
+    streamed = [json.loads(line) for line in resp.iter_lines() if line]
+    assert streamed == tasks
+    # Parquet: one row per task, and the compacted copy is in the blob store
+    resp = h["server"].http.get(f"{h['server'].url}/v1/runs/{run_id}/tasks.parquet")
+    assert resp.status_code == 200
+    (tmp_path / "t.parquet").write_bytes(resp.content)
+    df = pd.read_parquet(tmp_path / "t.parquet")
+    assert sorted(df["key"]) == sorted(t["key"] for t in tasks)
+    compacted = list(
+        (h["server"].data_dir / "blobs" / "compact").rglob(f"{run_id}/*/tasks.parquet")
+    )
+    assert len(compacted) == 1
+
+
+def exact_quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[max(1, math.ceil(q * len(values))) - 1]
+
+
+def test_summary_quantiles_match_the_records(history):
+    h = history
+    run_id = history["runs"]["etl-1"]["id"]
+    tasks = all_tasks(h, run_id)
+    summary = get(h, f"/v1/runs/{run_id}/summary")["prefixes"]
+    checked = 0
+    for p in summary:
+        durations = [s["stop"] - s["start"] for t in tasks if t["prefix"] == p["prefix"]
+                     for s in t["startstops"] if s["action"] == "compute"]  # fmt: skip
+        c = p["actions"]["compute"]
+        assert c["count"] == len(durations)
+        assert c["min"] <= c["p50"] <= c["p90"] <= c["p99"] <= c["max"]
+        for q, key in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+            exact = exact_quantile(durations, q)
+            if exact > 1e-4:  # below that, clock granularity
+                assert c[key] == pytest.approx(exact, rel=0.05), (p["prefix"], key)
+                checked += 1
+    assert checked
+
+
+def test_metrics_progress_graph_errors(history):
+    h = history
+    run_id = history["runs"]["etl-1"]["id"]
+    series = get(h, f"/v1/runs/{run_id}/metrics", points=3)["series"]
+    assert history["workers"] <= {s["worker"] for s in series}
+    assert all(len(s["points"]) <= 3 for s in series)
+    assert any(s["samples"] > 3 for s in series)  # downsampled, not truncated
+    one = get(h, f"/v1/runs/{run_id}/metrics", points=3, name="cpu")["series"]
+    assert one and {s["name"] for s in one} == {"cpu"}
+
+    tasks = all_tasks(h, run_id)
+    prog = get(h, f"/v1/runs/{run_id}/progress", buckets=7)
+    assert len(prog["times"]) == 7
+    for prefix, counts in prog["prefixes"].items():
+        assert sum(counts) == sum(t["prefix"] == prefix for t in tasks)
+
+    g = get(h, f"/v1/runs/{run_id}/graph")
+    run_key = get(h, f"/v1/runs/{run_id}")["run_key"]
+    stored = {e.key: set(e.dependencies) for e in stored_events(h["server"], history["cluster"])
+              if type(e) is GraphEvent and e.run == run_key}  # fmt: skip
+    got: dict[str, set[str]] = {n["key"]: set() for n in g["nodes"]}
+    for e in g["edges"]:
+        got[e["target"]].add(e["source"])
+    assert {k: got[k] for k in stored} == stored
+    by_key = {n["key"]: n for n in g["nodes"]}
+    t = tasks[0]
+    assert (
+        by_key[t["key"]]["worker"] == t["worker"] and by_key[t["key"]]["duration"] == t["duration"]
+    )
+
+    failing = history["runs"]["failing"]["id"]
+    (group,) = get(h, f"/v1/runs/{failing}/errors")["groups"]
+    assert group["count"] == 1 and "boom on 4" in group["exception"]
+    assert group["prefixes"] == {"boom": 1} and "raise ValueError" in group["traceback"]
+    assert get(h, f"/v1/runs/{run_id}/errors")["groups"] == []
+
+
+def test_critical_path_covers_the_makespan(history):
+    h = history
+    run_id = history["runs"]["etl-1"]["id"]
+    cp = get(h, f"/v1/runs/{run_id}/critical-path")
+    tasks = all_tasks(h, run_id)
+    last = max(tasks, key=lambda t: max(s["stop"] for s in t["startstops"]))
+    segs = cp["segments"]
+    assert segs[-1]["key"] == last["key"] and segs[-1]["kind"] == "compute"
+    for a, b in zip(segs, segs[1:], strict=False):
+        assert b["start"] >= a["stop"] - 1e-9  # in order, not overlapping
+    assert sum(s["seconds"] for s in segs) == pytest.approx(cp["makespan"], rel=1e-6)
+    assert sum(cp["totals"].values()) == pytest.approx(cp["makespan"], rel=1e-6)
+    # the chain walks the graph: each compute segment's task depends on the previous one's
+    deps = {n["target"]: set() for n in get(h, f"/v1/runs/{run_id}/graph")["edges"]}
+    for e in get(h, f"/v1/runs/{run_id}/graph")["edges"]:
+        deps[e["target"]].add(e["source"])
+    chain = [s["key"] for s in segs if s["kind"] == "compute"]
+    for prev, nxt in zip(chain, chain[1:], strict=False):
+        assert prev in deps[nxt]
+
+
+def test_time_breakdown_compare_regressions(history):
+    h = history
+    a, b = history["runs"]["etl-1"]["id"], history["runs"]["etl-2"]["id"]
+    detail = get(h, f"/v1/runs/{a}")
+    tb = get(h, f"/v1/runs/{a}/time")
+    assert tb["compute"] == pytest.approx(detail["seconds_by_action"]["compute"])
+    assert tb["transfer"] == pytest.approx(detail["seconds_by_action"]["transfer"])
+    assert tb["idle"] >= 0 and tb["capacity"] > tb["compute"]
+    cl = get(h, f"/v1/clusters/{history['cluster']}/time")
+    assert cl["runs"] == 3 and cl["compute"] > tb["compute"]
+
+    cmp = get(h, "/v1/compare", a=a, b=b)
+    assert cmp["new_prefixes"] == [] and cmp["missing_prefixes"] == []
+    db_ = get(h, f"/v1/runs/{b}")
+    assert cmp["makespan"]["delta"] == pytest.approx(db_["makespan"] - detail["makespan"])
+    assert all(p["tasks"]["delta"] == 0 for p in cmp["prefixes"])
+    f = history["runs"]["failing"]["id"]
+    cmp2 = get(h, "/v1/compare", a=a, b=f)
+    assert "boom" in cmp2["new_prefixes"]
+
+    reg = get(h, f"/v1/runs/{b}/regressions", baseline=5, threshold=0)
+    assert reg["baseline_runs"] == [a]
+    assert {r["prefix"] for r in reg["checked"]} == {p["prefix"] for p in cmp["prefixes"]
+                                                      if p["p90"]["a"]}  # fmt: skip
+    assert {r["prefix"] for r in reg["regressions"]} == {
+        r["prefix"] for r in reg["checked"] if r["change_pct"] != 0
+    }
+    high = get(h, f"/v1/runs/{b}/regressions", threshold=10_000)
+    assert high["regressions"] == []
+    assert get(h, f"/v1/runs/{a}/regressions")["baseline_runs"] == []
+
+
+def test_histories_from_rollups(history):
+    h = history
+    cluster = history["cluster"]
+    runs = [get(h, f"/v1/runs/{r['id']}") for r in history["runs"].values()]
+    points = get(h, "/v1/history/clusters", cluster=cluster, bucket="day")["points"]
+    assert sum(p["runs"] for p in points) == 3
+    assert sum(p["tasks"] for p in points) == sum(r["task_count"] for r in runs)
+    assert sum(p["errors"] for p in points) == 1
+    assert sum(p["compute_seconds"] for p in points) == pytest.approx(
+        sum(r["seconds_by_action"]["compute"] for r in runs)
+    )
+    prefix = max(runs[0]["prefixes"], key=lambda p: p["count"])["prefix"]
+    hist = get(h, "/v1/history/prefixes", prefix=prefix, bucket="day", cluster=cluster)["points"]
+    expected = sum(p["actions"]["compute"]["count"] for r in runs for p in r["prefixes"]
+                   if p["prefix"] == prefix)  # fmt: skip
+    assert sum(p["count"] for p in hist) == expected
+    assert all(p["p50"] <= p["p90"] <= p["p99"] for p in hist)
+
+
+def test_chrome_trace_has_a_track_per_worker_thread(history):
+    h = history
+    run_id = history["runs"]["etl-1"]["id"]
+    resp = h["server"].http.get(f"{h['server'].url}/v1/runs/{run_id}/trace")
+    trace = json.loads(resp.content)
+    tasks = all_tasks(h, run_id)
+    events = trace["traceEvents"]
+    for e in events:
+        assert e["ph"] in ("X", "M") and isinstance(e["pid"], int)
+        if e["ph"] == "X":
+            assert {"name", "ts", "dur", "tid", "cat"} <= set(e) and e["dur"] >= 0
+    threads = {
+        (e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"
+    }
+    assert len(threads) == len({(t["worker"], t["thread"]) for t in tasks})
+    assert {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"} == threads
+    processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == history["workers"]
+    phases = sum(len(t["startstops"]) for t in tasks)
+    assert sum(e["ph"] == "X" for e in events) == phases
+    assert any(e.get("cat") == "transfer" and e["args"].get("source") for e in events)
+
+
+def test_python_client_round_trips_every_endpoint(history):
+    h = history
+    c = HindsightClient(h["server"].url)
+    cluster = history["cluster"]
+    a, b = history["runs"]["etl-1"]["id"], history["runs"]["etl-2"]["id"]
+    f = history["runs"]["failing"]["id"]
+    assert cluster in set(c.clusters()["name"])
+    runs = c.runs(cluster=cluster)
+    assert set(runs["id"]) == {a, b, f}
+    assert list(c.runs(cluster=cluster, limit=2)["id"]) == list(runs["id"][:2])
+    assert c.run(a)["id"] == a
+    tasks = c.tasks(a)
+    assert len(tasks) == c.run(a)["task_count"]
+    some = c.tasks(a, prefix=tasks["prefix"].iloc[0])
+    assert len(some) == (tasks["prefix"] == tasks["prefix"].iloc[0]).sum()
+    summary = c.summary(a)
+    assert {"prefix", "action", "p50", "p90", "p99", "max"} <= set(summary.columns)
+    assert len(c.metrics(a, points=4)) > 0
+    prog = c.progress(a, buckets=5)
+    assert prog.to_numpy().sum() == len(tasks)
+    nodes, edges = c.graph(a)
+    assert len(nodes) >= len(tasks) and len(edges) > 0
+    assert c.errors(f)["count"].sum() == 1
+    assert c.critical_path(a)["seconds"].sum() > 0
+    assert set(c.time(a)["worker"]) == history["workers"]
+    assert set(c.cluster_time(cluster)["worker"]) == history["workers"]
+    assert list(c.regressions(b, threshold=10_000).columns)[:1] == ["prefix"]
+    cmp = c.compare(a, f)
+    assert "new" in set(cmp["status"]) and cmp.attrs["makespan"]["a"] > 0
+    prefix = summary["prefix"].iloc[0]
+    assert c.prefix_history(prefix, bucket="day", cluster=cluster)["count"].sum() > 0
+    assert c.cluster_history(cluster=cluster, bucket="day")["runs"].sum() == 3
+    assert c.trace(a)["traceEvents"]
+    with pytest.raises(HindsightError) as err:
+        c.run("no-such-run")
+    assert err.value.status == 404 and err.value.code == "not_found"
