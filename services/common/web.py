@@ -183,6 +183,14 @@ def make_app(
     for bp in blueprints:
         app.register_blueprint(bp)
 
+    @app.before_request
+    def _refuse_nul() -> None:
+        # A NUL can never be part of a name, id or cursor, and Postgres refuses it in a
+        # string literal (psycopg2 raises ValueError: a 500). Refuse it before any route.
+        values = [*request.args.values(), *(request.view_args or {}).values()]
+        if any("\x00" in str(v) for v in values):
+            raise ApiError(400, "invalid_parameter", "parameters must not contain NUL")
+
     @app.teardown_appcontext
     def _close_db(exc: BaseException | None) -> None:
         session = g.pop("db", None)
