@@ -475,7 +475,7 @@ def _tenant_clusters(db: Session, tenant_id: int, cluster: str | None) -> dict[i
     q = select(m.Cluster.id, m.Cluster.name).where(m.Cluster.tenant_id == tenant_id)
     if cluster is not None:
         q = q.where(m.Cluster.name == cluster)
-    return dict(db.execute(q).tuples().all())
+    return dict(db.execute(q).all())
 
 
 def _hour_range(since: float | None, until: float | None) -> tuple[int | None, int | None]:

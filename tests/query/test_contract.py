@@ -1,0 +1,171 @@
+"""The contract of every query route on both stacks (SQLite + files, Postgres + S3): the
+read scope, tenant isolation, one error body; and the query rollups commute like the rest
+of the index (any batch order, retries and rebuilds give the same figures)."""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+import pytest
+
+from tests.helpers import auth, example, post
+from tests.query.test_runs import run_batch
+
+
+def run_routes(app: Any) -> list[str]:
+    return sorted(
+        re.sub(r"<(\w+)>", "{\\1}", r.rule)
+        for r in app.url_map.iter_rules()
+        if r.rule.startswith("/v1/") and r.rule != "/v1/openapi.json" and "GET" in r.methods
+    )
+
+
+def fill(path: str, run_id: str) -> str:
+    return path.replace("{run_id}", run_id).replace("{cluster}", "example-etl")
+
+
+@pytest.fixture
+def apps(stack):
+    from collector.app import create_app as collector_app
+    from services.query.app import create_app as query_app
+
+    app = query_app(stack)
+    return collector_app(stack).test_client(), app.test_client(), app
+
+
+def test_every_route_needs_the_read_scope(apps, make_token):
+    _, query, app = apps
+    ingest_only = make_token(scopes="ingest")
+    for path in run_routes(app):
+        url = fill(path, "x")
+        resp = query.get(url)
+        assert resp.status_code == 401 and resp.json["error"]["code"] == "unauthorized", url
+        resp = query.get(url, headers=auth(ingest_only))
+        assert resp.status_code == 403 and resp.json["error"]["code"] == "forbidden", url
+
+
+def test_every_route_answers_only_the_callers_tenant(apps, make_token):
+    collector, query, app = apps
+    alice, bob = make_token(), make_token()
+    assert post(collector, example(), token=alice).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(alice)).json["runs"]
+    for path in run_routes(app):
+        url = fill(path, run["id"])
+        if path == "/v1/compare":
+            url += f"?a={run['id']}&b={run['id']}"
+        if path == "/v1/history/prefixes":
+            url += "?prefix=inc&bucket=day"
+        mine = query.get(url, headers=auth(alice))
+        assert mine.status_code == 200, (url, mine.data[:300])
+        theirs = query.get(url, headers=auth(bob))
+        if "{run_id}" in path or path == "/v1/compare":
+            assert theirs.status_code == 404 and theirs.json["error"]["code"] == "not_found", url
+        else:
+            body = theirs.json
+            assert theirs.status_code == 200
+            assert not any(body.get(k) for k in ("runs", "clusters", "points", "workers")), url
+
+
+def test_compare_needs_both_runs_and_histories_validate(apps, make_token):
+    collector, query, _ = apps
+    token = make_token()
+    for path, code in (("/v1/compare?a=x", 400), ("/v1/history/prefixes", 400),
+                       ("/v1/history/clusters?bucket=week", 400), ("/v1/runs?min_duration=-1", 400),
+                       ("/v1/runs?has_errors=maybe", 400), ("/v1/runs?sort=name", 400),
+                       ("/v1/compare?a=x&b=y", 404)):  # fmt: skip
+        resp = query.get(path, headers=auth(token))
+        assert resp.status_code == code, path
+        assert set(resp.json["error"]) == {"code", "message"}
+
+
+def test_a_late_batch_refreshes_the_compacted_copy(apps, make_token):
+    collector, query, _ = apps
+    token = make_token()
+    assert post(collector, run_batch("c", "s", "r", 0, n_tasks=5), token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    url = f"/v1/runs/{run['id']}/tasks"
+    assert query.get(url, headers=auth(token)).json["total"] == 5  # compacts (run finished)
+    late = run_batch("c", "s", "r", 1, n_tasks=4, status=None)
+    assert post(collector, late, token=token).status_code == 202
+    assert query.get(url, headers=auth(token)).json["total"] == 9
+
+
+def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
+    from sqlalchemy import select
+
+    from storage import models as m
+
+    with sessions() as db:
+        tid = db.execute(select(m.Tenant.id).where(m.Tenant.name == tenant)).scalar_one()
+        runs = {
+            r.id: r.run_key
+            for r in db.execute(select(m.Run).where(m.Run.tenant_id == tid)).scalars()
+        }
+        clusters = dict(
+            db.execute(select(m.Cluster.id, m.Cluster.name).where(m.Cluster.tenant_id == tid)).all()
+        )
+        hist = sorted(
+            (runs[h.run_id], h.prefix, h.action, h.bucket, h.count)
+            for h in db.execute(
+                select(m.RunPrefixHist).where(m.RunPrefixHist.run_id.in_(runs))
+            ).scalars()
+        )
+        workers = sorted(
+            (
+                runs[w.run_id],
+                w.worker,
+                w.tasks,
+                w.errors,
+                round(w.compute, 9),
+                round(w.transfer, 9),
+                w.first_start,
+                w.last_stop,
+            )
+            for w in db.execute(select(m.RunWorker).where(m.RunWorker.run_id.in_(runs))).scalars()
+        )
+        hours = sorted(
+            (clusters[h.cluster_id], h.hour, h.tasks, h.errors, round(h.compute, 9), h.nbytes)
+            for h in db.execute(
+                select(m.ClusterHour).where(m.ClusterHour.cluster_id.in_(clusters))
+            ).scalars()
+        )
+        ph = sorted(
+            (
+                clusters[h.cluster_id],
+                h.prefix,
+                h.action,
+                h.hour,
+                h.bucket,
+                h.count,
+                round(h.total, 9),
+            )
+            for h in db.execute(
+                select(m.PrefixHour).where(m.PrefixHour.cluster_id.in_(clusters))
+            ).scalars()
+        )
+    return {"hist": hist, "workers": workers, "hours": hours, "prefix_hours": ph}  # fmt: skip
+
+
+def test_rollups_do_not_depend_on_order_or_retries(index_url):
+    from storage.db import make_engine, make_sessionmaker, upgrade
+    from tests.conftest import new_tenant
+    from tests.storage.test_index import apply, synthetic_batches
+
+    engine = make_engine(index_url)
+    upgrade(engine)
+    sessions = make_sessionmaker(engine)
+    batches = synthetic_batches(seed=3)
+    t1, t2 = new_tenant(), new_tenant()
+    apply(sessions, t1, batches)
+    shuffled = batches[:]
+    random.Random(7).shuffle(shuffled)
+    apply(sessions, t2, shuffled)
+    apply(sessions, t2, shuffled[:4])  # retries
+    a, b = rollup_snapshot(sessions, t1), rollup_snapshot(sessions, t2)
+    engine.dispose()
+    assert a == b
+    assert sum(h[4] for h in a["hist"] if h[2] == "compute") == 12 * 25
+    assert sum(w[2] for w in a["workers"]) == 12 * 25
+    assert sum(h[2] for h in a["hours"]) == 12 * 25
