@@ -241,3 +241,42 @@ def clear_cache() -> None:
     """Forget the in-process copies (benchmarks measure cold reads)."""
     with _cache_lock:
         _cache.clear()
+
+
+def task_slice(
+    db: Session, blobs: BlobStore, run: m.Run, offset: int, limit: int
+) -> tuple[Any, int]:
+    """Rows ``[offset, offset+limit)`` of the run's tasks (stored order) and the total.
+
+    A page of a large run should not decode the whole run: from the compacted copy only
+    the row groups that hold the page are decoded. Falls back to :func:`load_run`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tag = run_tag(db, run)
+    cache_key = f"{compact_prefix(db, run)}/{tag}"
+    with _cache_lock:
+        hit = _cache.get(cache_key)
+    if hit is None and run.status != "running":
+        try:
+            body = blobs.get(f"{cache_key}/tasks.parquet")
+        except FileNotFoundError:
+            body = None
+        if body is not None:
+            f = pq.ParquetFile(io.BytesIO(body))
+            total = f.metadata.num_rows
+            groups, first, row = [], None, 0
+            for i in range(f.metadata.num_row_groups):
+                n = f.metadata.row_group(i).num_rows
+                if row + n > offset and row < offset + limit:
+                    groups.append(i)
+                    if first is None:
+                        first = row
+                row += n
+            if not groups:
+                return _schemas()[0].empty_table(), total
+            table = f.read_row_groups(groups)
+            return table.slice(offset - (first or 0), limit), total
+    data = hit or load_run(db, blobs, run)
+    t: pa.Table = data.tasks
+    return t.slice(offset, limit), len(t)

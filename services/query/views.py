@@ -84,7 +84,9 @@ def run(run_id: str) -> Any:
     return queries.run_detail(db(), *found)
 
 
-def _task_query(run: Any) -> Any:
+def _task_query(run: Any, lazy: bool = False) -> Any:
+    """The filtered, sorted tasks table; with ``lazy``, None when there is nothing to
+    filter or sort (the caller then reads only the rows of its page)."""
     filters = analysis.TaskFilters(
         prefix=label_arg("prefix", 1024),
         worker=label_arg("worker", 1024),
@@ -93,6 +95,8 @@ def _task_query(run: Any) -> Any:
         until=time_arg("until"),
     )
     sort = choice_arg("sort", analysis.TASK_SORTS)
+    if lazy and sort is None and filters == analysis.TaskFilters():
+        return None, sort
     return analysis.filter_tasks(_run_data(run), filters, sort), sort
 
 
@@ -100,7 +104,7 @@ def _task_query(run: Any) -> Any:
 def run_tasks(run_id: str) -> Any:
     run, _cluster, _session = _run_or_404(run_id)
     limit = int_arg("limit", 1000, 1, MAX_LIMIT)
-    table, sort = _task_query(run)
+    table, sort = _task_query(run, lazy=True)
     offset = 0
     cursor = arg("cursor")
     if cursor:
@@ -110,10 +114,13 @@ def run_tasks(run_id: str) -> Any:
             raise bad("cursor", "not a cursor from this API") from None
         if got_sort != (sort or "") or offset < 0:
             raise bad("cursor", "not a cursor for this sort")
-    page = table.slice(offset, limit)
+    page, total = (
+        (table.slice(offset, limit), len(table)) if table is not None
+        else runfile.task_slice(db(), store().blobs, run, offset, limit)
+    )  # fmt: skip
     end = offset + len(page)
-    next_cursor = queries.encode_cursor(sort or "", end) if end < len(table) else None
-    return {"tasks": analysis.task_records(page), "total": len(table), "next_cursor": next_cursor}
+    next_cursor = queries.encode_cursor(sort or "", end) if end < total else None
+    return {"tasks": analysis.task_records(page), "total": total, "next_cursor": next_cursor}
 
 
 @bp.get("/v1/runs/<run_id>/tasks/stream")
