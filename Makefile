@@ -10,7 +10,7 @@ PORT   ?= 8700
 DATA_DIR ?= ./hindsight-data
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-slow lint format schema bench clean
+.PHONY: install browser run test test-slow lint format schema bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,12 +21,22 @@ $(STAMP): pyproject.toml
 ## install: create .venv with the SDK, the services, the test tools and the `hindsight` command
 install: $(STAMP)
 
+## browser: Debian's Chromium for the dashboard tests; where it cannot be installed the
+## browser tests are skipped and say why (Playwright's own browser download never works here)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser tests ..."; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	      || echo "NOTE: could not install chromium: the browser tests will be skipped"; \
+	  else echo "NOTE: chromium is not installed and cannot be installed here: the browser tests will be skipped"; fi; }
+
 ## run: the embedded server (collector + query, SQLite + local blobs) on http://$(HOST):$(PORT)
 run: install
 	$(BIN)/hindsight serve --data-dir $(DATA_DIR) --host $(HOST) --port $(PORT)
 
 ## test: lint, then every test but the slow fault/flood runs
-test: install lint
+test: install lint browser
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 ## test-slow: the long fault, flood and scale runs

@@ -13,6 +13,7 @@ from collector.openapi import PATHS as COLLECTOR_PATHS
 from collector.views import bp as collector_bp
 from services.common.openapi import document
 from services.common.web import make_app
+from services.dashboard.views import bp as dashboard_bp
 from services.query.openapi import OPENAPI as QUERY_OPENAPI
 from services.query.openapi import PATHS as QUERY_PATHS
 from services.query.views import bp as query_bp
@@ -26,6 +27,6 @@ OPENAPI = document(
 
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
-    app = make_app(__name__, config, [collector_bp, query_bp], OPENAPI, settings=settings)
+    app = make_app(__name__, config, [collector_bp, query_bp, dashboard_bp], OPENAPI, settings=settings)
     init_collector(app)
     return app

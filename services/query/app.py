@@ -7,6 +7,7 @@ from typing import Any
 from flask import Flask
 
 from services.common.web import make_app
+from services.dashboard.views import bp as dashboard_bp
 from services.query.openapi import OPENAPI
 from services.query.views import bp
 from storage.config import Settings
@@ -14,4 +15,4 @@ from storage.config import Settings
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
     """Build the query service app. ``config`` overrides environment settings."""
-    return make_app(__name__, config, [bp], OPENAPI, settings=settings)
+    return make_app(__name__, config, [bp, dashboard_bp], OPENAPI, settings=settings)

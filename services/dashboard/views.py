@@ -1,0 +1,169 @@
+"""Dashboard pages (HTML), served by the query service and the embedded server.
+
+Same auth as the API: the read scope, from a bearer header or from a token the user enters
+once on /login (kept in an HttpOnly, SameSite=Strict cookie). An embedded server on
+loopback without tokens needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import bokeh.util.paths
+from markupsafe import Markup
+from flask import (
+    Blueprint,
+    Response,
+    abort,
+    redirect,
+    render_template,
+    request,
+    send_from_directory,
+    url_for,
+)
+
+from services.common.params import arg, choice_arg, name_arg, time_arg
+from services.common.web import ApiError, db, store
+from services.dashboard import plots
+from storage import queries
+from storage.queries import BadCursor, RunFilters
+from storage.tokens import Principal
+
+bp = Blueprint("dashboard", __name__, template_folder="templates")
+
+COOKIE = "hindsight_token"
+BOKEH_STATIC = Path(bokeh.util.paths.bokehjs_path())
+
+
+class LoginRequired(Exception):
+    """The page needs a read token the browser has not given."""
+
+
+def principal() -> Principal:
+    st = store()
+    if st.open_principal is not None:
+        return st.open_principal
+    header = request.headers.get("Authorization", "")
+    token = (
+        header[7:].strip()
+        if header.lower().startswith("bearer ")
+        else request.cookies.get(COOKIE, "")
+    )
+    found = st.principal_for(token) if token else None
+    if found is None or "read" not in found.scopes:
+        raise LoginRequired()
+    return found
+
+
+def script_json(obj: Any) -> Markup:
+    """JSON for a <script> block: key order kept (BokehJS needs each model defined before it
+    is referenced, which sorted keys break) and ``<>&'`` escaped so data cannot close it."""
+    text = json.dumps(obj)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("'", "\\u0027")):
+        text = text.replace(ch, esc)
+    return Markup(text)
+
+
+@bp.app_template_filter("when")
+def when(ts: float | None) -> str:
+    if ts is None:
+        return "—"
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@bp.app_template_filter("seconds")
+def seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 120:
+        return f"{value:.1f} s"
+    return f"{value / 60:.1f} min"
+
+
+@bp.errorhandler(LoginRequired)
+def _to_login(exc: LoginRequired) -> Any:
+    return redirect(url_for("dashboard.login", next=request.full_path.rstrip("?")))
+
+
+@bp.get("/")
+def runs_page() -> Any:
+    p = principal()
+    try:
+        filters = RunFilters(
+            cluster=name_arg("cluster"),
+            status=choice_arg("status", queries.RUN_STATUSES),
+            since=time_arg("since"),
+            until=time_arg("until"),
+        )
+        runs, next_cursor = queries.list_runs(db(), p.tenant_id, filters, 50, arg("cursor"))
+    except (ApiError, BadCursor) as exc:
+        message = exc.message if isinstance(exc, ApiError) else "bad cursor"
+        return render_template("error.html", message=message), 400
+    clusters = [c["name"] for c in queries.list_clusters(db(), p.tenant_id)]
+    args = {k: v for k, v in request.args.items() if k != "cursor" and v}
+    return render_template(
+        "runs.html",
+        runs=runs,
+        clusters=clusters,
+        filters=filters,
+        args=args,
+        next_cursor=next_cursor,
+    )
+
+
+@bp.get("/runs/<run_id>")
+def run_page(run_id: str) -> Any:
+    p = principal()
+    found = queries.find_run(db(), p.tenant_id, run_id) if len(run_id) <= 64 else None
+    if found is None:
+        return render_template("error.html", message=f"no run {run_id!r}"), 404
+    run, cluster, session = found
+    detail = queries.run_detail(db(), run, cluster, session)
+    tasks = [t for t, _ in queries.iter_run_tasks(db(), store().blobs, run, None)]
+    stream = script_json(plots.task_stream(tasks))
+    return render_template("run.html", run=detail, task_stream=stream, task_count=len(tasks))
+
+
+@bp.route("/login", methods=["GET", "POST"])
+def login() -> Any:
+    target = request.values.get("next", "/")
+    if not target.startswith("/") or target.startswith("//"):
+        target = "/"
+    if request.method == "GET":
+        return render_template("login.html", next=target, error=None)
+    token = request.form.get("token", "").strip()
+    found = store().principal_for(token) if token and len(token) < 512 else None
+    if found is None or "read" not in found.scopes:
+        return render_template(
+            "login.html", next=target, error="unknown token, or it lacks the read scope"
+        ), 401
+    resp = redirect(target)
+    resp.set_cookie(
+        COOKIE,
+        token,
+        httponly=True,
+        samesite="Strict",
+        secure=request.is_secure,
+        max_age=30 * 86400,
+    )
+    return resp
+
+
+@bp.post("/logout")
+def logout() -> Any:
+    resp = redirect(url_for("dashboard.login"))
+    resp.delete_cookie(COOKIE)
+    return resp
+
+
+@bp.get("/assets/bokeh/<path:filename>")
+def bokeh_static(filename: str) -> Response:
+    """BokehJS from the installed bokeh wheel: no CDN, no network at view time."""
+    if not filename.startswith("js/"):
+        abort(404)
+    return send_from_directory(BOKEH_STATIC, filename, max_age=86400)

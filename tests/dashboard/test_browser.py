@@ -1,0 +1,128 @@
+"""Every dashboard page in real headless Chromium (Debian's), on runs recorded from a real
+Dask cluster: the plots render with the right rows and glyphs, and nothing errs in the
+console. Screenshots go to test-artifacts/dashboard/."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+
+pytestmark = pytest.mark.browser
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def fail(x: int) -> int:
+    raise ValueError(f"bad record {x}")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
+    """An embedded server holding two runs of a real LocalCluster: an array reduction and a
+    map in which one task fails."""
+    import dask
+    import dask.array as da
+    from distributed import Client, LocalCluster, span
+
+    from tests.dask.conftest import EmbeddedServer, wait_for_run
+
+    server = EmbeddedServer(tmp_path_factory.mktemp("dash") / "data")
+    server.start()
+    cluster = f"dash-{uuid.uuid4().hex[:8]}"
+    try:
+        config = {"hindsight.url": server.url, "hindsight.cluster": cluster}
+        with dask.config.set(config), LocalCluster(
+            n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0",
+            worker_dashboard_address=":0", scheduler_kwargs={"preload": ["hindsight.dask"]},
+        ) as lc, Client(lc) as client:  # fmt: skip
+            with span("array-sum"):
+                assert da.ones((4000,), chunks=20).sum().compute() == 4000
+            with span("map-with-failure"):
+                futures = client.map(inc, range(150)) + [client.submit(fail, 1)]
+                client.gather(futures, errors="skip")
+            del futures
+        wait_for_run(server, cluster, "array-sum", 200)
+        wait_for_run(server, cluster, "map-with-failure", 151, status="erred")
+        yield server, cluster
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(
+            f"Chromium not found at {CHROMIUM} (make test installs Debian's chromium where it can)"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any, tmp_path: Path) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    pg = context.new_page()
+    pg.errors = []  # type: ignore[attr-defined]
+    pg.on("console", lambda m: m.type == "error" and pg.errors.append(m.text))
+    pg.on("pageerror", lambda e: pg.errors.append(str(e)))
+    yield pg
+    context.close()
+
+
+def shoot(page: Any, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_runs_page_lists_every_run(recorded, page):
+    server, cluster = recorded
+    page.goto(f"{server.url}/?cluster={cluster}")
+    rows = page.locator("tr.run-row")
+    assert rows.count() == len(server.runs(cluster)) >= 2
+    assert page.locator("td.status-erred").count() == 1
+    shoot(page, "runs")
+    assert page.errors == []
+
+
+@pytest.mark.parametrize("name", ["array-sum", "map-with-failure"])
+def test_run_page_draws_the_task_stream(recorded, page, name):
+    server, cluster = recorded
+    run = server.run_named(cluster, name)
+    tasks = server.tasks(run["id"])
+    page.goto(f"{server.url}/?cluster={cluster}")
+    page.get_by_role("link", name=name).click()
+    page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
+    model = page.evaluate(
+        """() => {
+            const doc = Bokeh.documents[0];
+            const src = doc.get_model_by_name('task-stream-source');
+            const rows = doc.get_model_by_name('task-stream-rows');
+            return {glyphs: src.data.x.length, rows: rows.factors.length,
+                    colours: Array.from(new Set(src.data.colour))};
+        }"""
+    )
+    rows = {f"{t['worker']}-{t['thread']}" for t in tasks}
+    assert model["glyphs"] == sum(len(t["startstops"]) for t in tasks)
+    assert model["rows"] == len(rows)
+    assert page.locator("#task-stream canvas").count() >= 1
+    if name == "map-with-failure":
+        assert "black" in model["colours"]  # the failed task, as Dask draws it
+    assert page.locator("#prefixes tbody tr").count() == len({t["prefix"] for t in tasks})
+    shoot(page, f"run-{name}")
+    assert page.errors == []
