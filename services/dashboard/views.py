@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import bokeh.util.paths
-from markupsafe import Markup
 from flask import (
     Blueprint,
     Response,
@@ -24,6 +23,7 @@ from flask import (
     send_from_directory,
     url_for,
 )
+from markupsafe import Markup
 
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import ApiError, db, store
