@@ -1,0 +1,375 @@
+"""Query benchmark: a realistic synthetic history in Postgres, read through the real query
+service (Flask app, Postgres index, local blob store).
+
+The generator loads 100,000 runs over 50 clusters (one run per cluster per hour, 20 job
+templates of 4-6 prefixes each, every index rollup a real ingest would write: prefixes,
+per-action totals, duration histograms, workers, hourly cluster and prefix rollups) with
+COPY, and one run of 1,000,000 Dask-shaped task records through the real ingest path
+(zstd batches in the blob store, ``index_batch``). Then it measures:
+
+- ``run_list_p95_ms``: ``GET /v1/runs`` with a mix of filters, cursors and sorts, p95;
+- ``run_tasks_cold_s``: the 1M-task run read in full into a DataFrame (what
+  ``hindsight.Client.tasks`` does: ``GET /v1/runs/{id}/tasks.parquet``) with empty
+  process caches, its compacted copy already written;
+- ``run_tasks_page_ms``: one page (1,000 tasks) of it, caches empty;
+- ``prefix_history_ms``: ``GET /v1/history/prefixes`` across all clusters over a window
+  holding 10,000 runs (median);
+- and, without targets: compacting the 1M-task run from its raw batches, and streaming it
+  in full as NDJSON.
+
+    .venv/bin/python bench/query.py [--runs 100000] [--big-tasks 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zstandard
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.workload import NAMES, task_events  # noqa: E402
+from hindsight.schema import decode_batch  # noqa: E402
+from storage import sketch  # noqa: E402
+from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from storage.ingest import index_batch, run_public_id  # noqa: E402
+from storage.tokens import create_token  # noqa: E402
+
+TARGETS = {"run_list_p95_ms": 50, "run_tasks_cold_s": 1.5, "run_tasks_page_ms": 300,
+           "prefix_history_ms": 200}  # fmt: skip
+T0 = 1_780_000_000.0
+TENANT = "bench"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def copy(conn: Any, table: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+    """COPY rows in (tab-separated; \\N is NULL)."""
+    buf = io.StringIO()
+    for row in rows:
+        buf.write("\t".join("\\N" if v is None else str(v) for v in row))
+        buf.write("\n")
+    buf.seek(0)
+    with conn.cursor() as cur:
+        cur.copy_expert(f"COPY {table} ({', '.join(columns)}) FROM STDIN", buf)
+
+
+def generate_history(
+    engine: Any, tenant_id: int, n_runs: int, n_clusters: int, seed: int = 0
+) -> None:
+    rng = random.Random(seed)
+    templates = [["read-parquet", *rng.sample(NAMES[1:], rng.randint(3, 5))] for _ in range(20)]
+    clusters = [(i + 1, tenant_id, f"cluster-{i:02d}", T0, T0) for i in range(n_clusters)]
+    sessions_per_cluster = 20
+    runs_per_cluster = n_runs // n_clusters
+    sessions = [
+        (c * sessions_per_cluster + s + 1, c + 1, f"Scheduler-{c}-{s}", T0, T0, None)
+        for c in range(n_clusters) for s in range(sessions_per_cluster)
+    ]  # fmt: skip
+    runs, prefixes, actions, hists, workers, ph, ch, statuses = [], [], [], [], [], [], [], []
+    for i in range(n_runs):
+        rid = i + 1
+        c = i % n_clusters
+        hour_i = i // n_clusters
+        session = c * sessions_per_cluster + hour_i * sessions_per_cluster // runs_per_cluster + 1
+        t = T0 + hour_i * 3600 + rng.random() * 600
+        tmpl = rng.randrange(len(templates))
+        n_tasks = 0
+        errors = 1 if rng.random() < 0.03 else 0
+        status = "erred" if errors else ("running" if rng.random() < 0.01 else "finished")
+        makespan = rng.uniform(5, 600)
+        hour = int(t // 3600)
+        compute_total = 0.0
+        nbytes = 0
+        for p in templates[tmpl]:
+            count = rng.randint(50, 2000)
+            n_tasks += count
+            mean = rng.uniform(0.01, 2.0) * (1.2 if i % 97 == 0 else 1.0)
+            total = count * mean
+            compute_total += total
+            nb = count * rng.randint(1000, 10_000_000)
+            nbytes += nb
+            prefixes.append((rid, p, count, errors if p == "read-parquet" else 0, nb))
+            actions.append((rid, p, "compute", count, total, mean / 10, mean * 5))
+            center = sketch.bucket(mean)
+            split = [count // 2, count // 4, count // 8]
+            split.append(count - sum(split))
+            for b, n in zip((center, center - 3, center + 3, center + 9), split, strict=True):
+                if n:
+                    hists.append((rid, p, "compute", b, n))
+                    ph.append((c + 1, p, "compute", hour, b, n, n * sketch.value(b)))
+        for w in range(4):
+            workers.append((rid, f"tcp://10.{c}.0.{w}:4000", n_tasks // 4, 0, compute_total / 4,
+                            compute_total / 40, 0.0, 0.0, 0.0, t, t + makespan))  # fmt: skip
+        ch.append((c + 1, hour, n_tasks, errors, compute_total, compute_total / 10, 0.0, nbytes))
+        statuses.append((rid, "memory", n_tasks - errors))
+        if errors:
+            statuses.append((rid, "erred", errors))
+        name = f"job-{tmpl:02d}"
+        runs.append((
+            rid, run_public_id(TENANT, f"cluster-{c:02d}", f"Scheduler-{c}", f"run-{i}"), tenant_id,
+            c + 1, session, f"run-{i}", name, None, "client-1", status, t,
+            None if status == "running" else t + makespan + 1, t + 0.5, t + 0.5 + makespan,
+            n_tasks, errors, n_tasks, nbytes, t, t + makespan,
+        ))  # fmt: skip
+        if (i + 1) % 20_000 == 0:
+            log(f"  generated {i + 1:,} runs")
+    raw = engine.raw_connection()
+    try:
+        conn = raw.driver_connection
+        log("  COPY clusters, sessions, runs ...")
+        copy(conn, "clusters", ["id", "tenant_id", "name", "first_seen", "last_seen"], clusters)
+        copy(
+            conn,
+            "sessions",
+            ["id", "cluster_id", "name", "first_seen", "last_seen", "info"],
+            sessions,
+        )
+        copy(conn, "runs", ["id", "public_id", "tenant_id", "cluster_id", "session_id", "run_key", "name",
+                            "span", "client", "status", "started_at", "finished_at", "task_start", "task_stop",
+                            "task_count", "error_count", "graph_count", "nbytes", "first_seen", "last_seen"], runs)  # fmt: skip
+        log(f"  COPY {len(prefixes):,} prefixes, {len(hists):,} histogram rows, rollups ...")
+        copy(conn, "run_status_counts", ["run_id", "status", "count"], statuses)
+        copy(conn, "run_prefixes", ["run_id", "prefix", "count", "errors", "nbytes"], prefixes)
+        copy(
+            conn,
+            "run_prefix_actions",
+            ["run_id", "prefix", "action", "count", "total", "min", "max"],
+            actions,
+        )
+        copy(conn, "run_prefix_hist", ["run_id", "prefix", "action", "bucket", "count"], hists)
+        copy(conn, "run_workers", ["run_id", "worker", "tasks", "errors", "compute", "transfer", "disk_read",
+                                   "disk_write", "other", "first_start", "last_stop"], workers)  # fmt: skip
+        copy(
+            conn,
+            "prefix_hours",
+            ["cluster_id", "prefix", "action", "hour", "bucket", "count", "total"],
+            ph,
+        )
+        copy(conn, "cluster_hours", ["cluster_id", "hour", "tasks", "errors", "compute", "transfer", "disk",
+                                     "nbytes"], ch)  # fmt: skip
+        with conn.cursor() as cur:
+            for table in ("clusters", "sessions", "runs"):
+                cur.execute(
+                    f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))"
+                )
+            cur.execute("ANALYZE")
+        conn.commit()
+    finally:
+        raw.close()
+
+
+def load_big_run(
+    sessions: Any, blobs: Any, tenant_id: int, n_tasks: int, per_batch: int = 5000
+) -> None:
+    """One run of ``n_tasks`` Dask-shaped task records through the real ingest path."""
+    rng = random.Random(1)
+    cctx = zstandard.ZstdCompressor(level=3)
+    enc = msgspec.json.Encoder()
+    n_batches = (n_tasks + per_batch - 1) // per_batch
+    t_big = T0 + 2000 * 3600 + 7200  # after the synthetic history
+    for seq in range(n_batches):
+        events: list[dict[str, Any]] = task_events(
+            min(per_batch, n_tasks - seq * per_batch), first=seq * per_batch, run="big",
+            t0=t_big + seq * per_batch * 0.0004, rng=rng,
+        )  # fmt: skip
+        if seq == 0:
+            events.insert(
+                0,
+                {"kind": "run", "event": "started", "id": "big", "name": "big-run", "time": t_big},
+            )
+        if seq == n_batches - 1:
+            events.append(
+                {
+                    "kind": "run",
+                    "event": "finished",
+                    "id": "big",
+                    "time": t_big + n_tasks * 0.0004 + 60,
+                }
+            )
+        raw = enc.encode({"schema": 1, "cluster": "cluster-big", "session": "Scheduler-big",
+                          "agent": "scheduler-0", "seq": seq, "events": events, "final": seq == n_batches - 1})  # fmt: skip
+        batch = decode_batch(raw)
+        key = f"v1/{TENANT}/cluster-big/Scheduler-big/scheduler-0/{seq:012d}.json.zst"
+        body = cctx.compress(raw)
+        blobs.put(key, body, if_absent=True)
+        with sessions.begin() as db:
+            index_batch(db, tenant_id=tenant_id, tenant=TENANT, batch=batch, blob_key=key,
+                        size=len(body), now=time.time())  # fmt: skip
+        if (seq + 1) % 40 == 0:
+            log(f"  big run: {(seq + 1) * per_batch:,} tasks indexed")
+
+
+def timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=100_000)
+    ap.add_argument("--clusters", type=int, default=50)
+    ap.add_argument("--big-tasks", type=int, default=1_000_000)
+    ap.add_argument("--database-url", default=os.environ.get(
+        "TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"))  # fmt: skip
+    args = ap.parse_args()
+
+    import pandas as pd
+
+    from services.query.app import create_app
+    from storage import runfile
+    from storage.blobs import open_blob_store
+
+    admin_url = make_url(args.database_url)
+    dbname = f"hindsight_bench_query_{secrets.token_hex(3)}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{dbname}"'))
+    db_url = admin_url.set(database=dbname).render_as_string(hide_password=False)
+    tmp = tempfile.TemporaryDirectory(prefix="hs-bench-query-")
+    try:
+        engine = make_engine(db_url)
+        upgrade(engine)
+        sessions = make_sessionmaker(engine)
+        with sessions.begin() as db:
+            token = create_token(db, TENANT, "read")
+            tenant_id = db.execute(
+                text("SELECT id FROM tenants WHERE name = :n"), {"n": TENANT}
+            ).scalar_one()
+        blob_url = (Path(tmp.name) / "blobs").as_uri()
+        blobs = open_blob_store(blob_url)
+        log(f"generating {args.runs:,} runs over {args.clusters} clusters ...")
+        t = time.perf_counter()
+        generate_history(engine, tenant_id, args.runs, args.clusters)
+        log(f"history loaded in {time.perf_counter() - t:.1f} s")
+        log(f"loading one run of {args.big_tasks:,} tasks through ingest ...")
+        t = time.perf_counter()
+        load_big_run(sessions, blobs, tenant_id, args.big_tasks)
+        log(f"big run indexed in {time.perf_counter() - t:.1f} s")
+
+        import logging
+
+        logging.getLogger("hindsight.access").setLevel(logging.WARNING)
+        app = create_app({"database_url": db_url, "blob_url": blob_url, "auth": "required",
+                          "data_dir": tmp.name})  # fmt: skip
+        client = app.test_client()
+        h = {"Authorization": f"Bearer {token}"}
+
+        def get(url: str) -> Any:
+            resp = client.get(url, headers=h)
+            assert resp.status_code == 200, (url, resp.data[:300])
+            return resp
+
+        # ---- run list
+        rng = random.Random(2)
+        first = get("/v1/runs?limit=100").json
+        queries_ = [
+            lambda: "/v1/runs?limit=100",
+            lambda: f"/v1/runs?cluster=cluster-{rng.randrange(args.clusters):02d}&limit=100",
+            lambda: f"/v1/runs?cluster=cluster-{rng.randrange(args.clusters):02d}&status=finished&limit=50",
+            lambda: "/v1/runs?status=erred&limit=100",
+            lambda: f"/v1/runs?name=job-{rng.randrange(20):02d}&limit=100",
+            lambda: f"/v1/runs?since={T0 + rng.randrange(1900) * 3600}&until={T0 + (rng.randrange(100) + 1900) * 3600}&limit=100",
+            lambda: f"/v1/runs?limit=100&cursor={first['next_cursor']}",
+            lambda: "/v1/runs?has_errors=true&limit=100",
+        ]  # fmt: skip
+        for q in queries_:
+            get(q())  # warm
+        times = []
+        for i in range(400):
+            url = queries_[i % len(queries_)]()
+            times.append(timed(lambda url=url: get(url)) * 1000)
+        times.sort()
+        run_list_p95 = times[int(0.95 * len(times)) - 1]
+        sorted_ms = statistics.median(
+            timed(lambda: get("/v1/runs?sort=-makespan&limit=100")) * 1000 for _ in range(10)
+        )  # fmt: skip
+        log(
+            f"run list p95 {run_list_p95:.1f} ms (p50 {times[len(times) // 2]:.1f}); sort=-makespan {sorted_ms:.0f} ms"
+        )
+
+        # ---- prefix history over 10,000 runs (200 hours x 50 clusters)
+        hours = args.runs // args.clusters
+        window = min(hours, 10_000 // args.clusters)
+        since = T0 + (hours - window) // 2 * 3600
+        until = since + window * 3600
+        url = f"/v1/history/prefixes?prefix=read-parquet&bucket=hour&since={since}&until={until}"
+        body = get(url).json
+        covered = sum(p["count"] for p in body["points"])
+        ph_ms = statistics.median(timed(lambda: get(url)) * 1000 for _ in range(20))
+        log(
+            f"prefix history: {len(body['points'])} points, {covered:,} task durations, {ph_ms:.1f} ms"
+        )
+
+        # ---- the 1M-task run
+        big = get("/v1/runs?name=big-run").json["runs"][0]
+        assert big["task_count"] == args.big_tasks, big
+        runfile.clear_cache()
+        compact_s = timed(lambda: get(f"/v1/runs/{big['id']}/tasks?limit=1"))
+        log(f"compacted the {args.big_tasks:,}-task run from raw batches in {compact_s:.2f} s")
+        cold = []
+        for _ in range(3):
+            runfile.clear_cache()
+            t = time.perf_counter()
+            df = pd.read_parquet(io.BytesIO(get(f"/v1/runs/{big['id']}/tasks.parquet").data))
+            cold.append(time.perf_counter() - t)
+            assert len(df) == args.big_tasks
+        cold_s = statistics.median(cold)
+        pages = []
+        for url in (f"/v1/runs/{big['id']}/tasks?limit=1000",):
+            for _ in range(5):
+                runfile.clear_cache()
+                pages.append(timed(lambda url=url: get(url)) * 1000)
+        page_ms = statistics.median(pages)
+        runfile.clear_cache()
+        t = time.perf_counter()
+        resp = client.get(f"/v1/runs/{big['id']}/tasks/stream", headers=h)
+        n_lines = resp.data.count(b"\n")
+        ndjson_s = time.perf_counter() - t
+        assert n_lines == args.big_tasks
+        log(
+            f"tasks: parquet cold {cold_s:.2f} s, page {page_ms:.0f} ms, NDJSON in full {ndjson_s:.1f} s"
+        )
+
+        figures = {
+            "run_list_p95_ms": round(run_list_p95, 1),
+            "run_tasks_cold_s": round(cold_s, 3),
+            "run_tasks_page_ms": round(page_ms, 1),
+            "prefix_history_ms": round(ph_ms, 1),
+            "run_list_sorted_by_makespan_ms": round(sorted_ms, 1),
+            "run_compact_s": round(compact_s, 2),
+            "run_tasks_ndjson_s": round(ndjson_s, 2),
+            "runs": args.runs,
+            "big_run_tasks": args.big_tasks,
+        }
+        met = all(figures[k] <= v for k, v in TARGETS.items())
+        print(json.dumps({"bench": "query", "figures": figures, "targets": TARGETS, "met": met}))
+        engine.dispose()
+        return 0
+    finally:
+        tmp.cleanup()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
+        admin.dispose()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
