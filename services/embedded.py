@@ -27,6 +27,8 @@ OPENAPI = document(
 
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
-    app = make_app(__name__, config, [collector_bp, query_bp, dashboard_bp], OPENAPI, settings=settings)
+    app = make_app(
+        __name__, config, [collector_bp, query_bp, dashboard_bp], OPENAPI, settings=settings
+    )
     init_collector(app)
     return app
