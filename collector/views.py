@@ -11,7 +11,7 @@ from flask import Blueprint, current_app, request
 
 from collector.body import decompress, normalise_encoding
 from collector.ratelimit import RateLimiter
-from hindsight.schema import SchemaError, decode_batch
+from hindsight.schema import Batch, SchemaError, decode_batch
 from services.common.ops import BATCHES, BLOB_SECONDS, BYTES, EVENTS, INDEX_SECONDS, timed
 from services.common.web import ApiError, db, require, store
 from storage.ingest import blob_key, decode_stored, index_batch, summarize
@@ -23,6 +23,18 @@ bp = Blueprint("collector", __name__)
 STORE_LEVEL = 3
 
 
+def decode_body(body: bytes) -> Batch:
+    """The validated batch in a decompressed body, or 400 naming what is wrong."""
+    try:
+        return decode_batch(body)
+    except SchemaError as exc:
+        raise ApiError(400, "invalid_batch", str(exc)) from None
+    except UnicodeDecodeError as exc:
+        # msgspec raises this (not a DecodeError) for invalid UTF-8 inside a string: without
+        # this clause a malformed body was a 500. Found by tests/reliability/test_bad_input.py.
+        raise ApiError(400, "invalid_batch", f"body is not valid UTF-8: {exc.reason}") from None
+
+
 @bp.post("/v1/batches")
 def post_batch() -> Any:
     principal = require("ingest")
@@ -32,10 +44,7 @@ def post_batch() -> Any:
     encoding = normalise_encoding(request.headers.get("Content-Encoding"))
     raw = request.get_data(cache=False)
     body = decompress(raw, encoding, settings.max_batch_bytes)
-    try:
-        batch = decode_batch(body)
-    except SchemaError as exc:
-        raise ApiError(400, "invalid_batch", str(exc)) from None
+    batch = decode_body(body)
 
     limiter: RateLimiter = current_app.extensions["hindsight.ratelimit"]
     wait = limiter.take(principal.tenant, len(batch.events))

@@ -9,9 +9,14 @@ from typing import Any
 
 import pytest
 from flask import Flask
+from hypothesis import settings
 from werkzeug.serving import BaseWSGIServer, make_server
 
 from tests.conftest import new_tenant
+
+# No example database in the tree: a failure prints the seed and the shrunk example.
+settings.register_profile("hindsight", database=None)
+settings.load_profile("hindsight")
 
 
 @pytest.fixture

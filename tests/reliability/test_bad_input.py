@@ -1,0 +1,198 @@
+"""Property-based tests of the batch decoder and the capped decompression (hypothesis), and
+"no partial write on any rejected request" against the real collector.
+
+The bomb tests (zstd and gzip, 413 with bounded memory) are in tests/collector/test_ingest.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from collector.body import decompress
+from collector.views import decode_body
+from hindsight.schema import Batch, SchemaError, decode_batch, encode_batch, valid_name
+from services.common.web import ApiError
+from tests.helpers import example_bytes
+
+NAME = st.from_regex(r"\A[A-Za-z0-9_][A-Za-z0-9_-]{0,20}\Z")
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+JSON = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+STARTSTOP = st.fixed_dictionaries(
+    {"action": st.sampled_from(["compute", "transfer", "disk-read"]),
+     "start": st.floats(0, 2e9), "stop": st.floats(0, 2e9)}
+)  # fmt: skip
+TASK = st.fixed_dictionaries(
+    {"kind": st.just("task"), "key": st.text(min_size=1, max_size=40),
+     "prefix": st.text(min_size=1, max_size=20),
+     "status": st.sampled_from(["memory", "erred"])},
+    optional={"worker": st.text(min_size=1, max_size=20), "nbytes": st.integers(0, 2**53),
+              "startstops": st.lists(STARTSTOP, max_size=3), "run": st.text(min_size=1, max_size=10)},
+)  # fmt: skip
+CUSTOM = st.fixed_dictionaries(
+    {"kind": st.just("custom"), "stream": st.text(min_size=1, max_size=10), "time": st.floats(0, 2e9),
+     "value": JSON}
+)  # fmt: skip
+BATCH = st.fixed_dictionaries(
+    {"schema": st.just(1), "cluster": NAME, "session": NAME, "agent": NAME,
+     "seq": st.integers(0, 2**53), "events": st.lists(TASK | CUSTOM, max_size=6)},
+    optional={"final": st.booleans(), "sent_at": st.floats(0, 2e9),
+              "dropped": st.dictionaries(st.sampled_from(["buffer_full", "spool_full"]), st.integers(0, 10**9))},
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(BATCH)
+def test_every_valid_batch_decodes_and_round_trips(batch):
+    decoded = decode_batch(json.dumps(batch, allow_nan=False).encode())
+    assert isinstance(decoded, Batch)
+    assert (decoded.cluster, decoded.session, decoded.agent, decoded.seq) == (
+        batch["cluster"], batch["session"], batch["agent"], batch["seq"]
+    )  # fmt: skip
+    assert len(decoded.events) == len(batch["events"])
+    assert decode_batch(encode_batch(decoded)) == decoded
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=2000))
+@example(b"")
+@example(b"{}")
+@example(b'{"schema":1')
+@example(b"\xff\xfe")
+def test_arbitrary_bytes_are_a_batch_or_a_400(data):
+    try:
+        decode_body(data)
+    except ApiError as exc:
+        assert exc.status == 400 and exc.code == "invalid_batch"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(BATCH, st.sampled_from(["cluster", "session", "agent", "seq", "schema", "events"]), JSON)
+def test_any_field_replaced_by_any_json_is_valid_or_a_schema_error(batch, field, value):
+    batch = {**batch, field: value}
+    try:
+        decoded = decode_batch(json.dumps(batch, allow_nan=False).encode())
+    except SchemaError as exc:
+        assert str(exc)  # names what is wrong
+        return
+    # If it decoded, the names are still names: nothing unvalidated reaches a key.
+    assert all(valid_name(n) for n in (decoded.cluster, decoded.session, decoded.agent))
+    assert decoded.seq >= 0
+
+
+CAP = 4096
+
+
+def _compress(data: bytes, encoding: str) -> bytes:
+    if encoding == "zstd":
+        return zstandard.ZstdCompressor().compress(data)
+    if encoding == "gzip":
+        return gzip.compress(data)
+    return data
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2 * CAP), st.sampled_from(["zstd", "gzip", "identity"]))
+def test_decompress_round_trips_under_the_cap_and_is_413_over_it(data, encoding):
+    body = _compress(data, encoding)
+    if not data and encoding != "identity":
+        return  # an empty compressed stream is refused as bad_encoding (no batch is empty)
+    if len(data) <= CAP:
+        assert decompress(body, encoding, CAP) == data
+    else:
+        with pytest.raises(ApiError) as exc:
+            decompress(body, encoding, CAP)
+        assert exc.value.status == 413
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=3000), st.sampled_from(["zstd", "gzip"]))
+@example(b"\x28\xb5\x2f\xfd", "zstd")  # a zstd magic number and nothing else
+@example(b"\x1f\x8b\x08\x00", "gzip")
+def test_corrupt_compressed_bodies_are_400_or_413_never_another_error(data, encoding):
+    try:
+        out = decompress(data, encoding, CAP)
+    except ApiError as exc:
+        assert exc.status in (400, 413)
+    else:
+        assert len(out) <= CAP
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 4000), st.sampled_from(["zstd", "gzip"]))
+def test_truncated_compressed_bodies_are_refused(cut, encoding):
+    body = _compress(example_bytes(), encoding)
+    if cut >= len(body):
+        return
+    try:
+        out = decompress(body[:cut], encoding, 1 << 20)
+    except ApiError as exc:
+        assert exc.status == 400
+    else:  # zstd may yield a prefix of the data; the decoder then refuses it
+        with pytest.raises(ApiError):
+            decode_body(out)
+
+
+def _mutations() -> Any:
+    good = example_bytes()
+    return st.one_of(
+        st.binary(max_size=500).map(lambda b: (b, "identity")),
+        st.integers(0, len(good) - 1).map(lambda i: (good[:i], "identity")),
+        st.tuples(st.integers(0, len(good) - 1), st.binary(min_size=1, max_size=3)).map(
+            lambda t: (good[: t[0]] + t[1] + good[t[0] + len(t[1]) :], "identity")
+        ),
+        st.binary(max_size=300).map(lambda b: (b, "zstd")),
+        st.binary(max_size=300).map(lambda b: (b, "gzip")),
+    )
+
+
+def test_no_rejected_request_writes_anything(tmp_path):
+    """Hundreds of malformed requests of every kind: each is 4xx with the JSON error body,
+    and afterwards the blob store and the index hold nothing at all."""
+    from collector.app import create_app
+    from services.query.app import create_app as query_app
+
+    cfg = {"data_dir": str(tmp_path), "auth": "disabled"}
+    client = create_app(cfg).test_client()
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(_mutations())
+    def hit(case: tuple[bytes, str]) -> None:
+        body, encoding = case
+        try:
+            decode_body(decompress(body, encoding, 1 << 25))
+            return  # a mutation that is still a valid batch is not a rejected request
+        except ApiError:
+            pass
+        resp = client.post(
+            "/v1/batches",
+            data=body,
+            headers={"Content-Type": "application/json", "Content-Encoding": encoding},
+        )
+        assert 400 <= resp.status_code < 500, resp.status_code
+        assert set(resp.json["error"]) == {"code", "message"}
+        seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
+
+    hit()
+    assert sum(seen.values()) >= 100
+    assert not any((tmp_path / "blobs").rglob("*.zst"))
+    query = query_app(cfg).test_client()
+    assert query.get("/v1/runs").json["runs"] == []
+    assert query.get("/v1/clusters").json["clusters"] == []
