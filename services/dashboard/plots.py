@@ -90,3 +90,254 @@ def task_stream(tasks: Iterable[dict[str, Any]], *, target: str = "task-stream")
     )
     fig.yaxis.major_label_text_font_size = "8pt"
     return json_item(fig, target)
+
+
+# ------------------------------------------------------------------ the whole run page
+
+DAG_MAX_NODES = 5000
+WORKER_PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
+)  # fmt: skip
+MEMORY_KINDS = (
+    ("memory.managed", "managed"),
+    ("memory.unmanaged", "unmanaged"),
+    ("memory.spilled", "spilled"),
+)
+
+
+def _tasks_from_arrow(table: Any) -> list[dict[str, Any]]:
+    import json as _json
+
+    rows = table.select(["key", "prefix", "worker", "thread", "status", "startstops"]).to_pylist()
+    for r in rows:
+        r["startstops"] = _json.loads(r["startstops"]) if r["startstops"] else []
+    return rows
+
+
+def _time_figure(title: str, x_range: Any, height: int = 180, **kw: Any) -> Any:
+    fig = figure(
+        title=title, x_range=x_range, height=height, sizing_mode="stretch_width",
+        tools="xpan,xwheel_zoom,box_zoom,reset,save", active_scroll="xwheel_zoom", **kw,
+    )  # fmt: skip
+    fig.toolbar.logo = None
+    return fig
+
+
+def _series_lines(fig: Any, series: list[dict[str, Any]], origin: float, colours: dict[str, str],
+                  label: Any, name: str) -> int:  # fmt: skip
+    """A line per series (x: seconds since origin); returns how many were drawn."""
+    n = 0
+    for s in series:
+        pts = s["points"]
+        if not pts:
+            continue
+        src = ColumnDataSource(
+            {"x": [p["time"] - origin for p in pts], "y": [p["value"] for p in pts]},
+            name=f"{name}-{n}",
+        )
+        fig.line("x", "y", source=src, line_color=colours.get(s["worker"], "#555"), line_width=1.5,
+                 legend_label=label(s))  # fmt: skip
+        n += 1
+    if n:
+        fig.legend.label_text_font_size = "8pt"
+        fig.legend.click_policy = "hide"
+        fig.legend.location = "top_left"
+    return n
+
+
+def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any],
+                   metrics: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Every plot of a run page as Bokeh JSON items: the time plots share one x axis."""
+    from bokeh.layouts import column
+    from bokeh.models import DataRange1d
+
+    tasks = _tasks_from_arrow(data.tasks)
+    cols, rows, origin = task_stream_data(tasks)
+    x_range = DataRange1d(name="run-time")
+    stream = _time_figure("Task stream", x_range, height=max(220, 26 * len(rows) + 90),
+                          y_range=FactorRange(*rows, name="task-stream-rows"), output_backend="webgl")  # fmt: skip
+    stream.name = "task-stream"
+    source = ColumnDataSource(cols, name="task-stream-source")
+    stream.rect(x="x", y="y", width="width", height=0.85, source=source, fill_color="colour",
+                fill_alpha="alpha", line_color=None, name="task-stream-rects")  # fmt: skip
+    stream.add_tools(
+        HoverTool(tooltips=[("task", "@name"), ("key", "@key"), ("duration", "@duration")])
+    )
+    stream.yaxis.major_label_text_font_size = "8pt"
+
+    figs = [stream]
+    # Progress: completed tasks per prefix over time (cumulative), Dask's prefix colours.
+    prog = _time_figure("Progress by prefix (tasks completed)", x_range, height=200)
+    prog.name = "progress"
+    n_prog = 0
+    if progress.get("times"):
+        xs = [t - origin for t in progress["times"]]
+        for prefix, counts in sorted(progress["prefixes"].items()):
+            total, ys = 0, []
+            for c in counts:
+                total += c
+                ys.append(total)
+            src = ColumnDataSource({"x": xs, "y": ys}, name=f"progress-{n_prog}")
+            prog.line(
+                "x",
+                "y",
+                source=src,
+                line_color=colour_of(prefix),
+                line_width=2,
+                legend_label=prefix,
+            )
+            n_prog += 1
+        prog.legend.label_text_font_size = "8pt"
+        prog.legend.location = "top_left"
+        figs.append(prog)
+
+    workers = sorted({s["worker"] for s in metrics if s["worker"] != "scheduler"})
+    colours = {w: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, w in enumerate(workers)}
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for s in metrics:
+        if s["worker"] != "scheduler":
+            by_name.setdefault(s["name"], []).append(s)
+    counts = {}
+    for metric, label in MEMORY_KINDS:
+        fig = _time_figure(f"Memory: {label} bytes per worker", x_range)
+        fig.name = f"memory-{label}"
+        counts[f"memory-{label}"] = _series_lines(fig, by_name.get(metric, []), origin, colours,
+                                                  lambda s: s["worker"], f"memory-{label}")  # fmt: skip
+        if counts[f"memory-{label}"]:
+            figs.append(fig)
+    for metric, title, key in (("cpu", "CPU % per worker", "cpu"),
+                               ("tasks.processing", "Tasks processing per worker", "tasks")):  # fmt: skip
+        fig = _time_figure(title, x_range)
+        fig.name = key
+        counts[key] = _series_lines(
+            fig, by_name.get(metric, []), origin, colours, lambda s: s["worker"], key
+        )
+        figs.append(fig)
+    for f in figs[1:]:
+        f.xaxis.axis_label = None
+    figs[-1].xaxis.axis_label = "seconds since the run's first task"
+
+    dag, dag_nodes = dag_item(data, critical)
+    return {
+        "timeline": json_item(column(*figs, sizing_mode="stretch_width"), "timeline"),
+        "dag": dag,
+        "counts": {
+            "glyphs": len(cols["x"]),
+            "rows": len(rows),
+            "progress": n_prog,
+            "dag_nodes": dag_nodes,
+            **counts,
+        },  # fmt: skip
+    }
+
+
+def _ramp(values: list[float | None]) -> list[str]:
+    """Viridis colours for numbers (log scale); grey for missing."""
+    import math
+
+    logs = [math.log10(v) if v and v > 0 else None for v in values]
+    present = [v for v in logs if v is not None]
+    if not present:
+        return ["#cccccc"] * len(values)
+    lo, hi = min(present), max(present)
+    span = (hi - lo) or 1.0
+    return [
+        "#cccccc" if v is None else PALETTE[min(17, int((v - lo) / span * 17.999))] for v in logs
+    ]
+
+
+def _categories(values: list[Any]) -> list[str]:
+    index: dict[Any, int] = {}
+    return [WORKER_PALETTE[index.setdefault(v, len(index)) % len(WORKER_PALETTE)] for v in values]
+
+
+def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
+    """The task graph laid out by depth (longest chain from a root), coloured by an attribute
+    picked from a dropdown (as the Dask Log Server prototype did); the critical path in red."""
+    from bokeh.layouts import column
+    from bokeh.models import CustomJS, Select
+
+    graph = data.graph.to_pylist()
+    attrs = {r["key"]: r for r in data.tasks.select(["key", "prefix", "worker", "nbytes", "typename",
+                                                     "compute"]).to_pylist()}  # fmt: skip
+    deps = {r["key"]: [d for d in r["dependencies"]] for r in graph}
+    for key in attrs:
+        deps.setdefault(key, [])
+    if not deps or len(deps) > DAG_MAX_NODES:
+        return None, len(deps)
+    depth: dict[str, int] = {}
+    for key in deps:  # iterative longest-path depth
+        stack = [key]
+        while stack:
+            k = stack[-1]
+            if k in depth:
+                stack.pop()
+                continue
+            pending = [d for d in deps.get(k, ()) if d in deps and d not in depth]
+            if pending:
+                stack.extend(pending)
+                continue
+            depth[k] = 1 + max((depth[d] for d in deps.get(k, ()) if d in depth), default=-1)
+            stack.pop()
+    levels: dict[int, list[str]] = {}
+    for k in sorted(deps, key=lambda k: (depth[k], attrs.get(k, {}).get("prefix") or "", k)):
+        levels.setdefault(depth[k], []).append(k)
+    pos = {}
+    for lvl, keys in levels.items():
+        for i, k in enumerate(keys):
+            pos[k] = (lvl, i - (len(keys) - 1) / 2)
+    keys = list(pos)
+    on_path = {s["key"] for s in critical.get("segments", ())}
+    a = [attrs.get(k, {}) for k in keys]
+    node_cols = {
+        "x": [pos[k][0] for k in keys], "y": [pos[k][1] for k in keys], "key": keys,
+        "prefix": [x.get("prefix") or "" for x in a], "worker": [x.get("worker") or "" for x in a],
+        "duration": [x.get("compute") for x in a], "nbytes": [x.get("nbytes") for x in a],
+        "typename": [x.get("typename") or "" for x in a],
+        "line": ["red" if k in on_path else None for k in keys],
+        "c_prefix": [colour_of(x.get("prefix") or "") for x in a],
+        "c_duration": _ramp([x.get("compute") for x in a]),
+        "c_worker": _categories([x.get("worker") for x in a]),
+        "c_nbytes": _ramp([x.get("nbytes") for x in a]),
+        "c_typename": _categories([x.get("typename") for x in a]),
+    }  # fmt: skip
+    node_cols["colour"] = list(node_cols["c_prefix"])
+    edges: dict[str, list[Any]] = {
+        "x0": [],
+        "y0": [],
+        "x1": [],
+        "y1": [],
+        "colour": [],
+        "width": [],
+    }
+    for k, ds in deps.items():
+        for d in ds:
+            if d in pos and k in pos:
+                crit = d in on_path and k in on_path
+                edges["x0"].append(pos[d][0])
+                edges["y0"].append(pos[d][1])
+                edges["x1"].append(pos[k][0])
+                edges["y1"].append(pos[k][1])
+                edges["colour"].append("red" if crit else "#bbbbbb")
+                edges["width"].append(2.5 if crit else 0.6)
+    nodes = ColumnDataSource(node_cols, name="dag-nodes")
+    fig = figure(title="Task graph (critical path in red)", height=420, sizing_mode="stretch_width",
+                 tools="pan,wheel_zoom,box_zoom,reset,save", active_scroll="wheel_zoom", name="dag")  # fmt: skip
+    fig.segment("x0", "y0", "x1", "y1", source=ColumnDataSource(edges, name="dag-edges"),
+                line_color="colour", line_width="width")  # fmt: skip
+    fig.scatter(
+        "x", "y", source=nodes, size=9, fill_color="colour", line_color="line", line_width=2
+    )
+    fig.add_tools(HoverTool(tooltips=[("key", "@key"), ("worker", "@worker"), ("duration", "@duration s"),
+                                      ("nbytes", "@nbytes"), ("type", "@typename")]))  # fmt: skip
+    fig.axis.visible = False
+    fig.grid.visible = False
+    fig.toolbar.logo = None
+    pick = Select(title="colour by", value="prefix", options=["prefix", "duration", "worker", "nbytes", "typename"],
+                  name="dag-colour-by")  # fmt: skip
+    pick.js_on_change("value", CustomJS(args={"src": nodes}, code="""
+        src.data.colour = src.data['c_' + cb_obj.value].slice();
+        src.change.emit();
+    """))  # fmt: skip
+    return json_item(column(pick, fig, sizing_mode="stretch_width"), "dag"), len(keys)

@@ -28,7 +28,7 @@ from markupsafe import Markup
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import ApiError, db, store
 from services.dashboard import plots
-from storage import queries
+from storage import analysis, queries, runfile
 from storage.queries import BadCursor, RunFilters
 from storage.tokens import Principal
 
@@ -124,9 +124,22 @@ def run_page(run_id: str) -> Any:
         return render_template("error.html", message=f"no run {run_id!r}"), 404
     run, cluster, session = found
     detail = queries.run_detail(db(), run, cluster, session)
-    tasks = [t for t, _ in queries.iter_run_tasks(db(), store().blobs, run, None)]
-    stream = script_json(plots.task_stream(tasks))
-    return render_template("run.html", run=detail, task_stream=stream, task_count=len(tasks))
+    data = runfile.load_run(db(), store().blobs, run)
+    critical = analysis.critical_path(data)
+    items = plots.run_page_items(
+        data, critical, analysis.progress(data, 120), analysis.metric_series(data, 300)
+    )
+    return render_template(
+        "run.html",
+        run=detail,
+        timeline=script_json(items["timeline"]),
+        dag=script_json(items["dag"]),
+        counts=items["counts"],
+        critical=critical,
+        errors=analysis.errors(data),
+        dag_max=plots.DAG_MAX_NODES,
+        live=detail["status"] == "running",
+    )
 
 
 @bp.route("/login", methods=["GET", "POST"])

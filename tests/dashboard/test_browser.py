@@ -100,29 +100,69 @@ def test_runs_page_lists_every_run(recorded, page):
     assert page.errors == []
 
 
+def model_counts(page: Any) -> dict[str, Any]:
+    return page.evaluate(
+        """() => {
+            const out = {lines: {}};
+            for (const doc of Bokeh.documents) {
+                for (const m of doc.all_models) {
+                    if (m.name === 'task-stream-source') {
+                        out.glyphs = m.data.x.length; out.colours = Array.from(new Set(m.data.colour));
+                    }
+                    if (m.name === 'task-stream-rows') out.rows = m.factors.length;
+                    if (m.name === 'dag-nodes') { out.dag_nodes = m.data.key.length; out.dag = m; }
+                    if (m.name && m.type === 'ColumnDataSource') {
+                        const kind = m.name.replace(/-\\d+$/, '');
+                        if (kind !== m.name) out.lines[kind] = (out.lines[kind] || 0) + 1;
+                    }
+                }
+            }
+            if (out.dag) {
+                out.dag_red = out.dag.data.line.filter(c => c === 'red').length; delete out.dag;
+            }
+            return out;
+        }"""
+    )
+
+
 @pytest.mark.parametrize("name", ["array-sum", "map-with-failure"])
-def test_run_page_draws_the_task_stream(recorded, page, name):
+def test_run_page_draws_the_run(recorded, page, name):
     server, cluster = recorded
     run = server.run_named(cluster, name)
     tasks = server.tasks(run["id"])
     page.goto(f"{server.url}/?cluster={cluster}")
     page.get_by_role("link", name=name).click()
     page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
-    model = page.evaluate(
-        """() => {
-            const doc = Bokeh.documents[0];
-            const src = doc.get_model_by_name('task-stream-source');
-            const rows = doc.get_model_by_name('task-stream-rows');
-            return {glyphs: src.data.x.length, rows: rows.factors.length,
-                    colours: Array.from(new Set(src.data.colour))};
-        }"""
-    )
+    model = model_counts(page)
     rows = {f"{t['worker']}-{t['thread']}" for t in tasks}
+    workers = {t["worker"] for t in tasks}
     assert model["glyphs"] == sum(len(t["startstops"]) for t in tasks)
     assert model["rows"] == len(rows)
-    assert page.locator("#task-stream canvas").count() >= 1
+    assert page.locator("#timeline canvas").count() >= 1
+    # a line per prefix in progress, per worker in memory/CPU/processing
+    assert model["lines"]["progress"] == len({t["prefix"] for t in tasks})
+    for kind in ("memory-managed", "memory-unmanaged", "cpu", "tasks"):
+        assert model["lines"][kind] == len(workers), (kind, model["lines"])
+    # the DAG: every task a node, the critical path outlined in red
+    critical = server.get(f"/v1/runs/{run['id']}/critical-path")
+    assert model["dag_nodes"] == len(tasks)
+    assert model["dag_red"] == len({s["key"] for s in critical["segments"]}) >= 1
+    # colour-by dropdown (a Bokeh Select inside the shadow DOM) recolours the nodes
+    before = page.evaluate(
+        "() => Bokeh.documents[1].get_model_by_name('dag-nodes').data.colour.slice()"
+    )
+    page.locator("select").select_option("worker")
+    after = page.evaluate(
+        "() => Bokeh.documents[1].get_model_by_name('dag-nodes').data.colour.slice()"
+    )
+    assert after != before and len(set(after)) == len(workers)
     if name == "map-with-failure":
         assert "black" in model["colours"]  # the failed task, as Dask draws it
+        assert page.locator("tr.error-group").count() == 1
+        assert "bad record" in page.locator("#errors").inner_text()
     assert page.locator("#prefixes tbody tr").count() == len({t["prefix"] for t in tasks})
+    trace = server.get(f"/v1/runs/{run['id']}/trace")
+    assert page.locator("#perfetto").get_attribute("href") == f"/v1/runs/{run['id']}/trace"
+    assert trace["traceEvents"]
     shoot(page, f"run-{name}")
     assert page.errors == []
