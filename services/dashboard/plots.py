@@ -341,3 +341,73 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
         src.change.emit();
     """))  # fmt: skip
     return json_item(column(pick, fig, sizing_mode="stretch_width"), "dag"), len(keys)
+
+
+def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] | None:
+    """Makespans of the runs of one job (same fingerprint), oldest first; this run in red."""
+    pts = [r for r in runs if r.get("makespan") is not None and r.get("started_at") is not None]
+    if len(pts) < 2:
+        return None
+    pts.sort(key=lambda r: r["started_at"])
+    src = ColumnDataSource({
+        "i": list(range(len(pts))), "makespan": [r["makespan"] for r in pts],
+        "id": [r["id"] for r in pts], "colour": ["red" if r["id"] == current else "#1f77b4" for r in pts],
+    }, name="trend-source")  # fmt: skip
+    fig = figure(title="Makespan of this job's runs (s), oldest first", height=160, width=420,
+                 tools="hover", tooltips=[("run", "@id"), ("makespan", "@makespan s")], name="trend")  # fmt: skip
+    fig.line("i", "makespan", source=src, line_color="#1f77b4")
+    fig.scatter("i", "makespan", source=src, size=7, fill_color="colour", line_color=None)
+    fig.xaxis.visible = False
+    fig.toolbar.logo = None
+    return json_item(fig, "trend")
+
+
+def side_by_side(a_tasks: list[dict[str, Any]], b_tasks: list[dict[str, Any]], a_name: str,
+                 b_name: str) -> dict[str, Any]:  # fmt: skip
+    """Two task streams one above the other on one time scale (seconds from each run's start)."""
+    from bokeh.layouts import column
+    from bokeh.models import DataRange1d
+
+    x_range = DataRange1d(name="compare-time")
+    figs = []
+    for label, tasks in ((a_name, a_tasks), (b_name, b_tasks)):
+        cols, rows, _ = task_stream_data(tasks)
+        fig = _time_figure(f"Task stream: {label}", x_range, height=max(160, 22 * len(rows) + 80),
+                           y_range=FactorRange(*rows), output_backend="webgl")  # fmt: skip
+        fig.rect(x="x", y="y", width="width", height=0.85, source=ColumnDataSource(cols, name="compare-stream"),
+                 fill_color="colour", fill_alpha="alpha", line_color=None)  # fmt: skip
+        fig.add_tools(
+            HoverTool(tooltips=[("task", "@name"), ("key", "@key"), ("duration", "@duration")])
+        )
+        fig.yaxis.major_label_text_font_size = "8pt"
+        figs.append(fig)
+    return json_item(column(*figs, sizing_mode="stretch_width"), "side-by-side")
+
+
+def cluster_history(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-cluster runs, tasks, errors and compute-seconds per time bucket."""
+    from bokeh.layouts import column
+    from bokeh.models import DataRange1d
+
+    if not rows:
+        return None
+    clusters = sorted({r["cluster"] for r in rows})
+    colours = {c: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, c in enumerate(clusters)}
+    x_range = DataRange1d(name="history-time")
+    figs = []
+    for field, title in (("runs", "Runs started"), ("tasks", "Tasks"), ("errors", "Failed tasks"),
+                         ("compute_seconds", "Compute seconds")):  # fmt: skip
+        fig = figure(title=title, x_axis_type="datetime", x_range=x_range, height=170,
+                     sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset,save,hover",
+                     tooltips=[("cluster", "@cluster"), (field, "@y")], name=f"history-{field}")  # fmt: skip
+        for c in clusters:
+            mine = [r for r in rows if r["cluster"] == c]
+            src = ColumnDataSource({"x": [r["time"] * 1000 for r in mine], "y": [r[field] or 0 for r in mine],
+                                    "cluster": [c] * len(mine)}, name=f"history-{field}-line")  # fmt: skip
+            fig.line("x", "y", source=src, line_color=colours[c], line_width=2, legend_label=c)
+            fig.scatter("x", "y", source=src, fill_color=colours[c], line_color=None, size=6)
+        fig.legend.label_text_font_size = "8pt"
+        fig.legend.location = "top_left"
+        fig.toolbar.logo = None
+        figs.append(fig)
+    return json_item(column(*figs, sizing_mode="stretch_width"), "history")

@@ -129,9 +129,17 @@ def run_page(run_id: str) -> Any:
     items = plots.run_page_items(
         data, critical, analysis.progress(data, 120), analysis.metric_series(data, 300)
     )
+    same_job = [
+        queries.run_summary(r, cluster, session) for r in analysis.previous_runs(db(), run, 19)
+    ]
+    trend = plots.makespan_trend(
+        [*same_job, queries.run_summary(run, cluster, session)], run.public_id
+    )
     return render_template(
         "run.html",
         run=detail,
+        trend=script_json(trend),
+        previous=same_job[0] if same_job else None,
         timeline=script_json(items["timeline"]),
         dag=script_json(items["dag"]),
         counts=items["counts"],
@@ -139,6 +147,57 @@ def run_page(run_id: str) -> Any:
         errors=analysis.errors(data),
         dag_max=plots.DAG_MAX_NODES,
         live=detail["status"] == "running",
+    )
+
+
+def _found_or_none(p: Principal, run_id: str | None) -> Any:
+    if not run_id or len(run_id) > 64:
+        return None
+    return queries.find_run(db(), p.tenant_id, run_id)
+
+
+@bp.get("/compare")
+def compare_page() -> Any:
+    """Two runs side by side: facts, per-prefix deltas (highlighted past 20%), task streams."""
+    p = principal()
+    ids = request.args.getlist("run") or [request.args.get("a", ""), request.args.get("b", "")]
+    ids = [i for i in ids if i]
+    if len(ids) != 2:
+        return render_template("error.html", message="pick two runs to compare"), 400
+    found = [_found_or_none(p, i) for i in ids]
+    if any(f is None for f in found):
+        return render_template("error.html", message="no such run"), 404
+    (a, ca, sa), (b, cb, sb) = found  # type: ignore[misc]
+    result = analysis.compare(db(), a, b)
+    streams = plots.side_by_side(
+        plots._tasks_from_arrow(runfile.load_run(db(), store().blobs, a).tasks),
+        plots._tasks_from_arrow(runfile.load_run(db(), store().blobs, b).tasks),
+        a.name or a.run_key,
+        b.name or b.run_key,
+    )
+    return render_template(
+        "compare.html",
+        a=queries.run_summary(a, ca, sa),
+        b=queries.run_summary(b, cb, sb),
+        cmp=result,
+        streams=script_json(streams),
+    )
+
+
+@bp.get("/history")
+def history_page() -> Any:
+    """Trends across runs and clusters, from the index's hourly rollups."""
+    p = principal()
+    bucket = request.args.get("bucket", "day")
+    if bucket not in analysis.BUCKETS:
+        return render_template("error.html", message="bucket must be hour or day"), 400
+    try:
+        since, until = time_arg("since"), time_arg("until")
+    except ApiError as exc:
+        return render_template("error.html", message=exc.message), 400
+    rows = analysis.cluster_history(db(), p.tenant_id, bucket, since, until)
+    return render_template(
+        "history.html", rows=rows, bucket=bucket, plot=script_json(plots.cluster_history(rows))
     )
 
 

@@ -166,3 +166,42 @@ def test_run_page_draws_the_run(recorded, page, name):
     assert trace["traceEvents"]
     shoot(page, f"run-{name}")
     assert page.errors == []
+
+
+def test_compare_two_runs_picked_in_the_table(recorded, page):
+    server, cluster = recorded
+    a, b = server.run_named(cluster, "array-sum"), server.run_named(cluster, "map-with-failure")
+    page.goto(f"{server.url}/?cluster={cluster}")
+    page.get_by_label("compare array-sum").check()
+    page.get_by_label("compare map-with-failure").check()
+    page.get_by_role("button", name="compare").click()
+    page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
+    facts = page.locator("#compare-facts").inner_text()
+    assert "array-sum" in facts and "map-with-failure" in facts
+    # no prefix in common: each side's prefixes listed as only-in-A / only-in-B
+    a_prefixes = {t["prefix"] for t in server.tasks(a["id"])}
+    b_prefixes = {t["prefix"] for t in server.tasks(b["id"])}
+    shown = page.locator("tr.prefix-new").count() + page.locator("tr.prefix-missing").count()
+    assert shown == len(a_prefixes ^ b_prefixes)
+    streams = page.evaluate(
+        """() => Array.from(Bokeh.documents[0].all_models).filter(m => m.name === 'compare-stream').length"""
+    )
+    assert streams == 2
+    shoot(page, "compare")
+    assert page.errors == []
+
+
+def test_history_page_draws_each_cluster(recorded, page):
+    server, cluster = recorded
+    page.goto(f"{server.url}/history?bucket=hour")
+    page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
+    points = server.get("/v1/history/clusters", bucket="hour")["points"]
+    clusters = {p["cluster"] for p in points}
+    assert cluster in clusters
+    assert page.locator("tr.history-row").count() == len(points)
+    lines = page.evaluate(
+        """() => Array.from(Bokeh.documents[0].all_models).filter(m => m.name === 'history-runs-line').length"""
+    )
+    assert lines == len(clusters)
+    shoot(page, "history")
+    assert page.errors == []
