@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -197,23 +198,39 @@ class Rollups:
     prefix_hours: dict[tuple[str, str, int, int], list[Any]] = field(default_factory=dict)
 
 
-_ACTION_SLOT = {"compute": 2, "transfer": 3, "disk-read": 4, "disk-write": 5}
+_HB = 1 << 22  # (hour, bucket) -> hour * _HB + bucket + _HB_OFF, buckets in [-2**21, 2**21)
+_HB_OFF = 1 << 21
 
 
 def rollups(batch: Batch) -> Rollups:
-    """One pass over a batch's task events for the query rollups."""
+    """One pass over a batch's task events for the query rollups.
+
+    Hot (it runs on every batch the collector indexes): per-prefix dicts are looked up
+    once per task, and a phase's bucket, hour and slot are computed once and shared by
+    the three rollups that use them."""
     out = Rollups()
-    bucket_of = sketch.bucket
+    log2 = math.log2
+    floor = math.floor
+    zero = sketch.ZERO
+    sub = sketch.SUBDIV
+    hours = out.hours
+    prefix_hours = out.prefix_hours
+    last_rk: str | None = None
+    hists: dict[tuple[str, str], Any] = {}
+    workers: dict[str, list[Any]] = {}
     for ev in batch.events:
         if type(ev) is not TaskEvent:
             continue
         rk = ev.run or DEFAULT_RUN
-        hists = out.hists.get(rk)
-        if hists is None:
-            hists = out.hists[rk] = {}
-            workers = out.workers[rk] = {}
-        else:
-            workers = out.workers[rk]
+        if rk != last_rk:
+            last_rk = rk
+            got = out.hists.get(rk)
+            if got is None:
+                hists = out.hists[rk] = {}
+                workers = out.workers[rk] = {}
+            else:
+                hists = got
+                workers = out.workers[rk]
         erred = ev.status == "erred"
         w = None
         if ev.worker is not None:
@@ -223,47 +240,80 @@ def rollups(batch: Batch) -> Rollups:
             w[0] += 1
             if erred:
                 w[1] += 1
-        first = None
+        if not ev.startstops:
+            continue
+        prefix = ev.prefix
+        first = last = ev.startstops[0].start
+        comp = tr = dr = dw = other = 0.0
         for ss in ev.startstops:
             start = ss.start
-            d = ss.stop - start
-            b = bucket_of(d)
-            key = (ev.prefix, ss.action)
+            stop = ss.stop
+            d = stop - start
+            action = ss.action
+            key = (prefix, action)
             h = hists.get(key)
             if h is None:
                 h = hists[key] = {}
-            h[b] = h.get(b, 0) + 1
-            hour = int(start // 3600)
-            ph = out.prefix_hours.get((ev.prefix, ss.action, hour, b))
-            if ph is None:
-                out.prefix_hours[(ev.prefix, ss.action, hour, b)] = [1, d]
+            # One int key for (hour, bucket): cheaper than a tuple on the hot path.
+            hb = int(start // 3600) * _HB + (floor(log2(d) * sub) if d > 0.0 else zero) + _HB_OFF
+            e = h.get(hb)
+            if e is None:
+                h[hb] = [1, d]
             else:
-                ph[0] += 1
-                ph[1] += d
-            if first is None or start < first:
+                e[0] += 1
+                e[1] += d
+            if start < first:
                 first = start
-            if w is not None:
-                w[_ACTION_SLOT.get(ss.action, 6)] += d
-                if w[7] is None or start < w[7]:
-                    w[7] = start
-                if w[8] is None or ss.stop > w[8]:
-                    w[8] = ss.stop
-        if first is not None:
-            hour = int(first // 3600)
-            c = out.hours.get(hour)
-            if c is None:
-                c = out.hours[hour] = [0, 0, 0.0, 0.0, 0.0, 0]
-            c[0] += 1
-            if erred:
-                c[1] += 1
-            for ss in ev.startstops:
-                slot = {"compute": 2, "transfer": 3}.get(
-                    ss.action, 4 if ss.action.startswith("disk") else None
-                )
-                if slot is not None:
-                    c[slot] += ss.stop - ss.start
-            if ev.nbytes:
-                c[5] += ev.nbytes
+            if stop > last:
+                last = stop
+            if action == "compute":
+                comp += d
+            elif action == "transfer":
+                tr += d
+            elif action == "disk-read":
+                dr += d
+            elif action == "disk-write":
+                dw += d
+            else:
+                other += d
+        if w is not None:
+            w[2] += comp
+            w[3] += tr
+            w[4] += dr
+            w[5] += dw
+            w[6] += other
+            if w[7] is None or first < w[7]:
+                w[7] = first
+            if w[8] is None or last > w[8]:
+                w[8] = last
+        hour = int(first // 3600)
+        c = hours.get(hour)
+        if c is None:
+            c = hours[hour] = [0, 0, 0.0, 0.0, 0.0, 0]
+        c[0] += 1
+        if erred:
+            c[1] += 1
+        c[2] += comp
+        c[3] += tr
+        c[4] += dr + dw
+        if ev.nbytes:
+            c[5] += ev.nbytes
+    # Split the (hour, bucket) entries into the run histograms and the hourly rollup.
+    for per_key in out.hists.values():
+        for key, entries in per_key.items():
+            hist: dict[int, int] = {}
+            for hb, (n, total) in entries.items():
+                hour, b = divmod(hb, _HB)
+                b -= _HB_OFF
+                hist[b] = hist.get(b, 0) + n
+                phk = (key[0], key[1], hour, b)
+                ph = prefix_hours.get(phk)
+                if ph is None:
+                    prefix_hours[phk] = [n, total]
+                else:
+                    ph[0] += n
+                    ph[1] += total
+            per_key[key] = hist  # type: ignore[assignment]
     return out
 
 
