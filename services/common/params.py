@@ -103,8 +103,11 @@ def bool_arg(name: str) -> bool | None:
 
 
 def label_arg(name: str, max_length: int = MAX_PARAM) -> str | None:
-    """Free text (a prefix, a worker address, a metric name), length-capped."""
+    """Free text (a prefix, a worker address, a metric name), length-capped and without
+    control characters (Postgres refuses NUL in text; no recorded label holds one)."""
     value = arg(name)
     if value is not None and len(value) > max_length:
         raise bad(name, f"longer than {max_length} characters")
+    if value is not None and any(ord(ch) < 32 for ch in value):
+        raise bad(name, "contains control characters")
     return value

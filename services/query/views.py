@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from typing import Any
 
 import msgspec
@@ -31,13 +32,14 @@ logger = logging.getLogger(__name__)
 bp = Blueprint("query", __name__)
 
 MAX_LIMIT = 10_000
+_RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 STREAM_CHUNK = 10_000
 
 
-def _run_or_404(run_id: str, param: str = "run") -> Any:
+def _run_or_404(run_id: str) -> Any:
     principal = require("read")
-    if len(run_id) > 64:
-        raise ApiError(404, "not_found", f"no such {param}")
+    if not _RUN_ID.fullmatch(run_id):  # public ids are UUIDs; nothing else can match
+        raise ApiError(404, "not_found", f"no run {run_id[:64]!r}")
     found = queries.find_run(db(), principal.tenant_id, run_id)
     if found is None:
         raise ApiError(404, "not_found", f"no run {run_id!r}")

@@ -169,3 +169,15 @@ def test_rollups_do_not_depend_on_order_or_retries(index_url):
     assert sum(h[4] for h in a["hist"] if h[2] == "compute") == 12 * 25
     assert sum(w[2] for w in a["workers"]) == 12 * 25
     assert sum(h[2] for h in a["hours"]) == 12 * 25
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/runs?name=a%00b", "/v1/runs/%00/tasks", "/v1/history/prefixes?prefix=%00",
+     "/v1/runs/x%00/summary", "/v1/compare?a=%00&b=x", "/v1/runs?cursor=%00"],
+)  # fmt: skip
+def test_nul_bytes_are_a_client_error_not_a_500(apps, make_token, path):
+    _, query, _ = apps
+    resp = query.get(path, headers=auth(make_token()))
+    assert resp.status_code in (400, 404), resp.data
+    assert set(resp.json["error"]) == {"code", "message"}
