@@ -358,7 +358,12 @@ class Agent:
                 if not spooled:
                     # The collector is away: let the backlog wait on disk, not in memory.
                     self._park_outbox()
-                return
+                if deadline is None:
+                    return
+                # Closing: keep retrying (after the backoff) until the close budget is spent.
+                # Returning here gave up after one failed attempt however large the budget,
+                # leaving batches in the spool of an agent that will never run again.
+                continue
             if outcome.verdict == "too_large":
                 self._pop_head(batch, spooled)
                 self._split(batch, spooled)
