@@ -210,12 +210,12 @@ def graph(data: RunData) -> dict[str, Any]:
 
 def errors(data: RunData) -> list[dict[str, Any]]:
     """Erred tasks grouped by exception text, largest group first."""
+    import pyarrow.compute as pc
+
     groups: dict[str, dict[str, Any]] = {}
-    for r in data.tasks.select(
-        ["key", "prefix", "status", "worker", "exception", "traceback"]
-    ).to_pylist():
-        if r["status"] != "erred":
-            continue
+    table = data.tasks.select(["key", "prefix", "status", "worker", "exception", "traceback"])
+    # Filter in Arrow first: a 100k-task run has a handful of failures, not 100k Python rows.
+    for r in table.filter(pc.equal(table["status"], "erred")).to_pylist():
         exc = r["exception"] or "(no exception recorded)"
         g = groups.get(exc)
         if g is None:
@@ -247,7 +247,13 @@ def critical_path(data: RunData) -> dict[str, Any]:
     tasks = {r["key"]: r for r in rows if r["stop"] is not None}
     deps = {r["key"]: r["dependencies"] for r in data.graph.to_pylist()}
     if not tasks:
-        return {"makespan": None, "segments": [], "totals": {}}
+        return {
+            "makespan": None,
+            "tasks": 0,
+            "segments": [],
+            "totals": {},
+            "clock_skew_seconds": 0.0,
+        }
     t0 = min(r["start"] for r in tasks.values())
     last = max(tasks.values(), key=lambda r: r["stop"])
     segments: list[dict[str, Any]] = []
@@ -284,15 +290,30 @@ def critical_path(data: RunData) -> dict[str, Any]:
                          "worker": node["worker"], "start": ready, "stop": cursor})  # fmt: skip
         segments += mine
         node = pred
-    segments.sort(key=lambda s: (s["start"], s["stop"]))
-    # Worker clocks are corrected to the scheduler's by an estimate, so a dependency can
-    # appear to end a few ms after its dependent started. Clip such overlaps so the
-    # segments stay contiguous, and say how much was clipped.
+    # ``segments`` runs backwards in time. Lay it on one timeline from the last stop back
+    # to the run's first start: worker clocks are corrected to the scheduler's by an
+    # estimate, so a dependency can appear to end a few ms after its dependent started;
+    # such overlaps are clipped (and reported), any gap left is waiting.
+    timeline: list[dict[str, Any]] = []
     skew = 0.0
-    for a, b in zip(segments, segments[1:], strict=False):
-        if a["stop"] > b["start"]:
-            skew += a["stop"] - max(b["start"], a["start"])
-            a["stop"] = max(b["start"], a["start"])
+    bound = last["stop"]
+    for seg in segments:
+        if seg["stop"] > bound:
+            skew += seg["stop"] - bound
+            seg["stop"] = bound
+        if seg["start"] > seg["stop"]:
+            seg["start"] = seg["stop"]
+        if seg["stop"] < bound:
+            timeline.append({"kind": "wait", "key": seg["key"], "prefix": seg["prefix"],
+                             "worker": seg["worker"], "start": seg["stop"], "stop": bound})  # fmt: skip
+        timeline.append(seg)
+        bound = seg["start"]
+    if bound > t0:
+        first = timeline[-1]
+        timeline.append({"kind": "wait", "key": first["key"], "prefix": first["prefix"],
+                         "worker": first["worker"], "start": t0, "stop": bound})  # fmt: skip
+    # Zero-length compute stays: the chain of tasks is the answer, even where skew ate it.
+    segments = [s for s in reversed(timeline) if s["stop"] > s["start"] or s["kind"] == "compute"]
     totals: dict[str, float] = defaultdict(float)
     for s in segments:
         s["seconds"] = s["stop"] - s["start"]

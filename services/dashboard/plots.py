@@ -7,12 +7,15 @@ failed computations black.
 
 from __future__ import annotations
 
+import base64
+import functools
 import hashlib
-from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+import numpy as np
 from bokeh.embed import json_item
-from bokeh.models import ColumnDataSource, FactorRange, HoverTool
+from bokeh.models import ColumnDataSource, HoverTool
 from bokeh.plotting import figure
 
 # distributed.utils.palette (viridis, 18 colours)
@@ -28,68 +31,155 @@ ACTION_COLOURS = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
 def colour_of(prefix: str) -> str:
     """Dask's colour for a task prefix (``distributed.diagnostics.progress_stream.color_of``)."""
     n = int(hashlib.md5(prefix.encode()).hexdigest()[:8], 16)
     return PALETTE[n % len(PALETTE)]
 
 
-def task_stream_data(
-    tasks: Iterable[dict[str, Any]],
-) -> tuple[dict[str, list[Any]], list[str], float]:
-    """Columns of one rectangle per startstop, the worker-thread rows, and the time origin."""
-    cols: dict[str, list[Any]] = {
-        k: [] for k in ("x", "width", "y", "colour", "alpha", "key", "name", "duration")
-    }
-    records = list(tasks)
-    origin = min((ss["start"] for t in records for ss in t["startstops"]), default=0.0)
-    rows: set[str] = set()
-    for t in records:
-        row = f"{t.get('worker') or '?'}-{t.get('thread') if t.get('thread') is not None else 0}"
-        failed = t.get("status") == "erred"
-        for ss in t["startstops"]:
-            action = ss["action"]
-            if action == "compute":
-                colour, alpha = ("black" if failed else colour_of(t["prefix"])), 1.0
-            else:
-                colour, alpha = ACTION_COLOURS.get(action, ("gray", 0.4))
-            duration = ss["stop"] - ss["start"]
-            cols["x"].append((ss["start"] + ss["stop"]) / 2 - origin)
-            cols["width"].append(duration)
-            cols["y"].append(row)
-            cols["colour"].append(colour)
-            cols["alpha"].append(alpha)
-            cols["key"].append(t["key"])
-            cols["name"].append(f"{action} {t['prefix']}" if action != "compute" else t["prefix"])
-            cols["duration"].append(f"{duration * 1000:.1f} ms")
-            rows.add(row)
-    return cols, sorted(rows), origin
+class _Phase(msgspec.Struct, gc=False):
+    action: str
+    start: float
+    stop: float
 
 
-def task_stream(tasks: Iterable[dict[str, Any]], *, target: str = "task-stream") -> dict[str, Any]:
-    """The task stream of a run as a Bokeh JSON item: a row per worker thread."""
-    cols, rows, _ = task_stream_data(tasks)
-    source = ColumnDataSource(cols, name="task-stream-source")
+_phases = msgspec.json.Decoder(list[list[_Phase]])
+
+
+def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
+    """A run's task stream, compactly: one rectangle per startstop as typed arrays (base64),
+    with task keys, labels and colours sent once and referenced by index. The page expands
+    it (``expandStream``) into the columns the figure's source wants. Returns the payload,
+    the worker-thread rows, and the time origin.
+
+    Compute phases come straight from the compacted table's columns (vectorised); only
+    tasks that also transferred or touched disk have their startstops parsed."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = table.select(["key", "prefix", "worker", "thread", "status", "compute_start", "compute_stop",
+                      "transfer", "disk_read", "disk_write", "startstops"])  # fmt: skip
+    n_tasks = t.num_rows
+    row_names = pc.binary_join_element_wise(
+        pc.fill_null(t["worker"], "?"), pc.cast(pc.fill_null(t["thread"], 0), pa.string()), "-"
+    )
+    prefixes = t["prefix"].to_pylist()
+    erred = np.asarray(pc.fill_null(pc.equal(t["status"], "erred"), False), dtype=bool)
+    cstart = np.asarray(pc.fill_null(t["compute_start"], np.nan), dtype="f8")
+    cstop = np.asarray(pc.fill_null(t["compute_stop"], np.nan), dtype="f8")
+    extra = np.flatnonzero(
+        np.asarray(pc.fill_null(t["transfer"], 0), dtype="f8")
+        + np.asarray(pc.fill_null(t["disk_read"], 0), dtype="f8")
+        + np.asarray(pc.fill_null(t["disk_write"], 0), dtype="f8")
+        > 0
+    )
+    ss_col = t["startstops"]
+    extra_phases = _phases.decode(
+        ("[" + ",".join(ss_col[int(i)].as_py() or "[]" for i in extra) + "]").encode()
+    )
+    has_compute = ~np.isnan(cstart)
+
+    # labels and colours: compute phases are labelled by prefix, the rest "action prefix"
+    names: dict[str, int] = {}
+    colours: dict[tuple[str, float], int] = {}
+    prefix_name = np.fromiter(
+        (names.setdefault(p, len(names)) for p in prefixes), dtype="i4", count=n_tasks
+    )
+    prefix_colour = np.fromiter((colours.setdefault((colour_of(p), 1.0), len(colours)) for p in prefixes),
+                                dtype="i4", count=n_tasks)  # fmt: skip
+    black = colours.setdefault(("black", 1.0), len(colours))
+    compute_c = np.where(erred, black, prefix_colour)
+
+    ex_x: list[float] = []
+    ex_w: list[float] = []
+    ex_task: list[int] = []
+    ex_c: list[int] = []
+    ex_n: list[int] = []
+    origin = float(np.nanmin(cstart)) if has_compute.any() else np.inf
+    for ti, ps in zip(extra.tolist(), extra_phases, strict=True):
+        for ph in ps:
+            if ph.action == "compute":
+                continue
+            origin = min(origin, ph.start)
+            ex_x.append((ph.start + ph.stop) / 2)
+            ex_w.append(ph.stop - ph.start)
+            ex_task.append(ti)
+            ex_c.append(
+                colours.setdefault(ACTION_COLOURS.get(ph.action, ("gray", 0.4)), len(colours))
+            )
+            ex_n.append(names.setdefault(f"{ph.action} {prefixes[ti]}", len(names)))
+    if not np.isfinite(origin):
+        origin = 0.0
+
+    tasks_c = np.flatnonzero(has_compute)
+    task_idx = np.concatenate([tasks_c, np.asarray(ex_task, dtype="i8")]).astype("i4")
+    x = (
+        np.concatenate([(cstart[tasks_c] + cstop[tasks_c]) / 2, np.asarray(ex_x, dtype="f8")])
+        - origin
+    )
+    width = np.concatenate([cstop[tasks_c] - cstart[tasks_c], np.asarray(ex_w, dtype="f8")])
+    c = np.concatenate([compute_c[tasks_c], np.asarray(ex_c, dtype="i4")]).astype("i4")
+    n = np.concatenate([prefix_name[tasks_c], np.asarray(ex_n, dtype="i4")]).astype("i4")
+
+    drawn = np.unique(task_idx)
+    row_list = row_names.to_pylist()
+    rows = sorted({row_list[i] for i in drawn.tolist()})
+    row_of = {r: i for i, r in enumerate(rows)}
+    task_row = np.fromiter((row_of.get(r, -1) for r in row_list), dtype="i4", count=n_tasks)
+    y = task_row[task_idx]
+
+    def b64(values: Any, dtype: str) -> str:
+        return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode()
+
+    payload = {
+        "count": int(len(x)),
+        "x": b64(x, "<f8"), "width": b64(width, "<f8"), "y": b64(y, "<i4"),
+        "c": b64(c, "<i4"), "k": b64(task_idx, "<i4"), "n": b64(n, "<i4"),
+        "keys": t["key"].to_pylist(), "names": list(names), "colours": [list(ca) for ca in colours],
+    }  # fmt: skip
+    return payload, rows, origin
+
+
+def _stream_figure(
+    title: str, rows: list[str], x_range: Any, *, name: str, source_name: str
+) -> tuple[Any, Any]:
+    """A task-stream figure with an empty source: the page fills ``source.data`` from plain
+    arrays after embedding (Bokeh's per-element serialisation of 100k-row columns took
+    seconds in Python and more in the browser)."""
+    from bokeh.models import FixedTicker, Range1d
+
+    empty = {k: [] for k in ("x", "width", "y", "colour", "alpha", "key", "name")}
+    source = ColumnDataSource(empty, name=source_name)
     fig = figure(
-        name="task-stream",
-        title="Task stream",
-        y_range=FactorRange(*rows, name="task-stream-rows"),
-        x_axis_label="seconds since the run's first task",
-        height=max(220, 26 * len(rows) + 90),
-        sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,box_zoom,reset,save",
-        active_scroll="xwheel_zoom",
-        output_backend="webgl",
-    )
-    fig.rect(
-        x="x", y="y", width="width", height=0.85, source=source, fill_color="colour",
-        fill_alpha="alpha", line_color=None, name="task-stream-rects",
+        title=title, x_range=x_range, y_range=Range1d(len(rows) - 0.5, -0.5),
+        height=max(160, 24 * len(rows) + 80), sizing_mode="stretch_width",
+        tools="xpan,xwheel_zoom,box_zoom,reset,save", active_scroll="xwheel_zoom", output_backend="canvas",
+        name=name,
     )  # fmt: skip
+    fig.rect(x="x", y="y", width="width", height=0.85, source=source, fill_color="colour",
+             fill_alpha="alpha", line_color=None)  # fmt: skip
     fig.add_tools(
-        HoverTool(tooltips=[("task", "@name"), ("key", "@key"), ("duration", "@duration")])
+        HoverTool(tooltips=[("task", "@name"), ("key", "@key"), ("seconds", "@width{0.000}")])
     )
+    fig.yaxis.ticker = FixedTicker(ticks=list(range(len(rows))), name=f"{name}-rows")
+    fig.yaxis.major_label_overrides = {i: r for i, r in enumerate(rows)}
     fig.yaxis.major_label_text_font_size = "8pt"
-    return json_item(fig, target)
+    fig.ygrid.visible = False
+    fig.toolbar.logo = None
+    return fig, source
+
+
+def task_stream(table: Any, *, target: str = "task-stream") -> dict[str, Any]:
+    """The task stream of a run (an Arrow table of its tasks) as a Bokeh JSON item and its
+    compact columns (expanded into the ``task-stream-source`` model once embedded)."""
+    from bokeh.models import DataRange1d
+
+    cols, rows, _ = task_stream_data(table)
+    fig, _ = _stream_figure(
+        "Task stream", rows, DataRange1d(), name="task-stream", source_name="task-stream-source"
+    )
+    return {"item": json_item(fig, target), "data": cols}
 
 
 # ------------------------------------------------------------------ the whole run page
@@ -104,15 +194,6 @@ MEMORY_KINDS = (
     ("memory.unmanaged", "unmanaged"),
     ("memory.spilled", "spilled"),
 )
-
-
-def _tasks_from_arrow(table: Any) -> list[dict[str, Any]]:
-    import json as _json
-
-    rows = table.select(["key", "prefix", "worker", "thread", "status", "startstops"]).to_pylist()
-    for r in rows:
-        r["startstops"] = _json.loads(r["startstops"]) if r["startstops"] else []
-    return rows
 
 
 def _time_figure(title: str, x_range: Any, height: int = 180, **kw: Any) -> Any:
@@ -152,19 +233,11 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
     from bokeh.layouts import column
     from bokeh.models import DataRange1d
 
-    tasks = _tasks_from_arrow(data.tasks)
-    cols, rows, origin = task_stream_data(tasks)
+    cols, rows, origin = task_stream_data(data.tasks)
     x_range = DataRange1d(name="run-time")
-    stream = _time_figure("Task stream", x_range, height=max(220, 26 * len(rows) + 90),
-                          y_range=FactorRange(*rows, name="task-stream-rows"), output_backend="webgl")  # fmt: skip
-    stream.name = "task-stream"
-    source = ColumnDataSource(cols, name="task-stream-source")
-    stream.rect(x="x", y="y", width="width", height=0.85, source=source, fill_color="colour",
-                fill_alpha="alpha", line_color=None, name="task-stream-rects")  # fmt: skip
-    stream.add_tools(
-        HoverTool(tooltips=[("task", "@name"), ("key", "@key"), ("duration", "@duration")])
+    stream, _ = _stream_figure(
+        "Task stream", rows, x_range, name="task-stream", source_name="task-stream-source"
     )
-    stream.yaxis.major_label_text_font_size = "8pt"
 
     figs = [stream]
     # Progress: completed tasks per prefix over time (cumulative), Dask's prefix colours.
@@ -221,6 +294,7 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
     dag, dag_nodes = dag_item(data, critical)
     return {
         "timeline": json_item(column(*figs, sizing_mode="stretch_width"), "timeline"),
+        "stream": cols,
         "dag": dag,
         "counts": {
             "glyphs": len(cols["x"]),
@@ -258,6 +332,8 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
     from bokeh.layouts import column
     from bokeh.models import CustomJS, Select
 
+    if data.tasks.num_rows > DAG_MAX_NODES or data.graph.num_rows > DAG_MAX_NODES:
+        return None, max(data.tasks.num_rows, data.graph.num_rows)
     graph = data.graph.to_pylist()
     attrs = {r["key"]: r for r in data.tasks.select(["key", "prefix", "worker", "nbytes", "typename",
                                                      "compute"]).to_pylist()}  # fmt: skip
@@ -362,26 +438,23 @@ def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] |
     return json_item(fig, "trend")
 
 
-def side_by_side(a_tasks: list[dict[str, Any]], b_tasks: list[dict[str, Any]], a_name: str,
-                 b_name: str) -> dict[str, Any]:  # fmt: skip
-    """Two task streams one above the other on one time scale (seconds from each run's start)."""
+def side_by_side(
+    a_tasks: Any, b_tasks: Any, a_name: str, b_name: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two task streams one above the other on one time scale (seconds from each run's
+    start): the JSON item and the two sources' columns, by source name."""
     from bokeh.layouts import column
     from bokeh.models import DataRange1d
 
     x_range = DataRange1d(name="compare-time")
-    figs = []
-    for label, tasks in ((a_name, a_tasks), (b_name, b_tasks)):
+    figs, data = [], {}
+    for i, (label, tasks) in enumerate(((a_name, a_tasks), (b_name, b_tasks))):
         cols, rows, _ = task_stream_data(tasks)
-        fig = _time_figure(f"Task stream: {label}", x_range, height=max(160, 22 * len(rows) + 80),
-                           y_range=FactorRange(*rows), output_backend="webgl")  # fmt: skip
-        fig.rect(x="x", y="y", width="width", height=0.85, source=ColumnDataSource(cols, name="compare-stream"),
-                 fill_color="colour", fill_alpha="alpha", line_color=None)  # fmt: skip
-        fig.add_tools(
-            HoverTool(tooltips=[("task", "@name"), ("key", "@key"), ("duration", "@duration")])
-        )
-        fig.yaxis.major_label_text_font_size = "8pt"
+        fig, _ = _stream_figure(f"Task stream: {label}", rows, x_range, name=f"compare-{i}",
+                                source_name=f"compare-stream-{i}")  # fmt: skip
         figs.append(fig)
-    return json_item(column(*figs, sizing_mode="stretch_width"), "side-by-side")
+        data[f"compare-stream-{i}"] = cols
+    return json_item(column(*figs, sizing_mode="stretch_width"), "side-by-side"), data
 
 
 def cluster_history(rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -60,9 +60,10 @@ def principal() -> Principal:
 
 def script_json(obj: Any) -> Markup:
     """JSON for a <script> block: key order kept (BokehJS needs each model defined before it
-    is referenced, which sorted keys break) and ``<>&'`` escaped so data cannot close it."""
+    is referenced, which sorted keys break) and ``<>&`` escaped so data cannot close the
+    block or open a comment (quotes are harmless inside a script)."""
     text = json.dumps(obj)
-    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("'", "\\u0027")):
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
         text = text.replace(ch, esc)
     return Markup(text)
 
@@ -141,6 +142,7 @@ def run_page(run_id: str) -> Any:
         trend=script_json(trend),
         previous=same_job[0] if same_job else None,
         timeline=script_json(items["timeline"]),
+        stream=script_json({"task-stream-source": items["stream"]}),
         dag=script_json(items["dag"]),
         counts=items["counts"],
         critical=critical,
@@ -169,9 +171,9 @@ def compare_page() -> Any:
         return render_template("error.html", message="no such run"), 404
     (a, ca, sa), (b, cb, sb) = found  # type: ignore[misc]
     result = analysis.compare(db(), a, b)
-    streams = plots.side_by_side(
-        plots._tasks_from_arrow(runfile.load_run(db(), store().blobs, a).tasks),
-        plots._tasks_from_arrow(runfile.load_run(db(), store().blobs, b).tasks),
+    streams, stream_data = plots.side_by_side(
+        runfile.load_run(db(), store().blobs, a).tasks,
+        runfile.load_run(db(), store().blobs, b).tasks,
         a.name or a.run_key,
         b.name or b.run_key,
     )
@@ -181,6 +183,7 @@ def compare_page() -> Any:
         b=queries.run_summary(b, cb, sb),
         cmp=result,
         streams=script_json(streams),
+        stream_data=script_json(stream_data),
     )
 
 

@@ -109,7 +109,7 @@ def model_counts(page: Any) -> dict[str, Any]:
                     if (m.name === 'task-stream-source') {
                         out.glyphs = m.data.x.length; out.colours = Array.from(new Set(m.data.colour));
                     }
-                    if (m.name === 'task-stream-rows') out.rows = m.factors.length;
+                    if (m.name === 'task-stream-rows') out.rows = m.ticks.length;
                     if (m.name === 'dag-nodes') { out.dag_nodes = m.data.key.length; out.dag = m; }
                     if (m.name && m.type === 'ColumnDataSource') {
                         const kind = m.name.replace(/-\\d+$/, '');
@@ -184,7 +184,8 @@ def test_compare_two_runs_picked_in_the_table(recorded, page):
     shown = page.locator("tr.prefix-new").count() + page.locator("tr.prefix-missing").count()
     assert shown == len(a_prefixes ^ b_prefixes)
     streams = page.evaluate(
-        """() => Array.from(Bokeh.documents[0].all_models).filter(m => m.name === 'compare-stream').length"""
+        """() => Array.from(Bokeh.documents[0].all_models)
+                .filter(m => m.name && m.name.startsWith('compare-stream-') && m.data.x.length > 0).length"""
     )
     assert streams == 2
     shoot(page, "compare")

@@ -75,7 +75,7 @@ def test_task_keys_cannot_inject_markup(apps, make_token):
     (run,) = query.get("/v1/runs", headers=h).json["runs"]
     html = query.get(f"/runs/{run['id']}", headers=h).data.decode()
     assert evil not in html  # the plot's JSON is escaped for a <script> block
-    item = html.split("const timeline = ", 1)[1].split(";\n", 1)[0]
+    item = html.split("const streamData = ", 1)[1].split(";\n", 1)[0]
     assert evil in json.dumps(json.loads(item))  # ...and still carries the key
 
 

@@ -1,0 +1,132 @@
+"""Dashboard benchmark: how long until the page of a 100,000-task run is interactive.
+
+Posts a synthetic run shaped like a Dask one (100,000 task records over 16 workers x 4
+threads, run started/finished events, a metric sample per worker per second) through a real
+embedded server (`hindsight serve`), then opens the run page in Debian's headless Chromium
+and times navigation start -> every plot rendered (BokehJS has embedded every item). The
+first view is cold (the server decodes the raw batches and writes the run's compacted copy);
+the second is warm.
+
+    .venv/bin/python bench/dashboard.py [--tasks 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.workload import batch, task_events  # noqa: E402
+from hindsight.sender import Sender  # noqa: E402
+
+TARGETS = {"run_page_interactive_s": 3.0}
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", type=int, default=100_000)
+    args = ap.parse_args()
+    data_dir = tempfile.mkdtemp(prefix="hindsight-dash-bench-")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hindsight.cli", "serve", "--data-dir", data_dir, "--port", str(port)],
+        env={**os.environ, "HINDSIGHT_AUTH": "disabled", "HINDSIGHT_LOG_LEVEL": "WARNING"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("server did not start")
+            time.sleep(0.1)
+
+        rng = random.Random(7)
+        t0 = 1.8e9
+        per = 5000
+        n_batches = (args.tasks + per - 1) // per
+        duration = n_batches * 2.0
+        print(f"posting {args.tasks:,} task records in {n_batches} batches ...", flush=True)
+        enc = msgspec.json.Encoder()
+        with Sender(url) as s:
+            for seq in range(n_batches):
+                n = min(per, args.tasks - seq * per)
+                events = task_events(n, first=seq * per, run="run-big", t0=t0 + seq * 2.0, rng=rng)
+                if seq == 0:
+                    events.insert(0, {"kind": "run", "event": "started", "id": "run-big",
+                                      "name": "dashboard-bench", "time": t0})  # fmt: skip
+                if seq == n_batches - 1:
+                    events.append({"kind": "run", "event": "finished", "id": "run-big", "time": t0 + duration})
+                for w in range(16):
+                    for k in range(2):
+                        events.append({"kind": "metric", "worker": f"tcp://10.0.{w // 8}.{w % 8 + 10}:{40000 + w}",
+                                       "time": t0 + seq * 2.0 + k, "values": {
+                                           "memory.managed": rng.random() * 4e9, "memory.unmanaged": 3e8 + rng.random() * 1e8,
+                                           "memory.spilled": 0.0, "cpu": rng.random() * 100,
+                                           "tasks.processing": rng.randrange(8)}})  # fmt: skip
+                body = enc.encode(batch("bench", "Scheduler-dash", "scheduler-0", seq, events))
+                resp = s.send(body, encoding="zstd")
+                assert resp.status == 202, resp.body
+        (run,) = requests.get(url + "/v1/runs", timeout=30).json()["runs"]
+        assert run["task_count"] == args.tasks, run
+
+        from playwright.sync_api import sync_playwright
+
+        figures: dict[str, float] = {}
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            for label in ("cold", "warm"):
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                start = time.perf_counter()
+                page.goto(f"{url}/runs/{run['id']}", timeout=120_000)
+                page.wait_for_selector("body[data-rendered='1']", timeout=120_000)
+                elapsed = time.perf_counter() - start
+                glyphs = page.evaluate(
+                    "() => Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length"
+                )
+                assert not errors, errors
+                print(f"  {label}: interactive after {elapsed:.2f} s ({glyphs:,} task-stream glyphs)")
+                figures[f"run_page_{label}_s"] = round(elapsed, 2)
+                page.close()
+            browser.close()
+        figures["run_page_interactive_s"] = figures["run_page_cold_s"]
+        figures["tasks"] = args.tasks
+        met = figures["run_page_interactive_s"] <= TARGETS["run_page_interactive_s"]
+        print(json.dumps({"bench": "dashboard", "figures": figures, "targets": TARGETS, "met": met}))
+        return 0
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
