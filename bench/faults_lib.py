@@ -158,6 +158,8 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "faults", "AWS_SECRET_ACCESS_KEY": "faults",
 @contextmanager
 def moto_server() -> Iterator[str]:
     """moto's S3 server as a subprocess on loopback; yields its URL."""
+    for k, v in AWS_ENV.items():  # this process's own S3 clients (the audit) need them too
+        os.environ.setdefault(k, v)
     port = free_port()
     proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
                             env={**os.environ, **AWS_ENV}, stdout=subprocess.DEVNULL,
