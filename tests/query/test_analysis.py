@@ -1,0 +1,93 @@
+"""Analysis on hand-made runs where the right answer is known exactly: the critical path
+(transfers, waiting, worker clock skew) and the mergeable histogram's quantiles."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from storage import sketch
+from storage.analysis import critical_path
+from storage.runfile import RunData, _schemas
+
+
+def run_data(tasks: list[dict], edges: dict[str, list[str]]) -> RunData:
+    import pyarrow as pa
+
+    ts, gs, ms = _schemas()
+    rows = []
+    for t in tasks:
+        ss = t["startstops"]
+        comp = [s for s in ss if s["action"] == "compute"][0]
+        rows.append({
+            "key": t["key"], "prefix": t["key"].split("-")[0], "group": None, "worker": t["worker"],
+            "thread": 1, "status": "memory", "nbytes": 8, "typename": "int", "exception": None,
+            "traceback": None, "start": min(s["start"] for s in ss), "stop": max(s["stop"] for s in ss),
+            "compute_start": comp["start"], "compute_stop": comp["stop"],
+            "compute": comp["stop"] - comp["start"],
+            "transfer": sum(s["stop"] - s["start"] for s in ss if s["action"] == "transfer"),
+            "disk_read": 0.0, "disk_write": 0.0, "startstops": json.dumps(ss),
+        })  # fmt: skip
+    graph = [{"key": k, "prefix": k.split("-")[0], "dependencies": v} for k, v in edges.items()]
+    return RunData(pa.Table.from_pylist(rows, ts), pa.Table.from_pylist(graph, gs),
+                   ms.empty_table(), tag="t", source="raw")  # fmt: skip
+
+
+def c(start: float, stop: float) -> dict:
+    return {"action": "compute", "start": start, "stop": stop}
+
+
+def test_critical_path_segments_compute_transfer_and_wait():
+    tasks = [
+        {"key": "load-1", "worker": "a", "startstops": [c(0.0, 2.0)]},
+        {"key": "load-2", "worker": "b", "startstops": [c(0.0, 1.0)]},  # not critical
+        {"key": "add-1", "worker": "b", "startstops": [
+            {"action": "transfer", "start": 2.5, "stop": 3.0, "source": "a"}, c(3.5, 4.0)]},
+        {"key": "sum-1", "worker": "b", "startstops": [c(4.0, 6.0)]},
+    ]  # fmt: skip
+    cp = critical_path(run_data(tasks, {"add-1": ["load-1", "load-2"], "sum-1": ["add-1"]}))
+    got = [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
+    assert got == [
+        ("compute", "load-1", 0.0, 2.0),
+        ("wait", "add-1", 2.0, 2.5),
+        ("transfer", "add-1", 2.5, 3.0),
+        ("wait", "add-1", 3.0, 3.5),
+        ("compute", "add-1", 3.5, 4.0),
+        ("compute", "sum-1", 4.0, 6.0),
+    ]
+    assert cp["makespan"] == 6.0 and cp["totals"] == {"compute": 4.5, "transfer": 0.5, "wait": 1.0}
+    assert cp["clock_skew_seconds"] == 0.0
+
+
+def test_critical_path_clips_clock_skew_between_workers():
+    # b's clock runs 0.25 s behind: its task appears to start before its dependency ended.
+    tasks = [
+        {"key": "load-1", "worker": "a", "startstops": [c(0.0, 2.0)]},
+        {"key": "add-1", "worker": "b", "startstops": [c(1.75, 3.0)]},
+    ]
+    cp = critical_path(run_data(tasks, {"add-1": ["load-1"]}))
+    got = [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
+    assert got == [("compute", "load-1", 0.0, 1.75), ("compute", "add-1", 1.75, 3.0)]
+    assert cp["clock_skew_seconds"] == pytest.approx(0.25)
+    assert sum(s["seconds"] for s in cp["segments"]) == cp["makespan"] == 3.0
+
+
+def test_histogram_quantiles_merge_and_stay_within_the_bucket_error():
+    rng = random.Random(0)
+    runs = [[rng.lognormvariate(-2, 1.5) for _ in range(rng.randint(100, 2000))] for _ in range(20)]
+    hists = []
+    for durations in runs:
+        h: dict[int, int] = {}
+        for d in durations:
+            b = sketch.bucket(d)
+            h[b] = h.get(b, 0) + 1
+        hists.append(h)
+    merged = sketch.merge(hists)
+    values = sorted(d for r in runs for d in r)
+    for q, got in zip((0.5, 0.9, 0.99), sketch.quantiles(merged, (0.5, 0.9, 0.99)), strict=True):
+        exact = values[max(1, -(-int(q * len(values) * 1e6) // int(1e6))) - 1]
+        assert got == pytest.approx(exact, rel=0.045)
+    assert sketch.quantiles({}, (0.5,)) == [None]
+    assert sketch.quantiles({sketch.bucket(0.0): 3}, (0.5,)) == [0.0]
