@@ -64,8 +64,10 @@ def filter_tasks(data: RunData, f: TaskFilters, sort: str | None) -> Any:
     return t
 
 
-def task_records(table: Any) -> list[dict[str, Any]]:
-    """Rows of a tasks table as the API's task records (startstops as sent)."""
+def task_records(table: Any, run_key: str | None = None) -> list[dict[str, Any]]:
+    """Rows of a tasks table as the API's task records (startstops as sent; ``duration``
+    is the compute seconds; ``run`` the agent's run id, None for the default run)."""
+    run = None if run_key == DEFAULT_RUN else run_key
     out = []
     for row in table.select(
         ["key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
@@ -73,6 +75,7 @@ def task_records(table: Any) -> list[dict[str, Any]]:
     ).to_pylist():  # fmt: skip
         row["startstops"] = json.loads(row["startstops"])
         row["duration"] = row.pop("compute")
+        row["run"] = run
         out.append(row)
     return out
 

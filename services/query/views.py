@@ -122,7 +122,8 @@ def run_tasks(run_id: str) -> Any:
     )  # fmt: skip
     end = offset + len(page)
     next_cursor = queries.encode_cursor(sort or "", end) if end < total else None
-    return {"tasks": analysis.task_records(page), "total": total, "next_cursor": next_cursor}
+    records = analysis.task_records(page, run.run_key)
+    return {"tasks": records, "total": total, "next_cursor": next_cursor}
 
 
 @bp.get("/v1/runs/<run_id>/tasks/stream")
@@ -134,7 +135,7 @@ def run_tasks_stream(run_id: str) -> Any:
 
     def lines() -> Any:
         for start in range(0, len(table), STREAM_CHUNK):
-            records = analysis.task_records(table.slice(start, STREAM_CHUNK))
+            records = analysis.task_records(table.slice(start, STREAM_CHUNK), run.run_key)
             yield b"".join(enc.encode(r) + b"\n" for r in records)
 
     return Response(lines(), mimetype="application/x-ndjson")

@@ -181,3 +181,17 @@ def test_nul_bytes_are_a_client_error_not_a_500(apps, make_token, path):
     resp = query.get(path, headers=auth(make_token()))
     assert resp.status_code in (400, 404), resp.data
     assert set(resp.json["error"]) == {"code", "message"}
+
+
+def test_task_records_come_back_as_sent(apps, make_token):
+    collector, query, _ = apps
+    token = make_token()
+    body = run_batch("c", "s", "r", 0, n_tasks=4)
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    got = query.get(f"/v1/runs/{run['id']}/tasks", headers=auth(token)).json["tasks"]
+    sent = [e for e in body["events"] if e["kind"] == "task"]
+    assert len(got) == len(sent)
+    for g, s in zip(got, sent, strict=True):
+        assert {k: g[k] for k in s if k != "kind"} == {k: v for k, v in s.items() if k != "kind"}
+        assert g["duration"] == pytest.approx(0.5)
