@@ -111,10 +111,7 @@ def model_counts(page: Any) -> dict[str, Any]:
                     }
                     if (m.name === 'task-stream-rows') out.rows = m.ticks.length;
                     if (m.name === 'dag-nodes') { out.dag_nodes = m.data.key.length; out.dag = m; }
-                    if (m.name && m.type === 'ColumnDataSource') {
-                        const kind = m.name.replace(/-\\d+$/, '');
-                        if (kind !== m.name) out.lines[kind] = (out.lines[kind] || 0) + 1;
-                    }
+                    if (m.name && m.type === 'ColumnDataSource' && m.data.xs) out.lines[m.name] = m.data.xs.length;
                 }
             }
             if (out.dag) {
