@@ -149,7 +149,17 @@ def run_page(run_id: str) -> Any:
         errors=analysis.errors(data),
         dag_max=plots.DAG_MAX_NODES,
         live=detail["status"] == "running",
+        refresh=_refresh_seconds(),
     )
+
+
+def _refresh_seconds() -> float:
+    """How often a live page polls: ``?refresh=S`` (0.5 to 600), default 5."""
+    try:
+        value = float(request.args.get("refresh", "5"))
+    except ValueError:
+        return 5.0
+    return min(600.0, max(0.5, value)) if value == value else 5.0
 
 
 def _found_or_none(p: Principal, run_id: str | None) -> Any:

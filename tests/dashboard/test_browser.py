@@ -203,3 +203,79 @@ def test_history_page_draws_each_cluster(recorded, page):
     assert lines == len(clusters)
     shoot(page, "history")
     assert page.errors == []
+
+
+def test_a_running_run_updates_itself_rides_out_a_restart_and_freezes(tmp_path, page):
+    """Post half a run; the open page reloads when more arrives, keeps polling while the
+    server restarts, and stops fetching while frozen."""
+    from hindsight.sender import Sender
+    from tests.dask.conftest import EmbeddedServer, wait_until
+    from tests.helpers import example
+
+    server = EmbeddedServer(tmp_path / "data")
+    server.start()
+    try:
+
+        def batch(seq: int, n: int) -> dict[str, Any]:
+            events: list[dict[str, Any]] = [{"kind": "run", "event": "started", "id": "live", "name": "live-run",
+                                             "time": 1.8e9}] if seq == 0 else []  # fmt: skip
+            events += [{"kind": "task", "key": f"inc-{seq}-{i}", "prefix": "inc", "status": "memory", "run": "live",
+                        "worker": "tcp://w:1", "thread": 1,
+                        "startstops": [{"action": "compute", "start": 1.8e9 + seq + i * 0.01,
+                                        "stop": 1.8e9 + seq + i * 0.01 + 0.005}]} for i in range(n)]  # fmt: skip
+            return example(cluster="live", session="s1", agent="a", seq=seq, events=events)
+
+        with Sender(server.url) as s:
+            assert s.send(as_json(batch(0, 5))).status == 202
+        run = wait_until(lambda: server.run_named("live", "live-run"), 30, "the run")
+        page.goto(f"{server.url}/runs/{run['id']}?refresh=0.5")
+        page.wait_for_selector("body[data-rendered='1']")
+        assert page.locator("#live").count() == 1
+
+        # the collector restarts under the open page; it keeps polling, then sees new tasks
+        server.stop()
+        page.wait_for_function(
+            "() => document.getElementById('live-note').textContent.includes('unreachable')"
+        )
+        server.start()
+        with Sender(server.url) as s:
+            assert s.send(as_json(batch(1, 7))).status == 202
+        page.wait_for_function(
+            "() => document.body.dataset.rendered === '1' && "
+            "Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length === 12",
+            timeout=30_000,
+        )
+
+        # frozen: the loop ticks on but fetches nothing, so new data does not reload it
+        page.locator("#freeze").check()
+        fetches = page.evaluate("() => window.hsLive.fetches")
+        ticks = page.evaluate("() => window.hsLive.ticks")
+        with Sender(server.url) as s:
+            assert s.send(as_json(batch(2, 3))).status == 202
+        page.wait_for_function(f"() => window.hsLive.ticks >= {ticks + 3}")
+        assert page.evaluate("() => window.hsLive.fetches") == fetches
+        assert (
+            page.evaluate(
+                "() => Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length"
+            )
+            == 12
+        )
+        # unfrozen: it catches up
+        page.locator("#freeze").uncheck()
+        page.wait_for_function(
+            "() => document.body.dataset.rendered === '1' && "
+            "Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length === 15",
+            timeout=30_000,
+        )
+        shoot(page, "live")
+    finally:
+        server.stop()
+    assert [
+        e for e in page.errors if "Failed to fetch" not in e and "ERR_CONNECTION_REFUSED" not in e
+    ] == []
+
+
+def as_json(obj: Any) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()
