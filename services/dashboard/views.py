@@ -24,11 +24,13 @@ from flask import (
     url_for,
 )
 from markupsafe import Markup
+from sqlalchemy import func, select
 
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import ApiError, db, store
 from services.dashboard import plots
 from storage import analysis, queries, runfile
+from storage import models as m
 from storage.queries import BadCursor, RunFilters
 from storage.tokens import Principal
 
@@ -107,6 +109,9 @@ def runs_page() -> Any:
         return render_template("error.html", message=message), 400
     clusters = [c["name"] for c in queries.list_clusters(db(), p.tenant_id)]
     args = {k: v for k, v in request.args.items() if k != "cursor" and v}
+    trends = name_trends(p.tenant_id, {r["name"] for r in runs if r["name"]})
+    for r in runs:
+        r["trend"] = sparkline(trends.get(r["name"], []), r["id"]) if r["name"] else None
     return render_template(
         "runs.html",
         runs=runs,
@@ -114,6 +119,55 @@ def runs_page() -> Any:
         filters=filters,
         args=args,
         next_cursor=next_cursor,
+    )
+
+
+TREND_RUNS = 20
+
+
+def name_trends(tenant_id: int, names: set[str]) -> dict[str, list[tuple[str, float]]]:
+    """The latest makespans of each named job on the page, oldest first, in one query (a
+    named run's fingerprint is its name)."""
+    if not names:
+        return {}
+    ranked = (
+        select(
+            m.Run.name, m.Run.public_id, m.Run.started_at, (m.Run.task_stop - m.Run.task_start).label("makespan"),
+            func.row_number().over(partition_by=m.Run.name, order_by=m.Run.started_at.desc()).label("n"),
+        )
+        .where(m.Run.tenant_id == tenant_id, m.Run.name.in_(sorted(names)))
+        .subquery()
+    )  # fmt: skip
+    out: dict[str, list[tuple[str, float]]] = {}
+    for name, rid, _, makespan, _ in db().execute(
+        select(ranked).where(ranked.c.n <= TREND_RUNS).order_by(ranked.c.name, ranked.c.started_at)
+    ):
+        if makespan is not None:
+            out.setdefault(name, []).append((rid, makespan))
+    return out
+
+
+def sparkline(
+    points: list[tuple[str, float]], current: str, width: int = 90, height: int = 18
+) -> Markup | None:
+    """An inline SVG of a job's makespans, this run's point in red."""
+    if len(points) < 2:
+        return None
+    values = [v for _, v in points]
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    step = (width - 4) / (len(points) - 1)
+    xy = [(2 + i * step, height - 2 - (v - lo) / span * (height - 4)) for i, v in enumerate(values)]
+    line = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+    dots = "".join(
+        f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.2" fill="#d62728"/>'
+        for (rid, _), (x, y) in zip(points, xy, strict=True)
+        if rid == current
+    )
+    title = f"makespan of the last {len(points)} runs of this job: {lo:.3g}-{hi:.3g} s"
+    return Markup(
+        f'<svg class="trend" width="{width}" height="{height}" role="img" aria-label="{title}"><title>{title}</title>'
+        f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1.2"/>{dots}</svg>'
     )
 
 

@@ -88,3 +88,20 @@ def test_bad_filters_are_a_400_page_and_bokeh_is_served_locally(apps, make_token
         assert js.status_code == 200 and len(js.data) > 100_000
     assert query.get("/assets/bokeh/../../secrets").status_code == 404
     assert query.get("/assets/bokeh/css/x.css").status_code == 404
+
+
+def test_runs_table_shows_each_jobs_makespan_trend(apps, make_token):
+    """Runs of the same job (same name) get a sparkline of their makespans."""
+    collector, query = apps
+    token = make_token()
+    for seq, makespan in enumerate([1.0, 2.0, 4.0]):
+        events = [
+            {"kind": "run", "event": "started", "id": f"r{seq}", "name": "nightly", "time": 1.8e9 + seq * 100},
+            {"kind": "task", "key": f"k{seq}", "prefix": "inc", "status": "memory", "run": f"r{seq}",
+             "startstops": [{"action": "compute", "start": 1.8e9 + seq * 100, "stop": 1.8e9 + seq * 100 + makespan}]},
+        ]  # fmt: skip
+        assert post(collector, example(seq=seq, events=events), token=token).status_code == 202
+    html = query.get("/", headers={"Authorization": f"Bearer {token}"}).data.decode()
+    assert html.count('<svg class="trend"') == 3
+    assert "makespan of the last 3 runs of this job: 1-4 s" in html
+    assert html.count('fill="#d62728"') == 3  # each row marks its own run
