@@ -170,18 +170,6 @@ def _stream_figure(
     return fig, source
 
 
-def task_stream(table: Any, *, target: str = "task-stream") -> dict[str, Any]:
-    """The task stream of a run (an Arrow table of its tasks) as a Bokeh JSON item and its
-    compact columns (expanded into the ``task-stream-source`` model once embedded)."""
-    from bokeh.models import DataRange1d
-
-    cols, rows, _ = task_stream_data(table)
-    fig, _ = _stream_figure(
-        "Task stream", rows, DataRange1d(), name="task-stream", source_name="task-stream-source"
-    )
-    return {"item": json_item(fig, target), "data": cols}
-
-
 # ------------------------------------------------------------------ the whole run page
 
 DAG_MAX_NODES = 5000
