@@ -34,7 +34,9 @@ from storage import models as m
 from storage.queries import BadCursor, RunFilters
 from storage.tokens import Principal
 
-bp = Blueprint("dashboard", __name__, template_folder="templates")
+bp = Blueprint(
+    "dashboard", __name__, template_folder="templates", static_folder="static", static_url_path="/assets/ui"
+)
 
 COOKIE = "hindsight_token"
 BOKEH_STATIC = Path(bokeh.util.paths.bokehjs_path())
