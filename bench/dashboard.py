@@ -83,7 +83,9 @@ def main() -> int:
                     events.insert(0, {"kind": "run", "event": "started", "id": "run-big",
                                       "name": "dashboard-bench", "time": t0})  # fmt: skip
                 if seq == n_batches - 1:
-                    events.append({"kind": "run", "event": "finished", "id": "run-big", "time": t0 + duration})
+                    events.append(
+                        {"kind": "run", "event": "finished", "id": "run-big", "time": t0 + duration}
+                    )
                 for w in range(16):
                     for k in range(2):
                         events.append({"kind": "metric", "worker": f"tcp://10.0.{w // 8}.{w % 8 + 10}:{40000 + w}",
@@ -114,14 +116,18 @@ def main() -> int:
                     "() => Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length"
                 )
                 assert not errors, errors
-                print(f"  {label}: interactive after {elapsed:.2f} s ({glyphs:,} task-stream glyphs)")
+                print(
+                    f"  {label}: interactive after {elapsed:.2f} s ({glyphs:,} task-stream glyphs)"
+                )
                 figures[f"run_page_{label}_s"] = round(elapsed, 2)
                 page.close()
             browser.close()
         figures["run_page_interactive_s"] = figures["run_page_cold_s"]
         figures["tasks"] = args.tasks
         met = figures["run_page_interactive_s"] <= TARGETS["run_page_interactive_s"]
-        print(json.dumps({"bench": "dashboard", "figures": figures, "targets": TARGETS, "met": met}))
+        print(
+            json.dumps({"bench": "dashboard", "figures": figures, "targets": TARGETS, "met": met})
+        )
         return 0
     finally:
         server.terminate()

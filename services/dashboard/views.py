@@ -35,7 +35,11 @@ from storage.queries import BadCursor, RunFilters
 from storage.tokens import Principal
 
 bp = Blueprint(
-    "dashboard", __name__, template_folder="templates", static_folder="static", static_url_path="/assets/ui"
+    "dashboard",
+    __name__,
+    template_folder="templates",
+    static_folder="static",
+    static_url_path="/assets/ui",
 )
 
 COOKIE = "hindsight_token"
