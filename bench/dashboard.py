@@ -107,7 +107,7 @@ def main() -> int:
             for label in ("cold", "warm"):
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 errors: list[str] = []
-                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
                 start = time.perf_counter()
                 page.goto(f"{url}/runs/{run['id']}", timeout=120_000)
                 page.wait_for_selector("body[data-rendered='1']", timeout=120_000)
