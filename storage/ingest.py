@@ -200,6 +200,9 @@ class Rollups:
 
 _HB = 1 << 22  # (hour, bucket) -> hour * _HB + bucket + _HB_OFF, buckets in [-2**21, 2**21)
 _HB_OFF = 1 << 21
+# Times past 2**40 s (year 36812) or infinite cannot be real; they would overflow the hour
+# columns. Such phases are left out of the rollups, not rejected.
+_MAX_TIME = float(1 << 40)
 
 
 def rollups(batch: Batch) -> Rollups:
@@ -243,11 +246,13 @@ def rollups(batch: Batch) -> Rollups:
         if not ev.startstops:
             continue
         prefix = ev.prefix
-        first = last = ev.startstops[0].start
+        first = last = None
         comp = tr = dr = dw = other = 0.0
         for ss in ev.startstops:
             start = ss.start
             stop = ss.stop
+            if not (start < _MAX_TIME and stop < _MAX_TIME):
+                continue  # absurd or infinite times (still counted by summarize): no bucket
             d = stop - start
             action = ss.action
             key = (prefix, action)
@@ -262,9 +267,9 @@ def rollups(batch: Batch) -> Rollups:
             else:
                 e[0] += 1
                 e[1] += d
-            if start < first:
+            if first is None or start < first:
                 first = start
-            if stop > last:
+            if last is None or stop > last:
                 last = stop
             if action == "compute":
                 comp += d
@@ -276,6 +281,8 @@ def rollups(batch: Batch) -> Rollups:
                 dw += d
             else:
                 other += d
+        if first is None:
+            continue
         if w is not None:
             w[2] += comp
             w[3] += tr

@@ -195,3 +195,15 @@ def test_task_records_come_back_as_sent(apps, make_token):
     for g, s in zip(got, sent, strict=True):
         assert {k: g[k] for k in s if k != "kind"} == {k: v for k, v in s.items() if k != "kind"}
         assert g["duration"] == pytest.approx(0.5)
+
+
+def test_absurd_times_are_stored_but_left_out_of_the_hour_rollups(apps, make_token):
+    collector, query, _ = apps
+    token = make_token()
+    body = run_batch("c", "s", "r", 0, n_tasks=2)
+    body["events"][1]["startstops"] = [{"action": "compute", "start": 1e300, "stop": 2e300}]
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    assert run["task_count"] == 2
+    hours = query.get("/v1/history/clusters?bucket=day", headers=auth(token)).json["points"]
+    assert sum(p["tasks"] for p in hours) == 1
