@@ -618,10 +618,14 @@ def cluster_time_breakdown(
 # ---------------------------------------------------------------- Chrome trace / Perfetto
 
 
+TRACE_COUNTERS = ("memory.managed", "memory.unmanaged", "memory.spilled", "spill.disk_bytes")
+
+
 def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
     """The run as Chrome trace-event JSON (Perfetto opens it): one process per worker, one
     track (thread) per worker thread, every task phase a complete event (compute,
-    transfer with its source, disk-read/disk-write = spill), and erred tasks marked."""
+    transfer with its source, disk-read/disk-write = spill), and counter tracks of each
+    worker's managed, unmanaged and spilled memory."""
     rows = data.tasks.select(
         ["key", "prefix", "worker", "thread", "status", "startstops"]
     ).to_pylist()
@@ -649,6 +653,13 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
                 "ts": (ph["start"] - t0) * 1e6, "dur": max(0.0, ph["stop"] - ph["start"]) * 1e6,
                 "args": args,
             })  # fmt: skip
+    # Memory and spill as counter tracks on each worker's process: a spill shows as
+    # memory.spilled / spill.disk_bytes rising, whether or not a task's phases recorded it.
+    for r in data.metrics.to_pylist():
+        if r["name"] not in TRACE_COUNTERS or r["worker"] not in pids:
+            continue
+        events.append({"ph": "C", "name": r["name"], "pid": pids[r["worker"]],
+                       "ts": (r["time"] - t0) * 1e6, "args": {"bytes": r["value"]}})  # fmt: skip
     for worker, pid in pids.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": worker}})
     return {

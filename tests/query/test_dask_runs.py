@@ -324,7 +324,7 @@ def test_chrome_trace_has_a_track_per_worker_thread(history):
     tasks = all_tasks(h, run_id)
     events = trace["traceEvents"]
     for e in events:
-        assert e["ph"] in ("X", "M") and isinstance(e["pid"], int)
+        assert e["ph"] in ("X", "M", "C") and isinstance(e["pid"], int)
         if e["ph"] == "X":
             assert {"name", "ts", "dur", "tid", "cat"} <= set(e) and e["dur"] >= 0
     threads = {
@@ -337,6 +337,11 @@ def test_chrome_trace_has_a_track_per_worker_thread(history):
     phases = sum(len(t["startstops"]) for t in tasks)
     assert sum(e["ph"] == "X" for e in events) == phases
     assert any(e.get("cat") == "transfer" and e["args"].get("source") for e in events)
+    counters = [e for e in events if e["ph"] == "C"]
+    names = {e["name"] for e in counters}
+    assert {"memory.managed", "memory.spilled"} <= names
+    pid_of = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    assert {e["pid"] for e in counters} == set(pid_of.values())
 
 
 def test_python_client_round_trips_every_endpoint(history):
