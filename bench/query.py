@@ -3,7 +3,7 @@ service (Flask app, Postgres index, local blob store).
 
 The generator loads 100,000 runs over 50 clusters (one run per cluster per hour, 20 job
 templates of 4-6 prefixes each, every index rollup a real ingest would write: prefixes,
-per-action totals, duration histograms, workers, hourly cluster and prefix rollups) with
+per-action totals, duration histograms of ~10 buckets, workers, hourly cluster rollups) with
 COPY, and one run of 1,000,000 Dask-shaped task records through the real ingest path
 (zstd batches in the blob store, ``index_batch``). Then it measures:
 
@@ -83,7 +83,7 @@ def generate_history(
         (c * sessions_per_cluster + s + 1, c + 1, f"Scheduler-{c}-{s}", T0, T0, None)
         for c in range(n_clusters) for s in range(sessions_per_cluster)
     ]  # fmt: skip
-    runs, prefixes, actions, hists, workers, ph, ch, statuses = [], [], [], [], [], [], [], []
+    runs, prefixes, actions, hists, workers, ch, statuses = [], [], [], [], [], [], []
     for i in range(n_runs):
         rid = i + 1
         c = i % n_clusters
@@ -109,12 +109,12 @@ def generate_history(
             prefixes.append((rid, p, count, errors if p == "read-parquet" else 0, nb))
             actions.append((rid, p, "compute", count, total, mean / 10, mean * 5))
             center = sketch.bucket(mean)
-            split = [count // 2, count // 4, count // 8]
-            split.append(count - sum(split))
-            for b, n in zip((center, center - 3, center + 3, center + 9), split, strict=True):
-                if n:
-                    hists.append((rid, p, "compute", b, n))
-                    ph.append((c + 1, p, "compute", hour, b, n, n * sketch.value(b)))
+            # ~10 occupied buckets (a spread of x10 around the mean), as real prefixes show
+            weights = [1, 2, 4, 7, 9, 8, 6, 4, 2, 1]
+            split = [count * w // sum(weights) for w in weights]
+            split[4] += count - sum(split)
+            buckets = {str(center + 3 * (k - 4)): n for k, n in enumerate(split) if n}
+            hists.append((rid, p, "compute", json.dumps(buckets)))
         for w in range(4):
             workers.append((rid, f"tcp://10.{c}.0.{w}:4000", n_tasks // 4, 0, compute_total / 4,
                             compute_total / 40, 0.0, 0.0, 0.0, t, t + makespan))  # fmt: skip
@@ -154,15 +154,9 @@ def generate_history(
             ["run_id", "prefix", "action", "count", "total", "min", "max"],
             actions,
         )
-        copy(conn, "run_prefix_hist", ["run_id", "prefix", "action", "bucket", "count"], hists)
+        copy(conn, "run_prefix_hist", ["run_id", "prefix", "action", "buckets"], hists)
         copy(conn, "run_workers", ["run_id", "worker", "tasks", "errors", "compute", "transfer", "disk_read",
                                    "disk_write", "other", "first_start", "last_stop"], workers)  # fmt: skip
-        copy(
-            conn,
-            "prefix_hours",
-            ["cluster_id", "prefix", "action", "hour", "bucket", "count", "total"],
-            ph,
-        )
         copy(conn, "cluster_hours", ["cluster_id", "hour", "tasks", "errors", "compute", "transfer", "disk",
                                      "nbytes"], ch)  # fmt: skip
         with conn.cursor() as cur:

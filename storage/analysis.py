@@ -86,16 +86,16 @@ def task_records(table: Any, run_key: str | None = None) -> list[dict[str, Any]]
 def _hists(
     db: Session, run_ids: list[int], prefix: str | None = None
 ) -> dict[tuple[str, str], dict[int, int]]:
-    q = select(
-        m.RunPrefixHist.prefix, m.RunPrefixHist.action, m.RunPrefixHist.bucket,
-        func.sum(m.RunPrefixHist.count),
-    ).where(m.RunPrefixHist.run_id.in_(run_ids))  # fmt: skip
+    """The runs' histograms per (prefix, action), merged."""
+    H = m.RunPrefixHist
+    q = select(H.prefix, H.action, H.buckets).where(H.run_id.in_(run_ids))
     if prefix is not None:
-        q = q.where(m.RunPrefixHist.prefix == prefix)
-    q = q.group_by(m.RunPrefixHist.prefix, m.RunPrefixHist.action, m.RunPrefixHist.bucket)
+        q = q.where(H.prefix == prefix)
     out: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
-    for p, a, b, c in db.execute(q):
-        out[(p, a)][b] = int(c)
+    for p, a, buckets in db.execute(q):
+        h = out[(p, a)]
+        for b, c in (buckets or {}).items():
+            h[int(b)] = h.get(int(b), 0) + c
     return out
 
 
@@ -521,34 +521,44 @@ def prefix_history(
     db: Session, tenant_id: int, prefix: str, action: str, bucket: str,
     since: float | None, until: float | None, cluster: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """A prefix's duration quantiles per time bucket across the tenant's clusters (or one),
-    merged from the hourly histograms in the index."""
+    """A prefix's duration quantiles per time bucket (of the runs' start) across the
+    tenant's clusters (or one): the runs' histograms merged, plus their exact totals."""
     clusters = _tenant_clusters(db, tenant_id, cluster)
     if not clusters:
         return []
-    per = BUCKETS[bucket]
-    PH = m.PrefixHour
-    q = select(
-        (PH.hour - PH.hour % per).label("slot"), PH.bucket, func.sum(PH.count), func.sum(PH.total)
-    ).where(PH.cluster_id.in_(list(clusters)), PH.prefix == prefix, PH.action == action)
-    lo, hi = _hour_range(since, until)
-    if lo is not None:
-        q = q.where(PH.hour >= lo)
-    if hi is not None:
-        q = q.where(PH.hour < hi)
-    q = q.group_by("slot", PH.bucket)
+    sec = BUCKETS[bucket] * 3600
+    runs = select(m.Run.id, func.floor(m.Run.started_at / sec).label("slot")).where(
+        m.Run.tenant_id == tenant_id, m.Run.cluster_id.in_(list(clusters))
+    )
+    if since is not None:
+        runs = runs.where(m.Run.started_at >= since)
+    if until is not None:
+        runs = runs.where(m.Run.started_at < until)
+    r = runs.subquery()
+    H, A = m.RunPrefixHist, m.RunPrefixAction
     hists: dict[int, dict[int, int]] = defaultdict(dict)
-    totals: dict[int, float] = defaultdict(float)
-    for s, b, c, t in db.execute(q):
-        hists[int(s)][b] = int(c)
-        totals[int(s)] += float(t)
+    for s, buckets in db.execute(
+        select(r.c.slot, H.buckets)
+        .join(H, H.run_id == r.c.id)
+        .where(H.prefix == prefix, H.action == action)
+    ):
+        h = hists[int(s)]
+        for b, c in (buckets or {}).items():
+            h[int(b)] = h.get(int(b), 0) + c
+    totals: dict[int, tuple[int, float, float]] = {}
+    for s, c, t, hi in db.execute(
+        select(r.c.slot, func.sum(A.count), func.sum(A.total), func.max(A.max))
+        .join(A, A.run_id == r.c.id)
+        .where(A.prefix == prefix, A.action == action)
+        .group_by(r.c.slot)
+    ):
+        totals[int(s)] = (int(c), float(t), float(hi))
     out = []
     for s in sorted(hists):
-        h = hists[s]
-        n = sum(h.values())
-        p50, p90, p99 = sketch.quantiles(h, QUANTILES)
-        out.append({"time": s * 3600.0, "count": n, "mean": totals[s] / n, "p50": p50, "p90": p90,
-                    "p99": p99, "max": sketch.value(max(h))})  # fmt: skip
+        n, total, hi = totals.get(s, (sum(hists[s].values()), 0.0, None))
+        p50, p90, p99 = sketch.quantiles(hists[s], QUANTILES, hi=hi)
+        out.append({"time": s * float(sec), "count": n, "mean": total / n if n else None,
+                    "p50": p50, "p90": p90, "p99": p99, "max": hi})  # fmt: skip
     return out
 
 

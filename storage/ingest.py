@@ -194,12 +194,8 @@ class Rollups:
     workers: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     # hour -> [tasks, errors, compute, transfer, disk, nbytes]
     hours: dict[int, list[Any]] = field(default_factory=dict)
-    # (prefix, action, hour, bucket) -> [count, total]
-    prefix_hours: dict[tuple[str, str, int, int], list[Any]] = field(default_factory=dict)
 
 
-_HB = 1 << 22  # (hour, bucket) -> hour * _HB + bucket + _HB_OFF, buckets in [-2**21, 2**21)
-_HB_OFF = 1 << 21
 # Times past 2**40 s (year 36812) or infinite cannot be real; they would overflow the hour
 # columns. Such phases are left out of the rollups, not rejected.
 _MAX_TIME = float(1 << 40)
@@ -217,9 +213,8 @@ def rollups(batch: Batch) -> Rollups:
     zero = sketch.ZERO
     sub = sketch.SUBDIV
     hours = out.hours
-    prefix_hours = out.prefix_hours
     last_rk: str | None = None
-    hists: dict[tuple[str, str], Any] = {}
+    hists: dict[tuple[str, str], dict[int, int]] = {}
     workers: dict[str, list[Any]] = {}
     for ev in batch.events:
         if type(ev) is not TaskEvent:
@@ -259,14 +254,8 @@ def rollups(batch: Batch) -> Rollups:
             h = hists.get(key)
             if h is None:
                 h = hists[key] = {}
-            # One int key for (hour, bucket): cheaper than a tuple on the hot path.
-            hb = int(start // 3600) * _HB + (floor(log2(d) * sub) if d > 0.0 else zero) + _HB_OFF
-            e = h.get(hb)
-            if e is None:
-                h[hb] = [1, d]
-            else:
-                e[0] += 1
-                e[1] += d
+            b = floor(log2(d) * sub) if d > 0.0 else zero
+            h[b] = h.get(b, 0) + 1
             if first is None or start < first:
                 first = start
             if last is None or stop > last:
@@ -305,22 +294,6 @@ def rollups(batch: Batch) -> Rollups:
         c[4] += dr + dw
         if ev.nbytes:
             c[5] += ev.nbytes
-    # Split the (hour, bucket) entries into the run histograms and the hourly rollup.
-    for per_key in out.hists.values():
-        for key, entries in per_key.items():
-            hist: dict[int, int] = {}
-            for hb, (n, total) in entries.items():
-                hour, b = divmod(hb, _HB)
-                b -= _HB_OFF
-                hist[b] = hist.get(b, 0) + n
-                phk = (key[0], key[1], hour, b)
-                ph = prefix_hours.get(phk)
-                if ph is None:
-                    prefix_hours[phk] = [n, total]
-                else:
-                    ph[0] += n
-                    ph[1] += total
-            per_key[key] = hist  # type: ignore[assignment]
     return out
 
 
@@ -479,14 +452,25 @@ def _statements(dialect: str) -> SimpleNamespace:
             "left_reason": func.coalesce(ex.left_reason, W.c.left_reason),
         },
     )
-    H, RW, PH, CH = (
-        x.__table__ for x in (m.RunPrefixHist, m.RunWorker, m.PrefixHour, m.ClusterHour)
-    )
+    H, RW, CH = (x.__table__ for x in (m.RunPrefixHist, m.RunWorker, m.ClusterHour))
     ins = insert(H)
-    st.hist = ins.on_conflict_do_update(
-        index_elements=["run_id", "prefix", "action", "bucket"],
-        set_={"count": H.c.count + ins.excluded.count},
+    # Histograms merge by read-modify-write: make sure the rows exist, lock them, add.
+    st.hist_ensure = ins.on_conflict_do_nothing(index_elements=["run_id", "prefix", "action"])
+    st.hist_lock = (
+        select(H.c.prefix, H.c.action, H.c.buckets)
+        .where(
+            H.c.run_id == bindparam("p_run"),
+            H.c.prefix.in_(bindparam("p_prefixes", expanding=True)),
+        )
+        .order_by(H.c.prefix, H.c.action)
+        .with_for_update()
     )
+    st.hist_update = (
+        update(H)
+        .where(H.c.run_id == bindparam("b_run"), H.c.prefix == bindparam("b_prefix"),
+               H.c.action == bindparam("b_action"))
+        .values(buckets=bindparam("b_buckets", type_=H.c.buckets.type))
+    )  # fmt: skip
     ins = insert(RW)
     ex = ins.excluded
     st.run_workers = ins.on_conflict_do_update(
@@ -507,11 +491,6 @@ def _statements(dialect: str) -> SimpleNamespace:
             "first_start": lo(RW.c.first_start, ex.first_start),
             "last_stop": hi(RW.c.last_stop, ex.last_stop),
         },
-    )
-    ins = insert(PH)
-    st.prefix_hours = ins.on_conflict_do_update(
-        index_elements=["cluster_id", "prefix", "action", "hour", "bucket"],
-        set_={"count": PH.c.count + ins.excluded.count, "total": PH.c.total + ins.excluded.total},
     )
     ins = insert(CH)
     st.cluster_hours = ins.on_conflict_do_update(
@@ -774,16 +753,30 @@ def _index_rollups(
     db: Session, st: SimpleNamespace, cluster_id: int, run_ids: dict[str, int], r: Rollups
 ) -> None:
     """Upsert the query rollups; rows in a fixed order so concurrent batches lock alike."""
-    rows: list[dict[str, Any]] = []
     for rk in sorted(r.hists):
         run_id = run_ids[rk]
-        for (prefix, action), h in sorted(r.hists[rk].items()):
-            rows += [
-                {"run_id": run_id, "prefix": prefix, "action": action, "bucket": b, "count": c}
-                for b, c in sorted(h.items())
-            ]
-    if rows:
-        db.execute(st.hist, rows)
+        hists = r.hists[rk]
+        if not hists:
+            continue
+        keys = sorted(hists)
+        db.execute(
+            st.hist_ensure,
+            [{"run_id": run_id, "prefix": p, "action": a, "buckets": {}} for p, a in keys],
+        )
+        stored = {
+            (p, a): b
+            for p, a, b in db.execute(
+                st.hist_lock, {"p_run": run_id, "p_prefixes": sorted({p for p, _ in keys})}
+            )
+        }
+        updates = []
+        for p, a in keys:
+            merged = dict(stored.get((p, a)) or {})
+            for b, c in hists[(p, a)].items():
+                k = str(b)
+                merged[k] = merged.get(k, 0) + c
+            updates.append({"b_run": run_id, "b_prefix": p, "b_action": a, "b_buckets": merged})
+        db.execute(st.hist_update, updates)
     rows = [
         {"run_id": run_ids[rk], "worker": w, "tasks": v[0], "errors": v[1], "compute": v[2],
          "transfer": v[3], "disk_read": v[4], "disk_write": v[5], "other": v[6],
@@ -792,22 +785,6 @@ def _index_rollups(
     ]  # fmt: skip
     if rows:
         db.execute(st.run_workers, rows)
-    if r.prefix_hours:
-        db.execute(
-            st.prefix_hours,
-            [
-                {
-                    "cluster_id": cluster_id,
-                    "prefix": p,
-                    "action": a,
-                    "hour": h,
-                    "bucket": b,
-                    "count": c,
-                    "total": t,
-                }
-                for (p, a, h, b), (c, t) in sorted(r.prefix_hours.items())
-            ],  # fmt: skip
-        )
     if r.hours:
         db.execute(
             st.cluster_hours,

@@ -107,10 +107,11 @@ def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
             db.execute(select(m.Cluster.id, m.Cluster.name).where(m.Cluster.tenant_id == tid)).all()
         )
         hist = sorted(
-            (runs[h.run_id], h.prefix, h.action, h.bucket, h.count)
+            (runs[h.run_id], h.prefix, h.action, int(b), c)
             for h in db.execute(
                 select(m.RunPrefixHist).where(m.RunPrefixHist.run_id.in_(runs))
             ).scalars()
+            for b, c in h.buckets.items()
         )
         workers = sorted(
             (
@@ -131,21 +132,7 @@ def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
                 select(m.ClusterHour).where(m.ClusterHour.cluster_id.in_(clusters))
             ).scalars()
         )
-        ph = sorted(
-            (
-                clusters[h.cluster_id],
-                h.prefix,
-                h.action,
-                h.hour,
-                h.bucket,
-                h.count,
-                round(h.total, 9),
-            )
-            for h in db.execute(
-                select(m.PrefixHour).where(m.PrefixHour.cluster_id.in_(clusters))
-            ).scalars()
-        )
-    return {"hist": hist, "workers": workers, "hours": hours, "prefix_hours": ph}  # fmt: skip
+    return {"hist": hist, "workers": workers, "hours": hours}
 
 
 def test_rollups_do_not_depend_on_order_or_retries(index_url):
