@@ -521,11 +521,14 @@ def prefix_history(
     db: Session, tenant_id: int, prefix: str, action: str, bucket: str,
     since: float | None, until: float | None, cluster: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """A prefix's duration quantiles per time bucket (of the runs' start) across the
-    tenant's clusters (or one): the runs' histograms merged, plus their exact totals."""
+    """A prefix's duration quantiles per time bucket across the tenant's clusters (or one).
+    Days come from the ``prefix_days`` rollup (by each task's first start); hours merge
+    the histograms of the runs started in each hour."""
     clusters = _tenant_clusters(db, tenant_id, cluster)
     if not clusters:
         return []
+    if bucket == "day":
+        return _prefix_days(db, list(clusters), prefix, action, since, until)
     sec = BUCKETS[bucket] * 3600
     runs = select(m.Run.id, func.floor(m.Run.started_at / sec).label("slot")).where(
         m.Run.tenant_id == tenant_id, m.Run.cluster_id.in_(list(clusters))
@@ -563,6 +566,37 @@ def prefix_history(
         n, total, hi = totals.get(s, (sum(hists[s].values()), 0.0, None))
         p50, p90, p99 = sketch.quantiles(hists[s], QUANTILES, hi=hi)
         out.append({"time": s * float(sec), "count": n, "mean": total / n if n else None,
+                    "p50": p50, "p90": p90, "p99": p99, "max": hi})  # fmt: skip
+    return out
+
+
+def _prefix_days(
+    db: Session, cluster_ids: list[int], prefix: str, action: str,
+    since: float | None, until: float | None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Day buckets from the ``prefix_days`` rollup: one row per cluster and day, merged."""
+    D = m.PrefixDay
+    q = select(D.day, D.count, D.total, D.max, D.buckets).where(
+        D.cluster_id.in_(cluster_ids), D.prefix == prefix, D.action == action
+    )
+    if since is not None:
+        q = q.where(D.day >= math.floor(since / 86400))
+    if until is not None:
+        q = q.where(D.day < math.ceil(until / 86400))
+    per: dict[int, list[Any]] = {}
+    for day, count, total, hi, buckets in db.execute(q):
+        e = per.setdefault(int(day), [{}, 0, 0.0, hi])
+        h = e[0]
+        for b, c in (buckets or {}).items():
+            h[int(b)] = h.get(int(b), 0) + c
+        e[1] += count
+        e[2] += total
+        e[3] = max(e[3], hi)
+    out = []
+    for day in sorted(per):
+        h, n, total, hi = per[day]
+        p50, p90, p99 = sketch.quantiles(h, QUANTILES, hi=hi)
+        out.append({"time": day * 86400.0, "count": n, "mean": total / n if n else None,
                     "p50": p50, "p90": p90, "p99": p99, "max": hi})  # fmt: skip
     return out
 

@@ -194,6 +194,8 @@ class Rollups:
     workers: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     # hour -> [tasks, errors, compute, transfer, disk, nbytes]
     hours: dict[int, list[Any]] = field(default_factory=dict)
+    # (prefix, action, day) -> [{bucket: count}, count, total, max]
+    days: dict[tuple[str, str, int], list[Any]] = field(default_factory=dict)
 
 
 # Times past 2**40 s (year 36812) or infinite cannot be real; they would overflow the hour
@@ -213,6 +215,7 @@ def rollups(batch: Batch) -> Rollups:
     zero = sketch.ZERO
     sub = sketch.SUBDIV
     hours = out.hours
+    days = out.days
     last_rk: str | None = None
     hists: dict[tuple[str, str], dict[int, int]] = {}
     workers: dict[str, list[Any]] = {}
@@ -256,6 +259,17 @@ def rollups(batch: Batch) -> Rollups:
                 h = hists[key] = {}
             b = floor(log2(d) * sub) if d > 0.0 else zero
             h[b] = h.get(b, 0) + 1
+            dk = (prefix, action, int(start // 86400))
+            dd = days.get(dk)
+            if dd is None:
+                days[dk] = [{b: 1}, 1, d, d]
+            else:
+                db_ = dd[0]
+                db_[b] = db_.get(b, 0) + 1
+                dd[1] += 1
+                dd[2] += d
+                if d > dd[3]:
+                    dd[3] = d
             if first is None or start < first:
                 first = start
             if last is None or stop > last:
@@ -465,6 +479,27 @@ def _statements(dialect: str) -> SimpleNamespace:
         .order_by(H.c.prefix, H.c.action)
         .with_for_update()
     )
+    PD = m.PrefixDay.__table__
+    st.day_ensure = insert(PD).on_conflict_do_nothing(
+        index_elements=["cluster_id", "prefix", "action", "day"]
+    )
+    st.day_lock = (
+        select(PD.c.prefix, PD.c.action, PD.c.day, PD.c.count, PD.c.total, PD.c.max, PD.c.buckets)
+        .where(PD.c.cluster_id == bindparam("p_cluster"),
+               PD.c.prefix.in_(bindparam("p_prefixes", expanding=True)),
+               PD.c.day.in_(bindparam("p_days", expanding=True)))
+        .order_by(PD.c.prefix, PD.c.action, PD.c.day)
+        .with_for_update()
+    )  # fmt: skip
+    st.day_update = (
+        update(PD)
+        .where(PD.c.cluster_id == bindparam("b_cluster"), PD.c.prefix == bindparam("b_prefix"),
+               PD.c.action == bindparam("b_action"), PD.c.day == bindparam("b_day"))
+        .values(count=bindparam("b_count", type_=PD.c.count.type),
+                total=bindparam("b_total", type_=PD.c.total.type),
+                max=bindparam("b_max", type_=PD.c.max.type),
+                buckets=bindparam("b_buckets", type_=PD.c.buckets.type))
+    )  # fmt: skip
     st.hist_update = (
         update(H)
         .where(H.c.run_id == bindparam("b_run"), H.c.prefix == bindparam("b_prefix"),
@@ -785,6 +820,32 @@ def _index_rollups(
     ]  # fmt: skip
     if rows:
         db.execute(st.run_workers, rows)
+    if r.days:
+        keys = sorted(r.days)
+        db.execute(
+            st.day_ensure,
+            [{"cluster_id": cluster_id, "prefix": p, "action": a, "day": d, "count": 0,
+              "total": 0.0, "max": 0.0, "buckets": {}} for p, a, d in keys],
+        )  # fmt: skip
+        stored = {
+            (p, a, d): (c, t, mx, b)
+            for p, a, d, c, t, mx, b in db.execute(
+                st.day_lock,
+                {"p_cluster": cluster_id, "p_prefixes": sorted({k[0] for k in keys}),
+                 "p_days": sorted({k[2] for k in keys})},
+            )
+        }  # fmt: skip
+        updates = []
+        for key in keys:
+            c0, t0, mx0, b0 = stored.get(key) or (0, 0.0, 0.0, {})
+            hist, c, t, mx = r.days[key]
+            merged = dict(b0 or {})
+            for b, n in hist.items():
+                merged[str(b)] = merged.get(str(b), 0) + n
+            updates.append({"b_cluster": cluster_id, "b_prefix": key[0], "b_action": key[1],
+                            "b_day": key[2], "b_count": c0 + c, "b_total": t0 + t,
+                            "b_max": max(mx0, mx), "b_buckets": merged})  # fmt: skip
+        db.execute(st.day_update, updates)
     if r.hours:
         db.execute(
             st.cluster_hours,

@@ -260,6 +260,25 @@ class PrefixHour(Base):
     total: Mapped[float] = mapped_column(Float)
 
 
+class PrefixDay(Base):
+    """Duration histogram per cluster, prefix, action and day (of the task's first start):
+    the rollup behind day-bucketed prefix histories, so a history over thousands of runs
+    reads one row per cluster and day. Merged under a row lock like ``run_prefix_hist``."""
+
+    __tablename__ = "prefix_days"
+    __table_args__ = (Index("ix_prefix_days_prefix_day", "prefix", "action", "day"),)
+    cluster_id: Mapped[int] = mapped_column(
+        ForeignKey("clusters.id", ondelete="CASCADE"), primary_key=True
+    )
+    prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    action: Mapped[str] = mapped_column(String(64), primary_key=True)
+    day: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+    total: Mapped[float] = mapped_column(Float)
+    max: Mapped[float] = mapped_column(Float)
+    buckets: Mapped[dict[str, Any]] = mapped_column(JSON(none_as_null=True))
+
+
 class ClusterHour(Base):
     """Per-cluster per-hour task totals (by the task's first start): tasks, errors, seconds."""
 

@@ -309,11 +309,17 @@ def test_histories_from_rollups(history):
         sum(r["seconds_by_action"]["compute"] for r in runs)
     )
     prefix = max(runs[0]["prefixes"], key=lambda p: p["count"])["prefix"]
-    hist = get(h, "/v1/history/prefixes", prefix=prefix, bucket="day", cluster=cluster)["points"]
     expected = sum(p["actions"]["compute"]["count"] for r in runs for p in r["prefixes"]
                    if p["prefix"] == prefix)  # fmt: skip
-    assert sum(p["count"] for p in hist) == expected
-    assert all(p["p50"] <= p["p90"] <= p["p99"] for p in hist)
+    slowest = max(p["actions"]["compute"]["max"] for r in runs for p in r["prefixes"]
+                  if p["prefix"] == prefix)  # fmt: skip
+    for bucket in ("day", "hour"):
+        hist = get(h, "/v1/history/prefixes", prefix=prefix, bucket=bucket, cluster=cluster)[
+            "points"
+        ]
+        assert sum(p["count"] for p in hist) == expected, bucket
+        assert all(p["p50"] <= p["p90"] <= p["p99"] <= p["max"] for p in hist)
+        assert max(p["max"] for p in hist) == pytest.approx(slowest)
 
 
 def test_chrome_trace_has_a_track_per_worker_thread(history):
