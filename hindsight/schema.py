@@ -23,8 +23,16 @@ Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=128)]
 Key = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 Label = Annotated[str, msgspec.Meta(max_length=1024)]
 Text = Annotated[str, msgspec.Meta(max_length=65536)]
-Time = Annotated[float, msgspec.Meta(ge=0)]
-Count = Annotated[int, msgspec.Meta(ge=0)]
+# Bounds the index can hold, checked while decoding, before anything is stored: a value
+# that passed here but not an index column would be stored, then fail the index on every
+# retry. 2**53 is the largest integer every JSON implementation carries exactly; 1e11
+# seconds is the year 5138.
+MAX_INT = 2**53
+MAX_TIME = 1e11
+Time = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIME)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+Int = Annotated[int, msgspec.Meta(ge=-MAX_INT, le=MAX_INT)]
+Threads = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 def valid_name(value: str) -> bool:
@@ -56,8 +64,8 @@ class TaskEvent(_Event, tag="task"):
     group: Label | None = None
     run: Label | None = None
     worker: Label | None = None
-    thread: int | None = None
-    nbytes: int | None = None
+    thread: Int | None = None
+    nbytes: Int | None = None
     typename: Label | None = None
     startstops: list[StartStop] = []
     exception: Text | None = None
@@ -92,7 +100,7 @@ class WorkerEvent(_Event, tag="worker"):
     address: Label
     time: Time
     name: Label | None = None
-    nthreads: Count | None = None
+    nthreads: Threads | None = None
     memory_limit: Count | None = None
     reason: Label | None = None
 
