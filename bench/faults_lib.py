@@ -194,7 +194,8 @@ def fresh_database(admin_url: str) -> Iterator[str]:
 
     from storage.db import upgrade
 
-    admin = create_engine(make_url(admin_url), isolation_level="AUTOCOMMIT")
+    # pool_pre_ping: the pg-restart scenario breaks this pooled connection mid-run.
+    admin = create_engine(make_url(admin_url), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     name = f"hindsight_faults_{secrets.token_hex(4)}"
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
