@@ -206,9 +206,9 @@ _MAX_TIME = float(1 << 40)
 def rollups(batch: Batch) -> Rollups:
     """One pass over a batch's task events for the query rollups.
 
-    Hot (it runs on every batch the collector indexes): per-prefix dicts are looked up
-    once per task, and a phase's bucket, hour and slot are computed once and shared by
-    the three rollups that use them."""
+    Hot (it runs on every batch the collector indexes): one dict entry per run, prefix,
+    action and day takes each phase; histograms and day rollups are summed from those
+    few entries at the end."""
     out = Rollups()
     log2 = math.log2
     floor = math.floor
@@ -217,7 +217,7 @@ def rollups(batch: Batch) -> Rollups:
     hours = out.hours
     days = out.days
     last_rk: str | None = None
-    hists: dict[tuple[str, str], dict[int, int]] = {}
+    hists: dict[tuple[str, str], Any] = {}
     workers: dict[str, list[Any]] = {}
     for ev in batch.events:
         if type(ev) is not TaskEvent:
@@ -253,23 +253,23 @@ def rollups(batch: Batch) -> Rollups:
                 continue  # absurd or infinite times (still counted by summarize): no bucket
             d = stop - start
             action = ss.action
-            key = (prefix, action)
-            h = hists.get(key)
-            if h is None:
-                h = hists[key] = {}
             b = floor(log2(d) * sub) if d > 0.0 else zero
-            h[b] = h.get(b, 0) + 1
-            dk = (prefix, action, int(start // 86400))
-            dd = days.get(dk)
-            if dd is None:
-                days[dk] = [{b: 1}, 1, d, d]
+            # One entry per (prefix, action, day) of this run; the run histogram and the
+            # day rollup are both sums of these, taken once at the end.
+            per_day = hists.get((prefix, action))
+            if per_day is None:
+                per_day = hists[(prefix, action)] = {}
+            day = int(start // 86400)
+            e = per_day.get(day)
+            if e is None:
+                per_day[day] = [{b: 1}, 1, d, d]
             else:
-                db_ = dd[0]
-                db_[b] = db_.get(b, 0) + 1
-                dd[1] += 1
-                dd[2] += d
-                if d > dd[3]:
-                    dd[3] = d
+                eb = e[0]
+                eb[b] = eb.get(b, 0) + 1
+                e[1] += 1
+                e[2] += d
+                if d > e[3]:
+                    e[3] = d
             if first is None or start < first:
                 first = start
             if last is None or stop > last:
@@ -308,6 +308,25 @@ def rollups(batch: Batch) -> Rollups:
         c[4] += dr + dw
         if ev.nbytes:
             c[5] += ev.nbytes
+    for per_run in out.hists.values():
+        for (prefix, action), per_day in per_run.items():
+            hist: dict[int, int] = {}
+            for day, (eb, n, total, hi) in per_day.items():
+                for b, k in eb.items():
+                    hist[b] = hist.get(b, 0) + k
+                dk = (prefix, action, day)
+                dd = days.get(dk)
+                if dd is None:
+                    days[dk] = [dict(eb), n, total, hi]
+                else:
+                    db_ = dd[0]
+                    for b, k in eb.items():
+                        db_[b] = db_.get(b, 0) + k
+                    dd[1] += n
+                    dd[2] += total
+                    if hi > dd[3]:
+                        dd[3] = hi
+            per_run[(prefix, action)] = hist  # type: ignore[assignment]
     return out
 
 
