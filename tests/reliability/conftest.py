@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,3 +64,16 @@ def serve() -> Iterator[Callable[[Flask], str]]:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The runs marked slow here take minutes each (1,000,000-event faults, a 10-minute
+    outage, a 5-minute flood, 10,000 fuzz requests): they run only when selected with
+    ``-m slow`` (``make test-slow``), never by a plain ``pytest tests/reliability``."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    here = Path(__file__).parent
+    skip = pytest.mark.skip(reason="slow: run with -m slow (make test-slow)")
+    for item in items:
+        if item.get_closest_marker("slow") and here in Path(str(item.fspath)).parents:
+            item.add_marker(skip)
