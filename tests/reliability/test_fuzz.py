@@ -22,9 +22,6 @@ from services.query.app import create_app as create_query
 from tests.helpers import post
 from tests.query.test_runs import run_batch
 
-# storage/analysis.py calls the deprecated Result.tuples() (see tests/security/test_routes.py).
-pytestmark = pytest.mark.filterwarnings("ignore:The Result.tuples:DeprecationWarning")
-
 
 def check(op: str, resp: Any) -> None:
     assert resp.status_code < 500, (op, resp.status_code, resp.text[:500])

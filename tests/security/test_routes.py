@@ -16,11 +16,6 @@ from services.query.app import create_app as create_query
 from tests.helpers import auth, post
 from tests.query.test_runs import run_batch
 
-# storage/analysis.py (the query service's history routes) calls Result.tuples(), deprecated
-# in SQLAlchemy 2.1: a warning in production, an error under this suite's warnings-as-errors.
-# Reported to its owner; ignored here so these tests judge what production answers.
-pytestmark = pytest.mark.filterwarnings("ignore:The Result.tuples:DeprecationWarning")
-
 FACTORIES = {"collector": create_collector, "query": create_query, "embedded": create_embedded}
 METHODS = ("get", "post", "put", "patch", "delete")
 

@@ -23,8 +23,6 @@ from storage.tokens import hash_token, verify_token
 from tests.helpers import auth, example, post
 from tests.query.test_runs import run_batch
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Result.tuples:DeprecationWarning")
-
 
 def test_tokens_are_stored_only_as_sha256(stack, make_token):
     token = make_token(scopes="read")
