@@ -704,7 +704,6 @@ def index_batch(
             summary.runs[run_key],
             now,
         )
-    _index_rollups(db, st, cluster_id, run_ids, extra)
     workers = sorted(summary.workers, key=lambda w: (w.address, w.time))
     for ev in workers:
         joined = ev.event == "joined"
@@ -722,6 +721,10 @@ def index_batch(
             "config": summary.session.config,
         }
         db.execute(st.session_info, {"p_id": session_id, "p_info": info})
+    # Last: the rollups lock rows that every batch of the run (histograms) or of the whole
+    # cluster (day and hour rollups) updates, and hold them until commit. Taken at the end,
+    # concurrent batches queue only for these few statements, not the whole transaction.
+    _index_rollups(db, st, cluster_id, run_ids, extra)
     return True
 
 
@@ -839,6 +842,23 @@ def _index_rollups(
     ]  # fmt: skip
     if rows:
         db.execute(st.run_workers, rows)
+    if r.hours:
+        db.execute(
+            st.cluster_hours,
+            [
+                {
+                    "cluster_id": cluster_id,
+                    "hour": h,
+                    "tasks": v[0],
+                    "errors": v[1],
+                    "compute": v[2],
+                    "transfer": v[3],
+                    "disk": v[4],
+                    "nbytes": v[5],
+                }
+                for h, v in sorted(r.hours.items())
+            ],  # fmt: skip
+        )
     if r.days:
         keys = sorted(r.days)
         db.execute(
@@ -865,20 +885,3 @@ def _index_rollups(
                             "b_day": key[2], "b_count": c0 + c, "b_total": t0 + t,
                             "b_max": max(mx0, mx), "b_buckets": merged})  # fmt: skip
         db.execute(st.day_update, updates)
-    if r.hours:
-        db.execute(
-            st.cluster_hours,
-            [
-                {
-                    "cluster_id": cluster_id,
-                    "hour": h,
-                    "tasks": v[0],
-                    "errors": v[1],
-                    "compute": v[2],
-                    "transfer": v[3],
-                    "disk": v[4],
-                    "nbytes": v[5],
-                }
-                for h, v in sorted(r.hours.items())
-            ],  # fmt: skip
-        )
