@@ -29,7 +29,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import batch, task_events  # noqa: E402
+from bench.lib_workload import batch, task_events  # noqa: E402
 from hindsight.sender import Sender  # noqa: E402
 
 TARGETS = {"run_page_interactive_s": 3.0}

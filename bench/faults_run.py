@@ -1,6 +1,6 @@
 """Fault runs at scale: the real collector under gunicorn, Postgres (a fresh database),
 moto's S3 server, and several real agents sending ≥1,000,000 events while a fault is
-injected, then the exactly-once audit (bench/faults_lib.py).
+injected, then the exactly-once audit (bench/lib_faults.py).
 
 Scenarios:
 - ``kill``: kill -9 a random gunicorn worker every 1-3 s for the whole run;
@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.faults_lib import (  # noqa: E402
+from bench.lib_faults import (  # noqa: E402
     FlakyS3Proxy,
     Gunicorn,
     Load,

@@ -26,7 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.faults_lib import (  # noqa: E402
+from bench.ingest import EVENTS_PER_BATCH, Frames  # noqa: E402
+from bench.lib_faults import (  # noqa: E402
     Gunicorn,
     collector_env,
     fresh_database,
@@ -34,7 +35,6 @@ from bench.faults_lib import (  # noqa: E402
     make_token,
     moto_server,
 )
-from bench.ingest import EVENTS_PER_BATCH, Frames  # noqa: E402
 from hindsight.sender import Sender  # noqa: E402
 
 ADMIN_URL = os.environ.get(

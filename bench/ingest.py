@@ -34,7 +34,8 @@ from sqlalchemy.engine import make_url
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import task_events  # noqa: E402
+from bench.lib_proc import rss_bytes  # noqa: E402
+from bench.lib_workload import task_events  # noqa: E402
 from hindsight.schema import decode_batch  # noqa: E402
 from hindsight.sender import ZSTD_LEVEL as AGENT_ZSTD_LEVEL  # noqa: E402
 from hindsight.sender import Sender  # noqa: E402
@@ -68,23 +69,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise SystemExit(f"{url} not ready after {timeout} s")
 
 
-def rss_bytes(pid: int) -> int:
+def tree_rss(pid: int) -> int:
     """RSS of a process and its children (gunicorn master + workers)."""
-    total = 0
     pids = [pid]
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         pids += [int(c) for c in children]
     except OSError:
         pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
+    return rss_bytes(pids)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -249,7 +242,7 @@ def main() -> int:
         failures: dict[int | str, int] = {}
         lock = threading.Lock()
         stop_at = time.monotonic() + args.duration
-        peak_rss = [rss_bytes(gunicorn.pid)]
+        peak_rss = [tree_rss(gunicorn.pid)]
 
         def sender(agent: str) -> None:
             with Sender(url, token) as s:
@@ -273,7 +266,7 @@ def main() -> int:
 
         def sample_rss() -> None:
             while time.monotonic() < stop_at:
-                peak_rss[0] = max(peak_rss[0], rss_bytes(gunicorn.pid))
+                peak_rss[0] = max(peak_rss[0], tree_rss(gunicorn.pid))
                 time.sleep(0.5)
 
         pids = component_pids(gunicorn.pid, procs[0].pid)

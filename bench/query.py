@@ -44,7 +44,7 @@ from sqlalchemy.engine import make_url
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import NAMES, task_events  # noqa: E402
+from bench.lib_workload import NAMES, task_events  # noqa: E402
 from hindsight.schema import decode_batch  # noqa: E402
 from storage import sketch  # noqa: E402
 from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402

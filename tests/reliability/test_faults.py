@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench.faults_lib import (
+from bench.lib_faults import (
     FlakyS3Proxy,
     Gunicorn,
     Load,

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.lib_proc import rss_bytes  # noqa: E402
+
 BIN = Path(sys.executable).parent
 logger = logging.getLogger(__name__)
 
@@ -258,15 +260,7 @@ class Gunicorn:
         return pid
 
     def rss(self) -> int:
-        total = 0
-        for p in [self.proc.pid, *self.workers()]:
-            try:
-                for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-            except OSError:
-                pass
-        return total
+        return rss_bytes([self.proc.pid, *self.workers()])
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -293,7 +287,7 @@ def collector_env(db_url: str, blob_url: str, s3_endpoint: str, **extra: str) ->
 
 def event_pool(n: int = 5000, seed: int = 0) -> list[dict[str, Any]]:
     """Dask-shaped task events to add (reused: each batch encodes its own copy)."""
-    from bench.workload import task_events
+    from bench.lib_workload import task_events
 
     return task_events(n, first=0, run="run-0", t0=1.8e9, rng=random.Random(seed))
 
