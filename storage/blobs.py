@@ -99,8 +99,16 @@ class LocalBlobStore:
 
     def list(self, prefix: str = "") -> Iterator[str]:
         base = self.root
+        # Walk only the directory the prefix names (not the whole store: listing one lake
+        # partition must not cost a walk over every batch).
+        head = prefix.rpartition("/")[0]
+        start = base
+        if head and not any(p in ("", ".", "..") for p in head.split("/")):
+            start = base / head
+            if not start.is_dir():
+                return
         keys = []
-        for dirpath, dirnames, filenames in os.walk(base):
+        for dirpath, dirnames, filenames in os.walk(start):
             dirnames.sort()
             rel = Path(dirpath).relative_to(base).as_posix()
             for name in filenames:

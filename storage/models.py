@@ -293,3 +293,53 @@ class ClusterHour(Base):
     transfer: Mapped[float] = mapped_column(Float)
     disk: Mapped[float] = mapped_column(Float)
     nbytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class LakePartition(Base):
+    """One (tenant, cluster, day) partition of the history lake (``storage/lake.py``): the
+    row writers lock to commit to it, and the ``seq`` of its newest manifest. Derived from
+    the manifests in the blob store, like every other table from the batches."""
+
+    __tablename__ = "lake_partitions"
+    __table_args__ = (
+        UniqueConstraint("cluster_id", "day"),
+        Index("ix_lake_partitions_tenant_day", "tenant_id", "day"),
+    )
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"))
+    day: Mapped[str] = mapped_column(String(10))  # UTC date, YYYY-MM-DD
+    seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    # When the oldest superseded file of the partition may be deleted (None: none waits).
+    vacuum_at: Mapped[float | None] = mapped_column(Float, index=True)
+
+
+class LakeFile(Base):
+    """A live file of a lake partition as its newest manifest lists it, with the
+    statistics the query service prunes by."""
+
+    __tablename__ = "lake_files"
+    __table_args__ = (Index("ix_lake_files_partition_tbl", "partition_id", "tbl"),)
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    partition_id: Mapped[int] = mapped_column(
+        ForeignKey("lake_partitions.id", ondelete="CASCADE")
+    )
+    tbl: Mapped[str] = mapped_column(String(16))
+    key: Mapped[str] = mapped_column(String(1024))
+    rows: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    t_min: Mapped[float | None] = mapped_column(Float)
+    t_max: Mapped[float | None] = mapped_column(Float)
+    runs: Mapped[list[Any]] = mapped_column(JSON(none_as_null=True))
+    stats: Mapped[dict[str, Any]] = mapped_column(JSON(none_as_null=True))
+
+
+class LakeRun(Base):
+    """Which lake partition holds a run, at which version of its data (``tag``)."""
+
+    __tablename__ = "lake_runs"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    partition_id: Mapped[int] = mapped_column(
+        ForeignKey("lake_partitions.id", ondelete="CASCADE"), index=True
+    )
+    tag: Mapped[str] = mapped_column(String(64))

@@ -17,6 +17,11 @@ Deleting blobs first, a crash leaves index rows whose blobs are (partly) gone: t
 still expired, so the next ``apply`` finishes it (deleting a missing blob is not an error).
 Index rows go in one transaction per session (ON DELETE CASCADE takes agents, batches, runs
 and their rollups). Per-cluster hourly rollups older than the age cut-off go too.
+
+The history lake (``storage/lake.py``) holds the session's runs too: they leave it in the
+same transaction, just before the index rows, and the files that held them are deleted at
+once (no grace period). A crash in between leaves the session expired, so the next
+``apply`` finishes it; taking runs out of the lake again is a no-op.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage import lake
 from storage import models as m
 from storage.blobs import BlobStore
 
@@ -171,6 +177,7 @@ def apply(
             blobs.delete(key)
             result.blobs_deleted += 1
         with sessions.begin() as db:
+            lake.forget_session(db, blobs, tenant, s.id)
             db.execute(delete(m.Session).where(m.Session.id == s.id))
         logger.info(
             "retention: removed session %s of tenant %s (%d runs, %d batches)",

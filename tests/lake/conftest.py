@@ -1,0 +1,150 @@
+"""Lake tests: a stack's storage opened in the test process, and the finish hook."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from hindsight import lake as layout
+from storage import models as m
+from tests.helpers import auth, post
+from tests.query.test_runs import T0, run_batch
+
+DAY = 86_400.0
+
+
+@dataclass
+class FinishedRunStandIn:
+    """The shape of ``storage.finish.FinishedRun`` until it lands on main."""
+
+    db: Any
+    blobs: Any
+    run: m.Run
+    tenant: str
+    cluster: str
+    session: str
+
+    def data(self) -> Any:
+        from storage import runfile
+
+        return runfile.load_run(self.db, self.blobs, self.run)
+
+    def batches(self) -> Iterator[Any]:
+        from storage.ingest import decode_stored
+        from storage.runfile import METRIC_SLACK_S
+
+        run = self.run
+        own = select(m.Batch.blob_key).join(m.RunBatch, m.RunBatch.batch_id == m.Batch.id)
+        own = own.where(m.RunBatch.run_id == run.id)
+        window = (
+            select(m.Batch.blob_key)
+            .join(m.Agent, m.Agent.id == m.Batch.agent_id)
+            .where(
+                m.Agent.session_id == run.session_id,
+                m.Batch.received_at >= run.first_seen - METRIC_SLACK_S,
+                m.Batch.received_at <= run.last_seen + METRIC_SLACK_S,
+            )
+        )
+        for key in sorted(set(self.db.scalars(own)) | set(self.db.scalars(window))):
+            yield decode_stored(self.blobs.get(key))
+
+
+def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
+    """Run the lake finisher for every run that is not running (as the finish queue would)."""
+    from storage import lake
+
+    n = 0
+    with sessions() as db:
+        q = select(m.Run.id).where(m.Run.status != "running").order_by(m.Run.id)
+        if tenant is not None:
+            q = q.join(m.Tenant, m.Tenant.id == m.Run.tenant_id).where(m.Tenant.name == tenant)
+        ids = list(db.scalars(q))
+    for run_id in ids:
+        with sessions.begin() as db:
+            run = db.get(m.Run, run_id)
+            assert run is not None
+            t, c, s = db.execute(
+                select(m.Tenant.name, m.Cluster.name, m.Session.name)
+                .join(m.Cluster, m.Cluster.tenant_id == m.Tenant.id)
+                .join(m.Session, m.Session.cluster_id == m.Cluster.id)
+                .where(m.Session.id == run.session_id)
+            ).one()
+            lake.finish(FinishedRunStandIn(db, blobs, run, t, c, s))
+            n += 1
+    return n
+
+
+@dataclass
+class Storage:
+    settings: Any
+    engine: Any
+    sessions: Any
+    blobs: Any
+
+
+@pytest.fixture
+def storage(stack: dict[str, Any]) -> Iterator[Storage]:
+    from storage.blobs import blob_store_for
+    from storage.config import load_settings
+    from storage.db import make_engine, make_sessionmaker, upgrade
+
+    settings = load_settings(stack)
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    yield Storage(settings, engine, make_sessionmaker(engine), blob_store_for(settings))
+    engine.dispose()
+
+
+def lake_records(storage: Any, stack: dict[str, Any], tenant: str, table: str = "tasks",
+                 **filters: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Rows of the lake read without the server (manifests + Parquet), as dicts."""
+    ds = layout.dataset(storage.settings.blob_url, table, tenant,
+                        endpoint_url=stack["s3_endpoint_url"], **filters)  # fmt: skip
+    expr = layout.Filters.from_kwargs(**filters).expression(table)
+    return ds.to_table(filter=expr).to_pylist()
+
+
+@pytest.fixture
+def tenant_runs(stack, make_token, storage):
+    """Runs on two clusters over three days (two runs on one day of one cluster), one
+    erred, one still running, with metrics and emitted values."""
+    from collector.app import create_app as collector_app
+    from services.query.app import create_app as query_app
+
+    collector, query = collector_app(stack).test_client(), query_app(stack).test_client()
+    token = make_token()
+    specs = [("prod", "s1", "r0", 0.0, "finished"), ("prod", "s1", "r1", 0.1, "erred"),
+             ("prod", "s2", "r2", 1.0, "finished"), ("dev", "s3", "r3", 1.0, "finished"),
+             ("dev", "s3", "r4", 2.0, None)]  # fmt: skip
+    seqs: dict[str, int] = {}
+    for cluster, session, run, day, status in specs:
+        t = T0 + day * DAY
+        body = run_batch(cluster, session, run, 0, n_tasks=4, t=t, status=status)
+        body["seq"] = seqs.setdefault(session, 0)
+        seqs[session] += 1
+        body["events"] += [
+            {"kind": "metric", "worker": "tcp://w:1", "time": t + 1, "values": {"cpu": 50.0}},
+            {"kind": "custom", "stream": "rows-in", "time": t + 1, "value": 1000 * (1 + day),
+             "worker": "tcp://w:1", "run": run, "key": f"inc-{run}-0-0"},
+        ]  # fmt: skip
+        if status == "erred":
+            body["events"][1]["status"] = "erred"
+            body["events"][1]["exception"] = "ValueError('boom')"
+        assert post(collector, body, token=token).status_code == 202
+    runs = query.get("/v1/runs?limit=100", headers=auth(token)).json["runs"]
+    tenant = storage_tenant(storage, token)
+    return {"query": query, "collector": collector, "token": token, "tenant": tenant,
+            "runs": {r["name"].removeprefix("job-"): r for r in runs}}  # fmt: skip
+
+
+def storage_tenant(storage: Any, token: str) -> str:
+    from storage.tokens import verify_token
+
+    with storage.sessions() as db:
+        principal = verify_token(db, token)
+        assert principal is not None
+        return principal.tenant
