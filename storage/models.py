@@ -321,9 +321,7 @@ class LakeFile(Base):
     __tablename__ = "lake_files"
     __table_args__ = (Index("ix_lake_files_partition_tbl", "partition_id", "tbl"),)
     id: Mapped[int] = mapped_column(Id, primary_key=True)
-    partition_id: Mapped[int] = mapped_column(
-        ForeignKey("lake_partitions.id", ondelete="CASCADE")
-    )
+    partition_id: Mapped[int] = mapped_column(ForeignKey("lake_partitions.id", ondelete="CASCADE"))
     tbl: Mapped[str] = mapped_column(String(16))
     key: Mapped[str] = mapped_column(String(1024))
     rows: Mapped[int] = mapped_column(BigInteger)
