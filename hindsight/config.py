@@ -64,6 +64,13 @@ class Settings:
     zstd_level: int = ZSTD_LEVEL
     #: Socket timeout of one HTTP request.
     request_timeout: float = 10.0
+    #: Ship each worker's statistical profiles (Dask samples them anyway; this sends them).
+    profiles: bool = True
+    #: Client frames of submitting code Dask should send with each computation
+    #: (``distributed.diagnostics.computations.nframes``), raised to this where Hindsight
+    #: can: the client given to ``install()`` and clients in the scheduler's process (an
+    #: in-process LocalCluster). 0 leaves Dask's setting alone.
+    code_frames: int = 1
 
     @property
     def enabled(self) -> bool:
@@ -91,6 +98,8 @@ _ENV = {
     "encoding": "HINDSIGHT_ENCODING",
     "zstd_level": "HINDSIGHT_ZSTD_LEVEL",
     "request_timeout": "HINDSIGHT_REQUEST_TIMEOUT",
+    "profiles": "HINDSIGHT_PROFILES",
+    "code_frames": "HINDSIGHT_CODE_FRAMES",
 }
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(Settings)}
@@ -98,6 +107,15 @@ _TYPES = {f.name: f.type for f in dataclasses.fields(Settings)}
 
 def _coerce(name: str, raw: Any) -> Any:
     kind = _TYPES[name]
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(raw)
     if "int" in kind:
         return int(raw)
     if "float" in kind:
@@ -108,6 +126,8 @@ def _coerce(name: str, raw: Any) -> Any:
 def _valid(name: str, value: Any) -> bool:
     if name in ("spool_max_bytes", "flush_events", "buffer_events"):
         return value > 0
+    if name == "code_frames":
+        return 0 <= value <= 64
     if name == "zstd_level":
         return 1 <= value <= 22
     if name in ("flush_interval", "close_timeout", "sample_interval", "request_timeout"):

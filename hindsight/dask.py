@@ -35,6 +35,7 @@ from tornado.ioloop import PeriodicCallback
 
 from hindsight.agent import Agent
 from hindsight.config import Settings, load_settings
+from hindsight.dask_perf import ProfileShipper, RunPerf, enable_code_capture
 from hindsight.schema import (
     GraphEvent,
     LogEvent,
@@ -196,6 +197,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self._pump_scheduled = False
         self._workers: dict[str, str] = {}
         self._sampler: PeriodicCallback | None = None
+        self._perf: RunPerf | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"overrides": self.overrides}
@@ -230,6 +232,9 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self.session = _session_name(str(scheduler.id))
         self.agent = Agent(settings, session=self.session, name="scheduler")
         self.agent.add(self._session_event(scheduler))
+        self._perf = RunPerf(self.agent, scheduler)
+        # Clients in this process (an in-process LocalCluster's) send their code.
+        enable_code_capture(settings.code_frames)
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
         self._sampler = PeriodicCallback(self._sample, settings.sample_interval * 1000)
@@ -283,6 +288,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 self._sampler.stop()
             self._pump_graph(limit=None)
             self._check_runs(closing=True)
+            if self._perf is not None:
+                self._perf.sample((), closing=True)
         except Exception:
             logger.exception("hindsight: error while closing")
         self.agent = None
@@ -372,6 +379,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             self._span_runs[span_id] = run
         if run not in self._open_runs and self.agent is not None:
             self._open_runs[run] = _Run(name)
+            if self._perf is not None:
+                self._perf.watch(run)
             self.agent.add(
                 RunEvent(
                     event="started",
@@ -505,6 +514,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 MetricEvent(worker="scheduler", time=now, values=scheduler_values(self.scheduler))
             )
             self._check_runs()
+            if self._perf is not None:
+                self._perf.sample(self._open_runs)
         except Exception:
             logger.debug("hindsight: sampling failed", exc_info=True)
 
@@ -642,6 +653,8 @@ class WorkerAgentPlugin(WorkerPlugin):
                 "loggers": loggers,
                 "sampler": sampler,
             }
+            if self.settings.profiles:
+                self._start_profiles(worker, agent)
         except Exception:
             logger.exception("hindsight: could not start the worker agent")
 
@@ -656,6 +669,11 @@ class WorkerAgentPlugin(WorkerPlugin):
 
             runtime["sampler"].stop()
             worker.periodic_callbacks.pop("hindsight-sample", None)
+            profiles = runtime.get("profiles")
+            if profiles is not None:
+                runtime["profiles_pc"].stop()
+                worker.periodic_callbacks.pop("hindsight-profiles", None)
+                profiles.final()
             for lg in runtime["loggers"]:
                 lg.removeHandler(runtime["handler"])
             clear_worker_context(agent)
@@ -663,6 +681,22 @@ class WorkerAgentPlugin(WorkerPlugin):
         except Exception:
             logger.debug("hindsight: worker teardown failed", exc_info=True)
         await asyncio.get_running_loop().run_in_executor(None, agent.close)
+
+    def _start_profiles(self, worker: Any, agent: Agent) -> None:
+        shipper = ProfileShipper(worker, agent)
+
+        def poll() -> None:
+            try:
+                shipper.poll()
+            except Exception:
+                logger.debug("hindsight: profile shipping failed", exc_info=True)
+
+        # Once per profile cycle: each poll finds at most a cycle or two to queue.
+        pc = PeriodicCallback(poll, max(shipper.cycle, 0.1) * 1000)
+        worker.periodic_callbacks["hindsight-profiles"] = pc
+        pc.start()
+        self._runtime["profiles"] = shipper
+        self._runtime["profiles_pc"] = pc
 
     def _sample(self, worker: Any, agent: Agent) -> None:
         try:
@@ -714,7 +748,16 @@ def install(
     the worker plugin).  A no-op if the cluster already records (e.g. via the preload).
 
     Settings not given here come from the scheduler's Dask config and environment.
+    This client is also made to send the code of each computation (``code_frames``
+    client frames, default 1; see ``distributed.diagnostics.computations.nframes``).
     """
+    try:
+        frames = settings.get("code_frames")
+        enable_code_capture(
+            load_settings({} if frames is None else {"code_frames": frames}).code_frames
+        )
+    except Exception:
+        logger.warning("hindsight: could not turn on code capture", exc_info=True)
     client.register_plugin(
         SchedulerAgentPlugin(url=url, cluster=cluster, token=token, **settings), name=PLUGIN_NAME
     )

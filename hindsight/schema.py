@@ -143,6 +143,88 @@ class CustomEvent(_Event, tag="custom"):
     key: Key | None = None
 
 
+class ProfileFrame(msgspec.Struct, omit_defaults=True, gc=False):
+    """A code location in a profile: a function (``name``, ``filename``, ``first_line``:
+    together its identity, as in Dask's ``name;filename;firstlineno``) and one sampled
+    line of it (``line_number``, source text ``line``)."""
+
+    name: Label
+    filename: Label
+    first_line: Int = 0
+    line_number: Int = 0
+    line: Label = ""
+
+
+ProfileNode = Annotated[
+    tuple[Int, Count, Count],
+    msgspec.Meta(description="[parent node index or -1, frame index, samples]"),
+]
+
+
+class ProfileEvent(_Event, tag="profile"):
+    """Statistical profile samples of one task prefix on one worker over ``[start, stop]``
+    (one or more of the worker's profile cycles), as a call tree.
+
+    ``nodes`` lists the tree in pre-order, each ``[parent, frame, samples]``: ``parent``
+    is an earlier node's index or -1 for a top-level frame, ``frame`` indexes ``frames``,
+    ``samples`` counts the samples in which the frame was on the stack (its children's
+    samples included; the rest are the frame's own). A sample is ``interval`` seconds.
+    """
+
+    worker: Label
+    prefix: Label
+    start: Time
+    stop: Time
+    frames: Annotated[list[ProfileFrame], msgspec.Meta(max_length=10_000)]
+    nodes: Annotated[list[ProfileNode], msgspec.Meta(max_length=10_000)]
+    interval: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 0.01
+
+
+Short = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class ActivityMetric(msgspec.Struct, omit_defaults=True, gc=False):
+    """One of Dask's fine performance metrics: seconds, bytes or a count spent in an
+    ``activity`` (``thread-cpu``, ``thread-noncpu``, ``disk-read``, ``serialize``, ...)
+    by tasks of ``prefix`` in ``context`` (``execute``, ``gather-dep``, ``get-data``, ...)."""
+
+    context: Short
+    prefix: Label
+    activity: Short
+    unit: Short
+    value: Annotated[float, msgspec.Meta(ge=-1e15, le=1e15)]
+
+
+class ActivityEvent(_Event, tag="activity"):
+    """A run's cumulative fine performance metrics as of ``time`` (Dask's
+    ``Span.cumulative_worker_metrics``). Values only grow while a run lasts, so the
+    latest ``time`` wins; an agent may send only the metrics that changed."""
+
+    run: Label
+    time: Time
+    metrics: Annotated[list[ActivityMetric], msgspec.Meta(max_length=100_000)]
+
+
+class CodeFrame(msgspec.Struct, omit_defaults=True, gc=False):
+    """Source of one client frame that submitted a computation (Dask's ``SourceCode``):
+    ``code`` is the frame's source, ``lineno_frame`` the line in ``filename`` that
+    submitted, ``lineno_relative`` that line within ``code`` (0-based)."""
+
+    code: Text
+    filename: Label = ""
+    lineno_frame: Int = 0
+    lineno_relative: Int = 0
+
+
+class CodeEvent(_Event, tag="code"):
+    """The code that submitted a computation of ``run``: the client's frames, innermost
+    first, as Dask records them when ``distributed.diagnostics.computations.nframes`` > 0."""
+
+    run: Label
+    time: Time
+    frames: Annotated[list[CodeFrame], msgspec.Meta(max_length=64)]
+
+
 Event = (
     TaskEvent
     | GraphEvent
@@ -152,7 +234,15 @@ Event = (
     | SessionEvent
     | LogEvent
     | CustomEvent
+    | ProfileEvent
+    | ActivityEvent
+    | CodeEvent
 )
+
+#: Kinds added after protocol v1's first release. A collector that predates them answers
+#: 400 naming ``$.events[i].kind``; the reference agent then sends the batch again without
+#: them (see docs/protocol.md, "Newer event kinds").
+LATER_KINDS = frozenset({"profile", "activity", "code"})
 
 
 class Batch(msgspec.Struct, omit_defaults=True):

@@ -22,7 +22,9 @@ from sqlalchemy import Boolean, and_, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from hindsight.schema import (
+    ActivityEvent,
     Batch,
+    CodeEvent,
     GraphEvent,
     RunEvent,
     SessionEvent,
@@ -31,7 +33,7 @@ from hindsight.schema import (
     decode_batch,
 )
 from storage import models as m
-from storage import sketch
+from storage import perf_index, sketch
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class BatchSummary:
     runs: dict[str, RunSummary] = field(default_factory=dict)
     workers: list[WorkerEvent] = field(default_factory=list)
     session: SessionEvent | None = None
+    perf: list[ActivityEvent | CodeEvent] = field(default_factory=list)  # storage.perf_index
 
 
 def summarize(batch: Batch) -> BatchSummary:
@@ -159,6 +162,10 @@ def summarize(batch: Batch) -> BatchSummary:
             out.workers.append(ev)
         elif type(ev) is SessionEvent:
             out.session = ev
+        elif type(ev) is ActivityEvent or type(ev) is CodeEvent:
+            out.perf.append(ev)
+            if ev.run not in runs:
+                runs[ev.run] = RunSummary()
 
     for rk, prefixes in per_run.items():
         rs = runs.get(rk)
@@ -721,6 +728,8 @@ def index_batch(
             "config": summary.session.config,
         }
         db.execute(st.session_info, {"p_id": session_id, "p_info": info})
+    if summary.perf:
+        perf_index.index_perf(db, run_ids, summary.perf)
     # Last: the rollups lock rows that every batch of the run (histograms) or of the whole
     # cluster (day and hour rollups) updates, and hold them until commit. Taken at the end,
     # concurrent batches queue only for these few statements, not the whole transaction.

@@ -15,6 +15,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -341,3 +342,46 @@ class LakeRun(Base):
         ForeignKey("lake_partitions.id", ondelete="CASCADE"), index=True
     )
     tag: Mapped[str] = mapped_column(String(64))
+
+
+class RunActivity(Base):
+    """A run's fine performance metrics (Dask's ``Span.cumulative_worker_metrics``): the
+    value of each (context, prefix, activity, unit) as of ``time``. Values are cumulative,
+    so the latest sample wins (ties: the larger value), which commutes."""
+
+    __tablename__ = "run_activity"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    context: Mapped[str] = mapped_column(String(64), primary_key=True)
+    prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    activity: Mapped[str] = mapped_column(String(64), primary_key=True)
+    unit: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    time: Mapped[float] = mapped_column(Float)
+
+
+class RunCode(Base):
+    """The code that submitted a computation of a run (client frames, innermost first)."""
+
+    __tablename__ = "run_code"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    # sha256 of the frames as sent: the same submission stored once, in any order.
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    time: Mapped[float] = mapped_column(Float)
+    frames: Mapped[list[Any]] = mapped_column(JSON(none_as_null=True))
+
+
+class RunProfile(Base):
+    """A run's statistical profile: one call tree per (prefix, worker), zstd-compressed
+    (``storage.profiles``). ``prefix`` or ``worker`` "" is the merge over all of them;
+    the ("", "") row is always written, so its presence says the profile was built."""
+
+    __tablename__ = "run_profiles"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    worker: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    nodes: Mapped[int] = mapped_column(Integer)
+    interval: Mapped[float] = mapped_column(Float)
+    # The version of the inputs the tree was built from (see storage.profiles.inputs_tag).
+    tag: Mapped[str] = mapped_column(String(64))
+    data: Mapped[bytes] = mapped_column(LargeBinary)

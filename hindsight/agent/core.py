@@ -14,6 +14,7 @@ import atexit
 import logging
 import os
 import random
+import re
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from hindsight.agent.buffer import EventBuffer, Item
 from hindsight.agent.spool import Spool, SpooledBatch
 from hindsight.agent.transport import Outcome, Transport
 from hindsight.config import Settings
-from hindsight.schema import SCHEMA_VERSION, Batch, decode_batch
+from hindsight.schema import LATER_KINDS, SCHEMA_VERSION, Batch, decode_batch
 from hindsight.sender import compress
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,14 @@ OUTBOX_BATCHES = 4
 WARN_EVERY = 60.0
 
 _encoder = msgspec.json.Encoder()
+# How a collector that predates an event kind names it in its 400 answer.
+_UNKNOWN_KIND = re.compile(r"Invalid value '([^']+)' - at `\$\.events\[\d+\]\.kind`")
+
+
+def _kind(event: Any) -> Any:
+    return type(event).__struct_config__.tag
+
+
 _agents: weakref.WeakSet[Agent] = weakref.WeakSet()
 
 
@@ -96,6 +105,8 @@ class Agent:
         self._attempts = 0
         self._retry_at = 0.0
         self._warned: dict[str, float] = {}
+        # Event kinds the collector turned down as unknown (it predates them).
+        self._unsupported: set[str] = set()
         self.stats: Counter[str] = Counter()
 
     def _after_fork(self) -> None:
@@ -249,6 +260,8 @@ class Agent:
                 except Exception:
                     self._dropped["invalid"] += 1
                     logger.debug("hindsight: cannot build event from %r", item, exc_info=True)
+            if self._unsupported:
+                events = self._without_unsupported(events)
             last = final and not len(self._buffer)
             self._emit_batch(events, self._all_dropped(), last)
             if last:
@@ -368,6 +381,10 @@ class Agent:
                 self._pop_head(batch, spooled)
                 self._split(batch, spooled)
                 continue
+            if outcome.status == 400 and self._resend_without_unknown_kind(
+                batch, spooled, outcome.message
+            ):
+                continue
             self._pop_head(batch, spooled)
             reason = f"http_{outcome.status}"
             self._dropped[reason] += batch.events
@@ -381,6 +398,50 @@ class Agent:
                 outcome.message,
                 batch.events,
             )
+
+    def _without_unsupported(self, events: list[Any]) -> list[Any]:
+        kept = [e for e in events if _kind(e) not in self._unsupported]
+        if len(kept) < len(events):
+            self._dropped["unsupported_kind"] += len(events) - len(kept)
+        return kept
+
+    def _resend_without_unknown_kind(
+        self, batch: SpooledBatch, spooled: bool, message: str
+    ) -> bool:
+        """An older collector refused a kind added to the protocol later: send the batch
+        again, same ``seq``, without events of that kind, and stop sending it."""
+        match = _UNKNOWN_KIND.search(message or "")
+        if match is None or match.group(1) not in LATER_KINDS:
+            return False
+        kind = match.group(1)
+        if kind in self._unsupported:
+            return False  # already stripped: the 400 is about something else
+        self._unsupported.add(kind)
+        self._warn(
+            f"unsupported_{kind}",
+            "hindsight: the collector does not know %r events (it is older than this agent); "
+            "they are no longer sent",
+            kind,
+        )
+        try:
+            decoded = decode_batch(_decompress(batch.body, batch.encoding))
+        except Exception:
+            return False
+        events = self._without_unsupported(decoded.events)
+        dropped = {**decoded.dropped, **self._all_dropped()}
+        again = SpooledBatch(
+            batch.seq,
+            self._encode(batch.seq, events, dropped, decoded.final),
+            len(events),
+            self.settings.encoding,
+        )
+        self._pop_head(batch, spooled)
+        if spooled:
+            assert self._spool is not None
+            self._spool.put(again)
+        else:
+            self._outbox.appendleft(again)
+        return True
 
     def _backoff(self, outcome: Outcome) -> None:
         self._attempts += 1

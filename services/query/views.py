@@ -24,7 +24,7 @@ from services.common.params import (
     time_arg,
 )
 from services.common.web import ApiError, db, require, store
-from storage import analysis, queries, runfile
+from storage import activity, analysis, flame, profiles, queries, runcode, runfile
 from storage.queries import BadCursor, RunFilters
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def runs() -> Any:
 @bp.get("/v1/runs/<run_id>")
 def run(run_id: str) -> Any:
     found = _run_or_404(run_id)
-    return queries.run_detail(db(), *found)
+    return {**queries.run_detail(db(), *found), "code": runcode.run_code(db(), found[0].id)}
 
 
 def _task_query(run: Any, lazy: bool = False) -> Any:
@@ -279,3 +279,111 @@ def cluster_history() -> Any:
         db(), principal.tenant_id, bucket, time_arg("since"), time_arg("until"), name_arg("cluster")
     )
     return {"bucket": bucket, "points": points}
+
+
+# -- why a run was slow: profiles, fine performance metrics (issue 9) -------------------
+PROFILE_FORMATS = ("json", "collapsed", "speedscope")
+
+
+def _profile_answer(p: profiles.Profile, name: str, fmt: str, **extra: Any) -> Any:
+    if fmt == "collapsed":
+        return Response(flame.collapsed(p), mimetype="text/plain")
+    if fmt == "speedscope":
+        return Response(msgspec.json.encode(flame.speedscope(p, name)), mimetype="application/json")
+    return flame.summary(p, **extra)
+
+
+@bp.get("/v1/runs/<run_id>/profile")
+def run_profile(run_id: str) -> Any:
+    """The run's statistical profile (merged call tree), of one prefix and/or worker."""
+    run, _c, _s = _run_or_404(run_id)
+    prefix, worker = label_arg("prefix", 1024), label_arg("worker", 1024)
+    fmt = choice_arg("format", PROFILE_FORMATS) or "json"
+    p = profiles.load(db(), store().blobs, run, prefix=prefix, worker=worker)
+    name = " ".join(x for x in (run.name or run.run_key, prefix, worker) if x)
+    return _profile_answer(p, name, fmt, run=run.public_id, prefix=prefix, worker=worker)
+
+
+@bp.get("/v1/runs/<run_id>/activity")
+def run_activity(run_id: str) -> Any:
+    """Dask's fine performance metrics of the run, and totals by activity."""
+    run, _c, _s = _run_or_404(run_id)
+    return {"run": run.public_id, **activity.run_activity(db(), run.id)}
+
+
+@bp.get("/v1/profiles")
+def profiles_across_runs() -> Any:
+    """The merged profile of a prefix (or of whole runs) over the runs in a window."""
+    principal = require("read")
+    prefix, name = label_arg("prefix", 1024), label_arg("name", 1024)
+    if prefix is None and name is None:
+        raise bad("prefix", "give a prefix, a job name (name=), or both")
+    fmt = choice_arg("format", PROFILE_FORMATS) or "json"
+    merged = profiles.across_runs(
+        db(),
+        principal.tenant_id,
+        prefix=prefix,
+        name=name,
+        cluster=name_arg("cluster"),
+        since=time_arg("since"),
+        until=time_arg("until"),
+        limit=int_arg("runs", profiles.MAX_RUNS, 1, profiles.MAX_RUNS),
+    )
+    label = " ".join(x for x in (name, prefix) if x)
+    return _profile_answer(
+        merged.profile,
+        label,
+        fmt,
+        prefix=prefix,
+        name=name,
+        runs=merged.runs,
+        truncated=merged.truncated,
+    )
+
+
+@bp.get("/v1/compare/profile")
+def compare_profile() -> Any:
+    """What is new in the hot path: run b's profile against run a's."""
+    a_id, b_id = arg("a"), arg("b")
+    if a_id is None or b_id is None:
+        require("read")
+        raise bad("a" if a_id is None else "b", "required: a run id")
+    a, _, _ = _run_or_404(a_id)
+    b, _, _ = _run_or_404(b_id)
+    prefix = label_arg("prefix", 1024)
+    fmt = choice_arg("format", ("json", "collapsed")) or "json"
+    pa = profiles.load(db(), store().blobs, a, prefix=prefix)
+    pb = profiles.load(db(), store().blobs, b, prefix=prefix)
+    if fmt == "collapsed":
+        return Response(flame.collapsed_diff(pa, pb), mimetype="text/plain")
+    return {
+        "a": a.public_id,
+        "b": b.public_id,
+        "prefix": prefix,
+        "samples_a": pa.samples,
+        "samples_b": pb.samples,
+        "interval": pb.interval or pa.interval,
+        "tree": flame.diff(pa, pb),
+    }
+
+
+@bp.get("/v1/history/activity")
+def activity_history() -> Any:
+    """Seconds (or bytes, counts) by activity per hour or day of run start, of a prefix
+    and/or a job name, across the tenant's clusters."""
+    principal = require("read")
+    prefix, name = label_arg("prefix", 1024), label_arg("name", 1024)
+    bucket = choice_arg("bucket", tuple(activity.BUCKETS)) or "day"
+    unit = label_arg("unit", 64) or "seconds"
+    points = activity.history(
+        db(),
+        principal.tenant_id,
+        bucket=bucket,
+        prefix=prefix,
+        name=name,
+        cluster=name_arg("cluster"),
+        since=time_arg("since"),
+        until=time_arg("until"),
+        unit=unit,
+    )
+    return {"prefix": prefix, "name": name, "bucket": bucket, "unit": unit, "points": points}

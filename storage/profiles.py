@@ -1,0 +1,485 @@
+"""Statistical profiles: call trees, their storage, and the formats profilers read.
+
+Workers send one ``profile`` event per task prefix per profile cycle (1 s). Once a run
+has finished, :func:`finish` attributes its workers' events to it and stores, in
+``run_profiles``, one zstd-compressed tree per (prefix, worker), per prefix over all
+workers, and over the whole run. So a run's profile, a prefix's profile over 100 runs
+or the difference of two runs read a few small rows and never a raw batch.
+
+Attribution. Dask keys profiles by prefix, not by run, so an event (worker, prefix,
+cycle) belongs to a run when that run has a task of that prefix whose compute time on
+that worker overlaps the cycle's ``[first, last]`` window of the run on that worker.
+Two runs of one session computing the same prefix on the same worker in the same
+second both get that cycle (Dask cannot tell their samples apart either).
+
+Bounds. A stored tree keeps at most ``MAX_NODES`` nodes (``MAX_WORKER_NODES`` for
+per-worker trees): the least-sampled frames are folded into their callers, whose own
+samples grow by as much, so totals stay exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zstandard
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session
+
+from hindsight.schema import ProfileEvent
+from storage import models as m
+from storage.blobs import BlobStore
+from storage.ingest import decode_stored
+
+logger = logging.getLogger(__name__)
+
+MAX_NODES = 5000
+MAX_WORKER_NODES = 1000
+#: Worker batches received this long before a run's first or after its last batch are
+#: read for its profile (agents ship a cycle within a few seconds; a spool later).
+WINDOW_SLACK_S = 60.0
+#: Runs merged at most by a cross-run profile.
+MAX_RUNS = 1000
+ZSTD_LEVEL = 3
+
+FrameKey = tuple[str, str, int]  # function name, filename, first line
+
+
+class Node:
+    """A frame in a call tree: samples with it on the stack, and its callees."""
+
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[FrameKey, Node] = {}
+
+
+@dataclass
+class Profile:
+    """A call tree. ``root.count`` is every sample; ``lines`` keeps, per frame, a sampled
+    line number and its source text for display."""
+
+    root: Node = field(default_factory=Node)
+    lines: dict[FrameKey, tuple[int, str]] = field(default_factory=dict)
+    interval: float = 0.01
+
+    @property
+    def samples(self) -> int:
+        return self.root.count
+
+    def size(self) -> int:
+        n, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            n += len(node.children)
+            stack.extend(node.children.values())
+        return n
+
+
+# -- building -------------------------------------------------------------------------
+def add_flat(
+    p: Profile,
+    frames: list[tuple[str, str, int, int, str]],
+    nodes: list[tuple[int, int, int]],
+) -> bool:
+    """Add a flat pre-order tree (frames as (name, filename, first_line, line_number,
+    line); nodes as (parent, frame, samples)). A malformed tree (a parent that is not an
+    earlier node, a frame out of range) is skipped whole; returns whether it was added."""
+    n_frames = len(frames)
+    for i, (parent, f, c) in enumerate(nodes):
+        if not (-1 <= parent < i) or not (0 <= f < n_frames) or c < 0:
+            return False
+    placed: list[Node] = []
+    root = p.root
+    lines = p.lines
+    for parent, f, c in nodes:
+        name, filename, first, line_number, line = frames[f]
+        key = (name, filename, first)
+        up = root if parent < 0 else placed[parent]
+        child = up.children.get(key)
+        if child is None:
+            child = up.children[key] = Node()
+            if key not in lines:
+                lines[key] = (line_number, line)
+        child.count += c
+        if parent < 0:
+            root.count += c
+        placed.append(child)
+    return True
+
+
+def add_event(p: Profile, ev: ProfileEvent) -> bool:
+    """Add one ``profile`` event's tree."""
+    p.interval = ev.interval
+    frames = [(f.name, f.filename, f.first_line, f.line_number, f.line) for f in ev.frames]
+    return add_flat(p, frames, ev.nodes)  # type: ignore[arg-type]
+
+
+def merge_into(dst: Profile, src: Profile) -> None:
+    """Add ``src``'s samples to ``dst``."""
+    dst.root.count += src.root.count
+    for key, info in src.lines.items():
+        dst.lines.setdefault(key, info)
+    stack = [(dst.root, src.root)]
+    while stack:
+        d, s = stack.pop()
+        for key, sc in s.children.items():
+            dc = d.children.get(key)
+            if dc is None:
+                dc = d.children[key] = Node()
+            dc.count += sc.count
+            if sc.children:
+                stack.append((dc, sc))
+
+
+def prune(p: Profile, max_nodes: int) -> None:
+    """Keep at most ``max_nodes`` nodes: the least-sampled frames are folded into their
+    callers (a callee never has more samples than its caller, so a count threshold keeps
+    every kept node's callers)."""
+    counts: list[int] = []
+    stack = [p.root]
+    while stack:
+        node = stack.pop()
+        for c in node.children.values():
+            counts.append(c.count)
+            stack.append(c)
+    if len(counts) <= max_nodes:
+        return
+    threshold = sorted(counts, reverse=True)[max_nodes - 1]
+    budget = max_nodes - sum(1 for c in counts if c > threshold)
+    # Pre-order walk, children in order of samples: ties at the threshold are kept first
+    # come, first served until the budget is spent.
+    stack = [p.root]
+    while stack:
+        node = stack.pop()
+        kept: dict[FrameKey, Node] = {}
+        for key, c in sorted(node.children.items(), key=lambda kv: -kv[1].count):
+            if c.count > threshold or (c.count == threshold and budget > 0):
+                if c.count == threshold:
+                    budget -= 1
+                kept[key] = c
+        node.children = kept
+        stack.extend(reversed(kept.values()))
+    used = {k for k in _keys(p.root)}
+    p.lines = {k: v for k, v in p.lines.items() if k in used}
+
+
+def _keys(root: Node) -> Iterator[FrameKey]:
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield from node.children
+        stack.extend(node.children.values())
+
+
+# -- storage ----------------------------------------------------------------------------
+class _Stored(msgspec.Struct, array_like=True, gc=False):
+    interval: float
+    frames: list[tuple[str, str, int, int, str]]
+    nodes: list[tuple[int, int, int]]
+
+
+_stored_decoder = msgspec.json.Decoder(_Stored)
+_encoder = msgspec.json.Encoder()
+
+
+def flatten(p: Profile) -> tuple[list[tuple[str, str, int, int, str]], list[tuple[int, int, int]]]:
+    """The tree as pre-order (frames, nodes), children by samples, most first."""
+    frames: list[tuple[str, str, int, int, str]] = []
+    frame_ids: dict[FrameKey, int] = {}
+    nodes: list[tuple[int, int, int]] = []
+    stack: list[tuple[FrameKey, Node, int]] = [
+        (k, c, -1) for k, c in sorted(p.root.children.items(), key=lambda kv: kv[1].count)
+    ]
+    while stack:
+        key, node, parent = stack.pop()
+        f = frame_ids.get(key)
+        if f is None:
+            f = frame_ids[key] = len(frames)
+            line_number, line = p.lines.get(key, (0, ""))
+            frames.append((key[0], key[1], key[2], line_number, line))
+        i = len(nodes)
+        nodes.append((parent, f, node.count))
+        stack.extend(
+            (k, c, i) for k, c in sorted(node.children.items(), key=lambda kv: kv[1].count)
+        )
+    return frames, nodes
+
+
+def encode(p: Profile) -> bytes:
+    frames, nodes = flatten(p)
+    body = _encoder.encode(_Stored(p.interval, frames, nodes))
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(body)
+
+
+def decode_into(p: Profile, data: bytes) -> None:
+    """Add a stored tree to ``p`` (merging many stored trees never builds each one)."""
+    stored = _stored_decoder.decode(zstandard.ZstdDecompressor().decompress(data))
+    p.interval = stored.interval
+    add_flat(p, stored.frames, stored.nodes)
+
+
+def decode(data: bytes) -> Profile:
+    p = Profile()
+    decode_into(p, data)
+    return p
+
+
+# -- a run's profile ----------------------------------------------------------------------
+@dataclass
+class RunProfiles:
+    """A run's trees by (prefix, worker), before the merged rows are derived."""
+
+    trees: dict[tuple[str, str], Profile] = field(default_factory=dict)
+    events: int = 0
+
+
+def windows(tasks: Any) -> dict[tuple[str, str], tuple[float, float]]:
+    """Per (worker, prefix): the first compute start and last compute stop of a run's
+    tasks (``tasks`` is the run's Arrow table, as ``storage.runfile`` builds it)."""
+    import pyarrow.compute as pc
+
+    t = tasks.select(["worker", "prefix", "compute_start", "compute_stop"])
+    t = t.filter(pc.is_valid(t["compute_start"]))
+    if t.num_rows == 0:
+        return {}
+    g = t.group_by(["worker", "prefix"]).aggregate(
+        [("compute_start", "min"), ("compute_stop", "max")]
+    )
+    return {
+        (w or "", p or ""): (lo, hi)
+        for w, p, lo, hi in zip(
+            g["worker"].to_pylist(),
+            g["prefix"].to_pylist(),
+            g["compute_start_min"].to_pylist(),
+            g["compute_stop_max"].to_pylist(),
+            strict=True,
+        )
+    }
+
+
+def attribute(
+    windows_: dict[tuple[str, str], tuple[float, float]], events: Iterable[Any]
+) -> RunProfiles:
+    """The run's trees from ``events`` (any events; profile events whose cycle overlaps
+    the run's window for their worker and prefix are taken)."""
+    out = RunProfiles()
+    for ev in events:
+        if type(ev) is not ProfileEvent:
+            continue
+        w = windows_.get((ev.worker, ev.prefix))
+        if w is None or ev.start > w[1] or ev.stop < w[0]:
+            continue
+        key = (ev.prefix, ev.worker)
+        tree = out.trees.get(key)
+        if tree is None:
+            tree = out.trees[key] = Profile(interval=ev.interval)
+        if add_event(tree, ev):
+            out.events += 1
+    return out
+
+
+def rows(run_id: int, built: RunProfiles, tag: str) -> list[dict[str, Any]]:
+    """The ``run_profiles`` rows of a run: per (prefix, worker), per prefix, and the run."""
+    by_prefix: dict[str, Profile] = {}
+    whole = Profile()
+    out = []
+
+    def row(prefix: str, worker: str, p: Profile, max_nodes: int) -> dict[str, Any]:
+        prune(p, max_nodes)
+        return {
+            "run_id": run_id,
+            "prefix": prefix,
+            "worker": worker,
+            "samples": p.samples,
+            "nodes": p.size(),
+            "interval": p.interval,
+            "tag": tag,
+            "data": encode(p),
+        }
+
+    for (prefix, worker), tree in sorted(built.trees.items()):
+        merged = by_prefix.get(prefix)
+        if merged is None:
+            merged = by_prefix[prefix] = Profile(interval=tree.interval)
+        merge_into(merged, tree)
+        merge_into(whole, tree)
+        whole.interval = tree.interval
+        out.append(row(prefix, worker, tree, MAX_WORKER_NODES))
+    for prefix, tree in by_prefix.items():
+        out.append(row(prefix, "", tree, MAX_NODES))
+    out.append(row("", "", whole, MAX_NODES))
+    return out
+
+
+def _worker_batches(db: Session, run: m.Run) -> list[tuple[int, str]]:
+    """(id, blob key) of the session's worker batches received in the run's window."""
+    return list(
+        db.execute(
+            select(m.Batch.id, m.Batch.blob_key)
+            .join(m.Agent, m.Agent.id == m.Batch.agent_id)
+            .where(
+                m.Agent.session_id == run.session_id,
+                m.Agent.name.like("worker-%"),
+                m.Batch.received_at >= run.first_seen - WINDOW_SLACK_S,
+                m.Batch.received_at <= run.last_seen + WINDOW_SLACK_S,
+            )
+            .order_by(m.Batch.id)
+        ).tuples()
+    )
+
+
+def inputs_tag(db: Session, run: m.Run, batches: list[tuple[int, str]]) -> str:
+    """The version of what a run's profile is built from: its own batches (their count
+    and highest id) and the worker batches in its window."""
+    n, hi = db.execute(
+        select(func.count(), func.max(m.RunBatch.batch_id)).where(m.RunBatch.run_id == run.id)
+    ).one()
+    return f"{n}-{hi or 0}/{len(batches)}-{batches[-1][0] if batches else 0}"
+
+
+def build(
+    run_id: int, tasks: Any, events: Iterable[Any], tag: str
+) -> tuple[RunProfiles, list[dict[str, Any]]]:
+    """A run's profile rows from its task table and candidate events."""
+    built = attribute(windows(tasks), events)
+    return built, rows(run_id, built, tag)
+
+
+def store(db: Session, run_id: int, new_rows: list[dict[str, Any]]) -> None:
+    """Replace a run's stored profile (the caller owns the transaction)."""
+    db.execute(delete(m.RunProfile).where(m.RunProfile.run_id == run_id))
+    if new_rows:
+        db.execute(m.RunProfile.__table__.insert(), new_rows)
+
+
+def finish(fr: Any) -> None:
+    """Finisher (``storage.finish``): build and store a finished run's profile.
+    Idempotent: the rows are replaced whole."""
+    batches = _worker_batches(fr.db, fr.run)
+    events = (ev for batch in fr.batches() for ev in batch.events)
+    _built, new_rows = build(fr.run.id, fr.data().tasks, events, inputs_tag(fr.db, fr.run, batches))
+    store(fr.db, fr.run.id, new_rows)
+
+
+def _events(blobs: BlobStore, batches: list[tuple[int, str]]) -> Iterator[Any]:
+    for _id, key in batches:
+        try:
+            batch = decode_stored(blobs.get(key))
+        except FileNotFoundError:
+            continue  # removed by retention since the index was read
+        yield from batch.events
+
+
+def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], Any] | None:
+    """The run's stored profile rows by (prefix, worker) without their data, building
+    them first if they are missing or stale. A running run's profile is built but not
+    stored: None then, and :func:`load` builds it in memory."""
+    from storage import runfile
+
+    batches = _worker_batches(db, run)
+    tag = inputs_tag(db, run, batches)
+    have = {
+        (p, w): (samples, t)
+        for p, w, samples, t in db.execute(
+            select(
+                m.RunProfile.prefix, m.RunProfile.worker, m.RunProfile.samples, m.RunProfile.tag
+            ).where(m.RunProfile.run_id == run.id)
+        ).tuples()
+    }
+    marker = have.get(("", ""))
+    if marker is not None and marker[1] == tag:
+        return have
+    if run.status == "running":
+        return None
+    data = runfile.load_run(db, blobs, run)
+    _built, new_rows = build(run.id, data.tasks, _events(blobs, batches), tag)
+    # Derived data, written in its own transaction (as a finisher would): the caller's
+    # session stays a reader.
+    try:
+        with Session(db.get_bind()) as writer, writer.begin():
+            store(writer, run.id, new_rows)
+    except (IntegrityError, DBAPIError):
+        # Another request stored it at the same time, or the index is busy: the rows
+        # built here are as good; they are stored next time.
+        logger.info("profile of run %s not stored (concurrent build)", run.public_id)
+    return {(r["prefix"], r["worker"]): (r["samples"], tag) for r in new_rows}
+
+
+def load(
+    db: Session, blobs: BlobStore, run: m.Run, prefix: str | None = None, worker: str | None = None
+) -> Profile:
+    """A run's profile, optionally of one prefix and/or one worker."""
+    have = ensure(db, blobs, run)
+    if have is None:  # running: built in memory from what has arrived so far
+        from storage import runfile
+
+        batches = _worker_batches(db, run)
+        built = attribute(windows(runfile.load_run(db, blobs, run).tasks), _events(blobs, batches))
+        out = Profile()
+        for (p, w), tree in built.trees.items():
+            if (prefix is None or p == prefix) and (worker is None or w == worker):
+                merge_into(out, tree)
+                out.interval = tree.interval
+        return out
+    P = m.RunProfile
+    if worker is None:
+        where = [P.prefix == (prefix or ""), P.worker == ""]
+    elif prefix is not None:
+        where = [P.prefix == prefix, P.worker == worker]
+    else:
+        where = [P.prefix != "", P.worker == worker]
+    out = Profile()
+    for (data,) in db.execute(select(P.data).where(P.run_id == run.id, *where)).tuples():
+        decode_into(out, data)
+    return out
+
+
+@dataclass
+class Merged:
+    """A profile merged over runs: the tree, how many runs it holds, and whether more
+    runs matched than were merged (the newest ``limit`` are)."""
+
+    profile: Profile
+    runs: int
+    truncated: bool
+
+
+def across_runs(
+    db: Session,
+    tenant_id: int,
+    *,
+    prefix: str | None = None,
+    name: str | None = None,
+    cluster: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int = MAX_RUNS,
+) -> Merged:
+    """The merged profile of ``prefix`` (or of whole runs) over the runs started in
+    ``[since, until)``, optionally only those named ``name`` or of ``cluster``: one stored
+    tree per run, newest runs first."""
+    P, R = m.RunProfile, m.Run
+    q = (
+        select(P.data)
+        .join(R, R.id == P.run_id)
+        .where(R.tenant_id == tenant_id, P.prefix == (prefix or ""), P.worker == "")
+    )
+    if name is not None:
+        q = q.where(R.name == name)
+    if cluster is not None:
+        q = q.join(m.Cluster, m.Cluster.id == R.cluster_id).where(m.Cluster.name == cluster)
+    if since is not None:
+        q = q.where(R.started_at >= since)
+    if until is not None:
+        q = q.where(R.started_at < until)
+    found = db.execute(q.order_by(R.started_at.desc(), R.id.desc()).limit(limit + 1)).all()
+    out = Profile()
+    for (data,) in found[:limit]:
+        decode_into(out, data)
+    return Merged(out, min(len(found), limit), len(found) > limit)
