@@ -27,7 +27,7 @@ def run_activity(db: Session, run_id: int) -> dict[str, Any]:
         select(A.context, A.prefix, A.activity, A.unit, A.value, A.time)
         .where(A.run_id == run_id)
         .order_by(A.context, A.prefix, A.activity, A.unit)
-    ).tuples()
+    )
     activity = []
     totals: dict[tuple[str, str], float] = {}
     latest = None
@@ -96,7 +96,7 @@ def history(
     if prefix is not None:
         q = q.where(A.prefix == prefix)
     per_slot: dict[int, dict[str, Any]] = {}
-    for s, activity, total, n in db.execute(q).tuples():
+    for s, activity, total, n in db.execute(q):
         point = per_slot.setdefault(int(s), {"time": int(s) * width, "runs": 0, "activity": {}})
         point["runs"] = max(point["runs"], int(n))
         point["activity"][activity] = {"total": total}

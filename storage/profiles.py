@@ -330,7 +330,7 @@ def _worker_batches(db: Session, run: m.Run) -> list[tuple[int, str]]:
                 m.Batch.received_at <= run.last_seen + WINDOW_SLACK_S,
             )
             .order_by(m.Batch.id)
-        ).tuples()
+        )
     )
 
 
@@ -390,7 +390,7 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], A
             select(
                 m.RunProfile.prefix, m.RunProfile.worker, m.RunProfile.samples, m.RunProfile.tag
             ).where(m.RunProfile.run_id == run.id)
-        ).tuples()
+        )
     }
     marker = have.get(("", ""))
     if marker is not None and marker[1] == tag:
@@ -435,7 +435,7 @@ def load(
     else:
         where = [P.prefix != "", P.worker == worker]
     out = Profile()
-    for (data,) in db.execute(select(P.data).where(P.run_id == run.id, *where)).tuples():
+    for (data,) in db.execute(select(P.data).where(P.run_id == run.id, *where)):
         decode_into(out, data)
     return out
 

@@ -21,5 +21,5 @@ def run_code(db: Session, run_id: int) -> list[dict[str, Any]]:
         .where(m.RunCode.run_id == run_id)
         .order_by(m.RunCode.time, m.RunCode.digest)
         .limit(MAX_SUBMISSIONS)
-    ).tuples()
+    )
     return [{"time": t, "frames": frames} for t, frames in rows]

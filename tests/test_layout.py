@@ -74,4 +74,4 @@ def test_example_batch_is_valid_and_has_every_event_kind():
     batch = decode_batch((ROOT / "docs" / "examples" / "batch.json").read_bytes())
     kinds = {type(e).__name__ for e in batch.events}
     assert kinds == {"SessionEvent", "WorkerEvent", "RunEvent", "GraphEvent", "TaskEvent", "MetricEvent",
-                     "LogEvent", "CustomEvent"}  # fmt: skip
+                     "LogEvent", "CustomEvent", "ProfileEvent", "ActivityEvent", "CodeEvent"}  # fmt: skip

@@ -269,6 +269,103 @@ PATHS = {
     ),
 }
 
+# -- why a run was slow (issue 9): profiles and fine performance metrics
+_profile_format = _q(
+    "format",
+    {"type": "string", "enum": ["json", "collapsed", "speedscope"], "default": "json"},
+    "json: the call tree and the hottest functions; collapsed: folded stacks "
+    "(`frame;frame;frame COUNT` a line, for flamegraph.pl, speedscope, inferno), as "
+    "text/plain; speedscope: speedscope's JSON file format",
+)
+_frame_props = {
+    "name": {"type": "string"},
+    "filename": {"type": "string"},
+    "first_line": {"type": "integer"},
+    "line_number": {"type": "integer"},
+    "line": {"type": "string"},
+}
+_tree = {
+    "type": "object",
+    "description": "a frame: samples with it on the stack (`samples`), of its own (`self`), "
+    "and its callees (`children`, most sampled first); the root is `all`",
+    "properties": {**_frame_props, "samples": {"type": "integer"}, "self": {"type": "integer"},
+                   "children": {"type": "array", "items": {"type": "object"}}},
+}  # fmt: skip
+_profile = {
+    "type": "object",
+    "properties": {
+        "samples": {"type": "integer"},
+        "interval": {"type": "number", "description": "seconds per sample"},
+        "seconds": {"type": "number"},
+        "top": {"type": "array", "items": {"type": "object", "properties": {
+            **_frame_props, "self": {"type": "integer"}, "samples": {"type": "integer"},
+            "self_seconds": {"type": "number"}}}},
+        "tree": _tree,
+    },
+}  # fmt: skip
+
+
+def _profile_op(
+    summary: str, params: list[dict[str, Any]], *extra: dict[str, Any]
+) -> dict[str, Any]:
+    op = _get(summary, [*params, _profile_format], _profile, *extra)
+    op["get"]["responses"]["200"]["content"]["text/plain"] = {"schema": {"type": "string"}}
+    return op
+
+
+_metric = {
+    "type": "object",
+    "properties": {k: {"type": "string"} for k in ("context", "prefix", "activity", "unit")}
+    | {"value": {"type": "number"}},
+}
+PATHS |= {
+    "/v1/runs/{run_id}/profile": _profile_op(
+        "The run's statistical profile (Dask's worker profiles, merged): call tree, hottest "
+        "functions; of one task prefix and/or one worker",
+        [_run_id, _q("prefix", _str(), "only tasks of this prefix"),
+         _q("worker", _str(), "only this worker address")],
+        _not_found,
+    ),
+    "/v1/runs/{run_id}/activity": _json(
+        "Dask's fine performance metrics of the run (its span's cumulative_worker_metrics, "
+        "as of the last heartbeat after it ended), and totals by activity and unit",
+        {"activity": {"type": "array", "items": _metric}, "totals": _arr,
+         "as_of": {"type": ["number", "null"]}},
+    ),
+    "/v1/profiles": _profile_op(
+        "The merged profile of a task prefix, or of a job's runs, over the runs started in a "
+        "window (newest `runs` runs)",
+        [_q("prefix", _str(), "the task prefix (without it: whole runs; then `name` is needed)"),
+         _q("name", _str(), "only runs of this job name"), _q("cluster", _str(128)),
+         _time("since", "runs started at or after"), _time("until", "runs started before"),
+         _q("runs", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1000},
+            "at most this many runs, newest first")],
+    ),
+    "/v1/compare/profile": _get(
+        "What changed in the hot path: run b's profile against run a's, frame by frame (samples "
+        "and share of each run's samples); `format=collapsed` gives `stack A B` lines "
+        "(flamegraph.pl's differential input)",
+        [_q("a", _str(64)), _q("b", _str(64)), _q("prefix", _str(), "one task prefix"),
+         _q("format", {"type": "string", "enum": ["json", "collapsed"], "default": "json"})],
+        {"type": "object", "properties": {"samples_a": {"type": "integer"},
+         "samples_b": {"type": "integer"}, "tree": _obj}},
+        _not_found,
+    ),
+    "/v1/history/activity": _get(
+        "Fine performance metrics over time: per hour or day of run start, the runs and per "
+        "activity the total and the mean per run (of a prefix, of a job name, or both)",
+        [_q("prefix", _str()), _q("name", _str(), "job name"),
+         _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "day"}),
+         _q("unit", _str(64), "seconds (default), bytes or count"),
+         _time("since", "runs started at or after"), _time("until", "runs started before"),
+         _q("cluster", _str(128))],
+        {"type": "object", "properties": {"points": _arr}},
+    ),
+}  # fmt: skip
+PATHS["/v1/compare/profile"]["get"]["responses"]["200"]["content"]["text/plain"] = {
+    "schema": {"type": "string"}
+}
+
 RUN = {
     "type": "object",
     "properties": {

@@ -285,11 +285,13 @@ def cluster_history() -> Any:
 PROFILE_FORMATS = ("json", "collapsed", "speedscope")
 
 
-def _profile_answer(p: profiles.Profile, name: str, fmt: str, **extra: Any) -> Any:
+def _profile_answer(p: profiles.Profile, title: str, fmt: str, **extra: Any) -> Any:
     if fmt == "collapsed":
         return Response(flame.collapsed(p), mimetype="text/plain")
     if fmt == "speedscope":
-        return Response(msgspec.json.encode(flame.speedscope(p, name)), mimetype="application/json")
+        return Response(
+            msgspec.json.encode(flame.speedscope(p, title)), mimetype="application/json"
+        )
     return flame.summary(p, **extra)
 
 

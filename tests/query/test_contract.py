@@ -53,14 +53,16 @@ def test_every_route_answers_only_the_callers_tenant(apps, make_token):
     (run,) = query.get("/v1/runs", headers=auth(alice)).json["runs"]
     for path in run_routes(app):
         url = fill(path, run["id"])
-        if path == "/v1/compare":
+        if path in ("/v1/compare", "/v1/compare/profile"):
             url += f"?a={run['id']}&b={run['id']}"
+        if path == "/v1/profiles":
+            url += "?prefix=inc"
         if path == "/v1/history/prefixes":
             url += "?prefix=inc&bucket=day"
         mine = query.get(url, headers=auth(alice))
         assert mine.status_code == 200, (url, mine.data[:300])
         theirs = query.get(url, headers=auth(bob))
-        if "{run_id}" in path or path == "/v1/compare":
+        if "{run_id}" in path or path in ("/v1/compare", "/v1/compare/profile"):
             assert theirs.status_code == 404 and theirs.json["error"]["code"] == "not_found", url
         else:
             body = theirs.json

@@ -8,6 +8,7 @@ the same port.
 from __future__ import annotations
 
 import gzip
+import json
 import threading
 import time
 from collections import deque
@@ -21,13 +22,14 @@ from hindsight.schema import Batch, decode_batch
 
 
 class FakeCollector:
-    """Records accepted batches; answers from ``script`` (then 202), or ``rule(batch)``."""
+    """Records accepted batches; answers from ``script`` (then 202), or ``rule(batch)``.
+    An answer is ``(status, headers)`` or ``(status, headers, error message)``."""
 
     def __init__(self) -> None:
         self.accepted: list[Batch] = []
         self.requests: list[tuple[int, Batch | None]] = []
         self.script: deque[tuple[int, dict[str, str]]] = deque()
-        self.rule: Callable[[Batch], tuple[int, dict[str, str]] | None] | None = None
+        self.rule: Callable[[Batch], tuple[Any, ...] | None] | None = None
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self.port = 0
@@ -54,10 +56,12 @@ class FakeCollector:
                 elif encoding == "gzip":
                     body = gzip.decompress(body)
                 batch = decode_batch(body)
-                status, headers = collector._answer(batch)
+                status, headers, message = collector._answer(batch)
                 payload = b'{"batch_id": "x", "accepted": true, "duplicate": false}'
                 if status != 202:
-                    payload = b'{"error": {"code": "scripted", "message": "scripted answer"}}'
+                    payload = json.dumps(
+                        {"error": {"code": "scripted", "message": message}}
+                    ).encode()
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -78,18 +82,18 @@ class FakeCollector:
             self._server.server_close()
             self._server = None
 
-    def _answer(self, batch: Batch) -> tuple[int, dict[str, str]]:
+    def _answer(self, batch: Batch) -> tuple[int, dict[str, str], str]:
         with self._lock:
             answer = None
             if self.script:
                 answer = self.script.popleft()
             elif self.rule is not None:
                 answer = self.rule(batch)
-            status, headers = answer or (202, {})
+            status, headers, *message = answer or (202, {})
             self.requests.append((status, batch))
             if status == 202:
                 self.accepted.append(batch)
-            return status, headers
+            return status, headers, message[0] if message else "scripted answer"
 
     def events(self) -> list[Any]:
         with self._lock:

@@ -228,3 +228,31 @@ def test_forked_child_becomes_a_new_agent(collector, tmp_path):
     (child,) = set(by_agent) - {agent.name}
     assert by_agent[child] == [2]
     assert min(b.seq for b in collector.accepted if b.agent == child) == 0
+
+
+def test_a_collector_older_than_an_event_kind_gets_the_batch_without_it(collector, tmp_path):
+    """An older collector refuses a kind added later (400 naming ``$.events[i].kind``): the
+    batch goes again, same seq, without those events, and they are not sent any more."""
+    from hindsight.schema import ProfileEvent
+
+    def older(batch):
+        for i, e in enumerate(batch.events):
+            if isinstance(e, ProfileEvent):
+                return 400, {}, f"Invalid value 'profile' - at `$.events[{i}].kind`"
+        return None
+
+    collector.rule = older
+    profile = ProfileEvent(worker="w", prefix="p", start=1.0, stop=2.0, frames=[], nodes=[])
+    agent = make_agent(collector, tmp_path)
+    for i in range(5):
+        agent.add(ev(i))
+        agent.add(profile)
+    agent.flush()
+    for i in range(5, 10):
+        agent.add(ev(i))
+        agent.add(profile)
+    agent.close()
+    assert values(collector) == list(range(10))
+    assert [b.seq for b in collector.accepted] == list(range(len(collector.accepted)))
+    assert sum(1 for status, _ in collector.requests if status == 400) == 1
+    assert collector.accepted[-1].dropped == {"unsupported_kind": 10}
