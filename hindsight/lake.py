@@ -118,41 +118,84 @@ def latest_manifests(keys: Iterable[str]) -> dict[tuple[str, str, str], str]:
 #: (``storage/runfile.py``) after the run's identity; a test keeps them in step.
 COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     "tasks": (
-        ("run", "string"), ("session", "string"), ("key", "string"), ("prefix", "string"),
-        ("group", "string"), ("worker", "string"), ("thread", "int64"), ("status", "string"),
-        ("nbytes", "int64"), ("typename", "string"), ("exception", "string"),
-        ("traceback", "string"), ("start", "float64"), ("stop", "float64"),
-        ("compute_start", "float64"), ("compute_stop", "float64"), ("compute", "float64"),
-        ("transfer", "float64"), ("disk_read", "float64"), ("disk_write", "float64"),
+        ("run", "string"),
+        ("session", "string"),
+        ("key", "string"),
+        ("prefix", "string"),
+        ("group", "string"),
+        ("worker", "string"),
+        ("thread", "int64"),
+        ("status", "string"),
+        ("nbytes", "int64"),
+        ("typename", "string"),
+        ("exception", "string"),
+        ("traceback", "string"),
+        ("start", "float64"),
+        ("stop", "float64"),
+        ("compute_start", "float64"),
+        ("compute_stop", "float64"),
+        ("compute", "float64"),
+        ("transfer", "float64"),
+        ("disk_read", "float64"),
+        ("disk_write", "float64"),
         ("startstops", "string"),
     ),
     "metrics": (
-        ("run", "string"), ("session", "string"), ("worker", "string"), ("time", "float64"),
-        ("name", "string"), ("value", "float64"),
+        ("run", "string"),
+        ("session", "string"),
+        ("worker", "string"),
+        ("time", "float64"),
+        ("name", "string"),
+        ("value", "float64"),
     ),
     "runs": (
-        ("run", "string"), ("session", "string"), ("name", "string"), ("run_key", "string"),
-        ("status", "string"), ("started_at", "float64"), ("finished_at", "float64"),
-        ("task_start", "float64"), ("task_stop", "float64"), ("makespan", "float64"),
-        ("task_count", "int64"), ("error_count", "int64"), ("graph_count", "int64"),
-        ("nbytes", "int64"), ("compute", "float64"), ("transfer", "float64"),
-        ("disk_read", "float64"), ("disk_write", "float64"), ("workers", "int64"),
-        ("prefixes", "list<string>"), ("fingerprint", "string"), ("span", "list<string>"),
+        ("run", "string"),
+        ("session", "string"),
+        ("name", "string"),
+        ("run_key", "string"),
+        ("status", "string"),
+        ("started_at", "float64"),
+        ("finished_at", "float64"),
+        ("task_start", "float64"),
+        ("task_stop", "float64"),
+        ("makespan", "float64"),
+        ("task_count", "int64"),
+        ("error_count", "int64"),
+        ("graph_count", "int64"),
+        ("nbytes", "int64"),
+        ("compute", "float64"),
+        ("transfer", "float64"),
+        ("disk_read", "float64"),
+        ("disk_write", "float64"),
+        ("workers", "int64"),
+        ("prefixes", "list<string>"),
+        ("fingerprint", "string"),
+        ("span", "list<string>"),
         ("client", "string"),
     ),
     "streams": (
-        ("run", "string"), ("session", "string"), ("stream", "string"), ("time", "float64"),
-        ("worker", "string"), ("key", "string"), ("value", "string"), ("number", "float64"),
+        ("run", "string"),
+        ("session", "string"),
+        ("stream", "string"),
+        ("time", "float64"),
+        ("worker", "string"),
+        ("key", "string"),
+        ("value", "string"),
+        ("number", "float64"),
     ),
-}  # fmt: skip
+}
 
 
 def schema(table: str, with_partition: bool = False) -> Any:
     """The Arrow schema of ``table`` (with the partition columns appended if asked)."""
     import pyarrow as pa
 
-    types = {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(),
-             "list<string>": pa.list_(pa.string())}  # fmt: skip
+    types = {
+        "string": pa.string(),
+        "int64": pa.int64(),
+        "float64": pa.float64(),
+        "list<string>": pa.list_(pa.string()),
+    }
     fields_ = [pa.field(n, types[t]) for n, t in COLUMNS[table]]
     if with_partition:
         fields_ += [pa.field(n, pa.string()) for n in PARTITION_COLUMNS]

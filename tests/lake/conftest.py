@@ -99,11 +99,13 @@ def storage(stack: dict[str, Any]) -> Iterator[Storage]:
     engine.dispose()
 
 
-def lake_records(storage: Any, stack: dict[str, Any], tenant: str, table: str = "tasks",
-                 **filters: Any) -> list[dict[str, Any]]:  # fmt: skip
+def lake_records(
+    storage: Any, stack: dict[str, Any], tenant: str, table: str = "tasks", **filters: Any
+) -> list[dict[str, Any]]:
     """Rows of the lake read without the server (manifests + Parquet), as dicts."""
-    ds = layout.dataset(storage.settings.blob_url, table, tenant,
-                        endpoint_url=stack["s3_endpoint_url"], **filters)  # fmt: skip
+    ds = layout.dataset(
+        storage.settings.blob_url, table, tenant, endpoint_url=stack["s3_endpoint_url"], **filters
+    )
     expr = layout.Filters.from_kwargs(**filters).expression(table)
     return ds.to_table(filter=expr).to_pylist()
 
@@ -117,9 +119,13 @@ def tenant_runs(stack, make_token, storage):
 
     collector, query = collector_app(stack).test_client(), query_app(stack).test_client()
     token = make_token()
-    specs = [("prod", "s1", "r0", 0.0, "finished"), ("prod", "s1", "r1", 0.1, "erred"),
-             ("prod", "s2", "r2", 1.0, "finished"), ("dev", "s3", "r3", 1.0, "finished"),
-             ("dev", "s3", "r4", 2.0, None)]  # fmt: skip
+    specs = [
+        ("prod", "s1", "r0", 0.0, "finished"),
+        ("prod", "s1", "r1", 0.1, "erred"),
+        ("prod", "s2", "r2", 1.0, "finished"),
+        ("dev", "s3", "r3", 1.0, "finished"),
+        ("dev", "s3", "r4", 2.0, None),
+    ]
     seqs: dict[str, int] = {}
     for cluster, session, run, day, status in specs:
         t = T0 + day * DAY
@@ -128,17 +134,29 @@ def tenant_runs(stack, make_token, storage):
         seqs[session] += 1
         body["events"] += [
             {"kind": "metric", "worker": "tcp://w:1", "time": t + 1, "values": {"cpu": 50.0}},
-            {"kind": "custom", "stream": "rows-in", "time": t + 1, "value": 1000 * (1 + day),
-             "worker": "tcp://w:1", "run": run, "key": f"inc-{run}-0-0"},
-        ]  # fmt: skip
+            {
+                "kind": "custom",
+                "stream": "rows-in",
+                "time": t + 1,
+                "value": 1000 * (1 + day),
+                "worker": "tcp://w:1",
+                "run": run,
+                "key": f"inc-{run}-0-0",
+            },
+        ]
         if status == "erred":
             body["events"][1]["status"] = "erred"
             body["events"][1]["exception"] = "ValueError('boom')"
         assert post(collector, body, token=token).status_code == 202
     runs = query.get("/v1/runs?limit=100", headers=auth(token)).json["runs"]
     tenant = storage_tenant(storage, token)
-    return {"query": query, "collector": collector, "token": token, "tenant": tenant,
-            "runs": {r["name"].removeprefix("job-"): r for r in runs}}  # fmt: skip
+    return {
+        "query": query,
+        "collector": collector,
+        "token": token,
+        "tenant": tenant,
+        "runs": {r["name"].removeprefix("job-"): r for r in runs},
+    }
 
 
 def storage_tenant(storage: Any, token: str) -> str:

@@ -14,8 +14,12 @@ from storage import models as m
 from storage.reindex import reindex
 from tests.lake.conftest import finish_all, lake_records
 
-SORT = {"tasks": ("run", "key"), "metrics": ("run", "worker", "time", "name"), "runs": ("run",),
-        "streams": ("run", "stream", "time")}  # fmt: skip
+SORT = {
+    "tasks": ("run", "key"),
+    "metrics": ("run", "worker", "time", "name"),
+    "runs": ("run",),
+    "streams": ("run", "stream", "time"),
+}
 
 
 def snapshot(storage: Any, stack: dict[str, Any], tenant: str) -> dict[str, list[dict[str, Any]]]:
@@ -28,8 +32,11 @@ def snapshot(storage: Any, stack: dict[str, Any], tenant: str) -> dict[str, list
 
 
 def lake_blobs(storage: Any, tenant: str) -> list[str]:
-    return [k for t in (*layout.TABLES, "_manifests")
-            for k in storage.blobs.list(f"lake/v1/{t}/tenant={tenant}/")]  # fmt: skip
+    return [
+        k
+        for t in (*layout.TABLES, "_manifests")
+        for k in storage.blobs.list(f"lake/v1/{t}/tenant={tenant}/")
+    ]
 
 
 def test_retention_takes_removed_sessions_out_of_the_lake(stack, storage, tenant_runs):
@@ -83,9 +90,12 @@ def test_a_rebuilt_lake_equals_the_old_one(stack, storage, tenant_runs):
     assert sorted(lake_blobs(storage, tenant)) == files  # nothing was rewritten
     with storage.sessions() as db:
         n = db.scalar(
-            select(func.count()).select_from(m.LakeRun).join(m.Run, m.Run.id == m.LakeRun.run_id)
-            .join(m.Tenant, m.Tenant.id == m.Run.tenant_id).where(m.Tenant.name == tenant)
-        )  # fmt: skip
+            select(func.count())
+            .select_from(m.LakeRun)
+            .join(m.Run, m.Run.id == m.LakeRun.run_id)
+            .join(m.Tenant, m.Tenant.id == m.Run.tenant_id)
+            .where(m.Tenant.name == tenant)
+        )
         assert n == 4  # the index's catalog is back
     # 2. both are lost: the lake is rebuilt from the batches, row for row
     for key in lake_blobs(storage, tenant):

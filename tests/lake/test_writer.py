@@ -12,14 +12,25 @@ import pytest
 from sqlalchemy import func, select
 
 from hindsight import lake as layout
-from storage import lake
+from storage import lake, lakewrite
 from storage import models as m
 from tests.helpers import auth
 from tests.lake.conftest import DAY, finish_all, lake_records
 from tests.query.test_runs import T0
 
-RECORD_FIELDS = ("key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
-                 "startstops", "exception", "traceback")  # fmt: skip
+RECORD_FIELDS = (
+    "key",
+    "prefix",
+    "group",
+    "worker",
+    "thread",
+    "status",
+    "nbytes",
+    "typename",
+    "startstops",
+    "exception",
+    "traceback",
+)
 
 
 def as_task_record(row: dict[str, Any]) -> dict[str, Any]:
@@ -55,10 +66,13 @@ def test_finished_runs_land_in_their_day_with_the_route_records(stack, storage, 
     # one partition per cluster and day the runs started
     keys = list(storage.blobs.list(f"{layout.MANIFESTS}/tenant={tenant}/"))
     parts = {layout.parse_manifest_key(k)[1:3] for k in keys}
-    assert parts == {("prod", layout.day_of(T0)), ("prod", layout.day_of(T0 + DAY)),
-                     ("dev", layout.day_of(T0 + DAY))}  # fmt: skip
+    assert parts == {
+        ("prod", layout.day_of(T0)),
+        ("prod", layout.day_of(T0 + DAY)),
+        ("dev", layout.day_of(T0 + DAY)),
+    }
     # r0 and r1 share a sealed day: one file per table
-    first = lake.read_manifest(storage.blobs, tenant, "prod", layout.day_of(T0))
+    first = lakewrite.read_manifest(storage.blobs, tenant, "prod", layout.day_of(T0))
     assert sorted(first.runs) == sorted([runs["r0"]["id"], runs["r1"]["id"]])
     assert sorted(f.table for f in first.files) == sorted(layout.TABLES)
     # run summaries, metric samples and emitted values came along
@@ -85,7 +99,7 @@ def test_finished_runs_land_in_their_day_with_the_route_records(stack, storage, 
         assert sorted(files) == sorted(
             f.key
             for part in layout.latest_manifests(keys)
-            for f in lake.read_manifest(storage.blobs, *part).files
+            for f in lakewrite.read_manifest(storage.blobs, *part).files
         )
 
 
@@ -111,7 +125,9 @@ def manifest_seqs(storage: Any, tenant: str) -> dict[tuple[str, str], int]:
 # ---------------------------------------------------------------- commits on synthetic runs
 
 
-def synthetic(run: str, n: int, t0: float, tag: str = "v1", prefix: str = "load") -> lake.RunRows:
+def synthetic(
+    run: str, n: int, t0: float, tag: str = "v1", prefix: str = "load"
+) -> lakewrite.RunRows:
     """A run's lake rows made up directly (no batches): ``n`` tasks of one prefix."""
 
     def load() -> dict[str, Any]:
@@ -134,7 +150,7 @@ def synthetic(run: str, n: int, t0: float, tag: str = "v1", prefix: str = "load"
             tables[table] = pa_table(cols, schema)
         return tables
 
-    return lake.RunRows(run, "s", tag, load)
+    return lakewrite.RunRows(run, "s", tag, load)
 
 
 def pa_table(cols: dict[str, list[Any]], schema: Any) -> Any:
@@ -155,12 +171,12 @@ def partition(storage):
         cluster = m.Cluster(tenant_id=tenant_id, name="c", first_seen=T0, last_seen=T0)
         db.add(cluster)
         db.flush()
-        return lake.Partition(tenant, "c", layout.day_of(T0), tenant_id, cluster.id)
+        return lakewrite.Partition(tenant, "c", layout.day_of(T0), tenant_id, cluster.id)
 
 
-def commit(storage: Any, part: lake.Partition, **kwargs: Any) -> Any:
+def commit(storage: Any, part: lakewrite.Partition, **kwargs: Any) -> Any:
     with storage.sessions.begin() as db:
-        return lake.commit(db, storage.blobs, part, now=kwargs.pop("now", T0 + 3600), **kwargs)
+        return lakewrite.commit(db, storage.blobs, part, now=kwargs.pop("now", T0 + 3600), **kwargs)
 
 
 def task_keys(storage: Any, manifest: Any) -> list[str]:
@@ -187,7 +203,7 @@ def test_small_runs_of_a_day_merge_and_the_day_seals_into_one_file(storage, part
         most_files = max(most_files, len(tasks))
         assert sorted(task_keys(storage, manifest)) == sorted(expected)  # each run once
     # while the day runs: tiered merging keeps few files (not one per run) ...
-    assert 1 < most_files <= 2 * (lake.FANOUT - 1)
+    assert 1 < most_files <= 2 * (lakewrite.FANOUT - 1)
     assert manifest.seq == 24
     # ... and once it is over, one file per table
     sealed = commit(storage, partition, seal=True)
@@ -198,16 +214,17 @@ def test_small_runs_of_a_day_merge_and_the_day_seals_into_one_file(storage, part
     waiting = [r.key for r in sealed.removed]
     assert waiting and all(storage.blobs.exists(k) for k in waiting)
     with storage.sessions.begin() as db:
-        assert lake.vacuum(db, storage.blobs, now=T0 + 3600 + lake.GRACE_S - 1) == 0
-        assert lake.vacuum(db, storage.blobs, now=T0 + 7200 + lake.GRACE_S) == 1
+        assert lake.vacuum(db, storage.blobs, now=T0 + 3600 + lakewrite.GRACE_S - 1) == 0
+        assert lake.vacuum(db, storage.blobs, now=T0 + 7200 + lakewrite.GRACE_S) == 1
     assert not any(storage.blobs.exists(k) for k in waiting)
-    after = lake.read_manifest(storage.blobs, *partition.names)
+    after = lakewrite.read_manifest(storage.blobs, *partition.names)
     assert after.removed == [] and sorted(task_keys(storage, after)) == sorted(expected)
 
 
 def test_a_changed_run_replaces_its_rows_and_keeps_its_neighbours(storage, partition):
-    commit(storage, partition, add=[synthetic("a", 100, T0), synthetic("b", 100, T0 + 1)],
-           seal=True)  # fmt: skip
+    commit(
+        storage, partition, add=[synthetic("a", 100, T0), synthetic("b", 100, T0 + 1)], seal=True
+    )
     changed = commit(storage, partition, add=[synthetic("a", 150, T0, tag="v2")], seal=True)
     keys = task_keys(storage, changed)
     assert sorted(keys) == sorted([f"a-{i}" for i in range(150)] + [f"b-{i}" for i in range(100)])
@@ -231,10 +248,19 @@ def test_a_changed_run_replaces_its_rows_and_keeps_its_neighbours(storage, parti
 
 def test_a_writer_that_lost_its_lock_cannot_overwrite_a_commit(storage, partition):
     commit(storage, partition, add=[synthetic("a", 10, T0)])
-    base = lake.read_manifest(storage.blobs, *partition.names)
+    base = lakewrite.read_manifest(storage.blobs, *partition.names)
     # writer X prepares commit seq+1 from the base it read ...
-    stale, _ = lake._next_manifest(storage.blobs, partition, base, [synthetic("x", 10, T0)],
-                                   set(), None, T0 + 3600, lake.GRACE_S, False)  # fmt: skip
+    stale, _ = lakewrite._next_manifest(
+        storage.blobs,
+        partition,
+        base,
+        [synthetic("x", 10, T0)],
+        set(),
+        None,
+        T0 + 3600,
+        lakewrite.GRACE_S,
+        False,
+    )
     # ... while writer Y commits first
     won = commit(storage, partition, add=[synthetic("y", 10, T0)])
     assert won.seq == stale.seq
@@ -254,7 +280,7 @@ def test_concurrent_commits_to_one_partition_keep_every_run(storage, partition):
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(12)))
-    final = lake.read_manifest(storage.blobs, *partition.names)
+    final = lakewrite.read_manifest(storage.blobs, *partition.names)
     assert final.seq == 12 and len(final.runs) == 12
     assert sorted(task_keys(storage, final)) == sorted(
         f"r{i}-{j}" for i in range(12) for j in range(50)
