@@ -14,6 +14,7 @@ from collector.views import bp as collector_bp
 from services.common.openapi import document
 from services.common.web import make_app
 from services.dashboard.views import bp as dashboard_bp
+from services.query.lake import bp as lake_bp
 from services.query.openapi import OPENAPI as QUERY_OPENAPI
 from services.query.openapi import PATHS as QUERY_PATHS
 from services.query.views import bp as query_bp
@@ -28,7 +29,11 @@ OPENAPI = document(
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
     app = make_app(
-        __name__, config, [collector_bp, query_bp, dashboard_bp], OPENAPI, settings=settings
+        __name__,
+        config,
+        [collector_bp, query_bp, lake_bp, dashboard_bp],
+        OPENAPI,
+        settings=settings,
     )
     init_collector(app)
     return app

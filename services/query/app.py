@@ -8,6 +8,7 @@ from flask import Flask
 
 from services.common.web import make_app
 from services.dashboard.views import bp as dashboard_bp
+from services.query.lake import bp as lake_bp
 from services.query.openapi import OPENAPI
 from services.query.views import bp
 from storage.config import Settings
@@ -15,4 +16,4 @@ from storage.config import Settings
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
     """Build the query service app. ``config`` overrides environment settings."""
-    return make_app(__name__, config, [bp, dashboard_bp], OPENAPI, settings=settings)
+    return make_app(__name__, config, [bp, lake_bp, dashboard_bp], OPENAPI, settings=settings)

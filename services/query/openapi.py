@@ -366,6 +366,113 @@ PATHS["/v1/compare/profile"]["get"]["responses"]["200"]["content"]["text/plain"]
     "schema": {"type": "string"}
 }
 
+
+# ---------------------------------------------------------------- the history lake (docs/lake.md)
+
+_lake_table = {
+    "name": "table",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "enum": ["tasks", "metrics", "runs", "streams"]},
+}
+_many = lambda name, desc, n=1024: {  # noqa: E731
+    "name": name,
+    "in": "query",
+    "description": desc + " (repeat the parameter for several)",
+    "schema": {"type": "array", "items": {"type": "string", "maxLength": n}, "maxItems": 100},
+    "style": "form",
+    "explode": True,
+}
+_number = lambda name, desc: _q(name, {"type": "number"}, desc)  # noqa: E731
+_lake_filters = [
+    _many("cluster", "partitions of these clusters", 128),
+    _time("since", "rows overlapping the window from (tasks: stopped at or after)"),
+    _time("until", "rows overlapping the window to (tasks: started before)"),
+    _many("run", "rows of these runs (ids)", 64),
+    _many("session", "rows of these sessions"),
+    _many("prefix", "tasks: of these prefixes"),
+    _many("status", "tasks, runs: of these statuses", 32),
+    _many("worker", "tasks, metrics, streams: on these workers"),
+    _many("name", "metrics: these metric names; runs: these run names"),
+    _many("stream", "streams: these emit() streams", 256),
+    _many("key", "tasks, streams: these task keys", 4096),
+    _number("min_duration", "tasks: compute seconds at least"),
+    _number("max_duration", "tasks: compute seconds at most"),
+    _number("min_nbytes", "tasks, runs: bytes at least"),
+    _number("max_nbytes", "tasks, runs: bytes at most"),
+    _number("min_value", "metrics: value at least"),
+    _number("max_value", "metrics: value at most"),
+    _number("min_makespan", "runs: makespan at least (seconds)"),
+    _q("columns", _str(2048), "comma-separated columns (default: all, with cluster and day)"),
+]
+_lake_rows = _get(
+    "Rows of a lake table across runs and clusters: filters, columns, sort, limit. JSON (at "
+    "most 10,000 rows) or, with format=arrow|parquet, streamed Arrow IPC / Parquet of any size",
+    [
+        _lake_table,
+        *_lake_filters,
+        _q("sort", _str(64), "a column, '-' for descending (tasks: 'duration' is compute)"),
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1},
+            "description": "JSON: 1,000 by default, at most 10,000; sorted Arrow/Parquet: "
+            "at most 1,000,000; unsorted Arrow/Parquet: every row by default",
+        },
+        _q("format", {"type": "string", "enum": ["json", "arrow", "parquet"]}),
+    ],
+    {
+        "type": "object",
+        "properties": {
+            "table": {"type": "string"},
+            "rows": _arr,
+            "count": {"type": "integer"},
+            "truncated": {"type": "boolean"},
+            "scan": _obj,
+        },
+    },
+    {"404": error("no such lake table")},
+)
+_lake_rows["get"]["responses"]["200"]["content"].update(
+    {
+        "application/vnd.apache.arrow.stream": {"schema": {"type": "string", "format": "binary"}},
+        "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary"}},
+    }
+)
+_lake_file = _binary(
+    "One planned lake file's rows matching the filters, as Arrow IPC (a Dask partition's read)",
+    "application/vnd.apache.arrow.stream",
+    [
+        _lake_table,
+        {"name": "cluster", "in": "path", "required": True, "schema": _str(128)},
+        {"name": "day", "in": "path", "required": True, "schema": _str(10)},
+        {"name": "name", "in": "path", "required": True, "schema": _str(64)},
+        *_lake_filters,
+    ],
+)
+_lake_file["get"]["responses"]["404"] = error("no such lake file (or table)")
+PATHS.update(
+    {
+        "/v1/lake/{table}": _lake_rows,
+        "/v1/lake/{table}/files": _get(
+            "The plan of a lake scan: the files its filters keep (partition and statistics "
+            "pruning), each with its rows, bytes, and where to read it",
+            [_lake_table, *_lake_filters],
+            {
+                "type": "object",
+                "properties": {
+                    "table": {"type": "string"},
+                    "columns": {"type": "array"},
+                    "schema": {"type": "string", "description": "Arrow IPC schema, base64"},
+                    "files": _arr,
+                },
+            },
+            {"404": error("no such lake table")},
+        ),
+        "/v1/lake/{table}/files/{cluster}/{day}/{name}": _lake_file,
+    }
+)
+
 RUN = {
     "type": "object",
     "properties": {

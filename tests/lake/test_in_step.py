@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from sqlalchemy import delete, func, select
 
 from hindsight import lake as layout
@@ -106,6 +107,7 @@ def test_a_rebuilt_lake_equals_the_old_one(stack, storage, tenant_runs):
     assert snapshot(storage, stack, tenant) == before
 
 
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)
 def test_reconcile_drops_runs_the_index_no_longer_has(stack, storage, tenant_runs):
     tenant, runs = tenant_runs["tenant"], tenant_runs["runs"]
     finish_all(storage.sessions, storage.blobs, tenant)
