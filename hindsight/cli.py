@@ -233,5 +233,109 @@ def retention_apply(
     )
 
 
+@main.group()
+def spool() -> None:
+    """The agent's on-disk spool: batches that waited for the collector."""
+
+
+#: `spool push` exit status when batches are still on disk (collector unavailable or a
+#: directory in use): try again later (EX_TEMPFAIL).
+EXIT_RETRY_LATER = 75
+
+
+@spool.command("push")
+@click.argument("directory", required=False, type=click.Path(file_okay=False))
+@click.option("--url", default=None, help="Collector URL (else HINDSIGHT_URL).")
+@click.option("--token", default=None, help="Bearer token (else HINDSIGHT_TOKEN).")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to keep retrying while the collector is unavailable.",
+)
+def spool_push(directory: str | None, url: str | None, token: str | None, timeout: float) -> None:
+    """Deliver spooled batches by hand, e.g. from a volume kept after a batch job.
+
+    DIRECTORY is a spool root (one sub-directory per agent; default HINDSIGHT_SPOOL_DIR) or
+    one agent's directory.  Batches go out byte for byte under their original cluster,
+    session, agent and sequence numbers, in order; each is removed once the collector has
+    acknowledged it, so running this again is safe.  A directory whose agent is still
+    running is left alone.  Exit status: 0 everything was delivered; 1 some batches were
+    corrupted or refused and are lost; 75 some are still on disk (run it again).
+    """
+    import time
+
+    from hindsight.agent.adopt import deliver, read_meta, spool_directories, spooled, try_lock
+    from hindsight.agent.transport import Transport
+    from hindsight.config import load_settings
+
+    settings = load_settings({"url": url, "token": token})
+    if not settings.url:
+        raise click.UsageError("give --url or set HINDSIGHT_URL")
+    root = directory or settings.spool_dir
+    if not os.path.isdir(root):
+        raise click.ClickException(f"{root} is not a directory")
+    directories = spool_directories(root)
+    counts = {path: spooled(path) for path in directories}
+    total = sum(n for n, _ in counts.values())
+    click.echo(
+        f"{root}: {len(directories)} agent directories, {total} batches "
+        f"({sum(e for _, e in counts.values())} events) -> {settings.url}"
+    )
+    deadline = time.monotonic() + timeout
+    transport = Transport(settings.url, settings.token, settings.request_timeout)
+    sums = dict.fromkeys(("batches", "events", "corrupt", "rejected", "left", "busy"), 0)
+    try:
+        with click.progressbar(length=total, label="pushing", file=sys.stderr) as bar:
+            for path in directories:
+                name = os.path.basename(path)
+                meta = read_meta(path) or {}
+                try:
+                    lock = try_lock(path)
+                except OSError as exc:
+                    click.echo(f"  {name}: cannot lock ({exc}); pushing anyway", err=True)
+                    lock = None
+                else:
+                    if lock is None:
+                        click.echo(f"  {name}: in use by a running agent; left alone")
+                        sums["busy"] += counts[path][0]
+                        bar.update(counts[path][0])
+                        continue
+                try:
+                    done = deliver(path, transport, deadline=deadline, on_batch=bar.update)
+                finally:
+                    if lock is not None:
+                        lock.release()
+                recorded = meta.get("collector")
+                where = (
+                    f" (spooled for {recorded})" if recorded and recorded != settings.url else ""
+                )
+                line = f"  {name}: {done.batches} batches ({done.events} events) delivered{where}"
+                if done.corrupt_files:
+                    line += f"; {done.corrupt_files} corrupted files skipped ({done.corrupt_events} events)"
+                if done.rejected:
+                    line += f"; {done.rejected} refused ({done.rejected_events} events)"
+                if done.left:
+                    line += f"; {done.left} left on disk: {done.error or 'stopped'}"
+                click.echo(line)
+                sums["batches"] += done.batches
+                sums["events"] += done.events
+                sums["corrupt"] += done.corrupt_files
+                sums["rejected"] += done.rejected
+                sums["left"] += done.left
+    finally:
+        transport.close()
+    click.echo(
+        f"delivered {sums['batches']} of {total} batches ({sums['events']} events); "
+        f"{sums['corrupt']} corrupted files skipped, {sums['rejected']} refused, "
+        f"{sums['left'] + sums['busy']} left on disk"
+    )
+    if sums["left"] or sums["busy"]:
+        sys.exit(EXIT_RETRY_LATER)
+    if sums["corrupt"] or sums["rejected"]:
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

@@ -42,6 +42,9 @@ class Settings:
     spool_dir: str = field(default_factory=_default_spool_dir)
     #: Upper bound of the spool on disk; the oldest batches are dropped (and counted) past it.
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    #: Deliver the spool directories that agents which are gone left under ``spool_dir``
+    #: for the same collector URL and token (hindsight/agent/adopt.py).
+    adopt_spools: bool = True
     #: A batch is cut as soon as this many events are buffered.
     flush_events: int = 5000
     #: ... or at the latest this many seconds after the previous batch.
@@ -88,6 +91,7 @@ _ENV = {
     "cluster": "HINDSIGHT_CLUSTER",
     "spool_dir": "HINDSIGHT_SPOOL_DIR",
     "spool_max_bytes": "HINDSIGHT_SPOOL_MAX_BYTES",
+    "adopt_spools": "HINDSIGHT_ADOPT_SPOOLS",
     "flush_events": "HINDSIGHT_FLUSH_EVENTS",
     "flush_interval": "HINDSIGHT_FLUSH_INTERVAL",
     "buffer_events": "HINDSIGHT_BUFFER_EVENTS",

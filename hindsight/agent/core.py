@@ -6,6 +6,8 @@ Everything slow happens on the thread named ``hindsight-agent``: cutting batches
 encoding, zstd, HTTP, backoff sleeps and disk I/O.  Delivery is strictly in sequence
 order: batches that cannot be sent right away go to the spool, and once anything is
 spooled every newer batch queues behind it, so the collector sees ``seq`` in order.
+A second thread, ``hindsight-adopt``, delivers the spools that agents which are gone left
+behind (``hindsight/agent/adopt.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import random
 import re
 import threading
 import time
@@ -24,18 +25,16 @@ from typing import Any
 
 import msgspec
 
+from hindsight.agent.adopt import Adoption, DirLock, agent_meta, create_owned
 from hindsight.agent.buffer import EventBuffer, Item
 from hindsight.agent.spool import Spool, SpooledBatch
-from hindsight.agent.transport import Outcome, Transport
+from hindsight.agent.transport import Outcome, Transport, retry_delay
 from hindsight.config import Settings
 from hindsight.schema import LATER_KINDS, SCHEMA_VERSION, Batch, decode_batch
 from hindsight.sender import compress
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_BASE = 0.5
-BACKOFF_MAX = 30.0
-RETRY_AFTER_MAX = 300.0
 #: Batches kept in memory before the queue spills to the spool.
 OUTBOX_BATCHES = 4
 #: Seconds between two warnings about the same delivery problem.
@@ -101,6 +100,8 @@ class Agent:
         self._reported_dropped: dict[str, int] = {}
         self._outbox: deque[SpooledBatch] = deque()
         self._spool: Spool | None = None
+        self._spool_lock: DirLock | None = None
+        self.adoption: Adoption | None = None
         self._transport: Transport | None = None
         self._attempts = 0
         self._retry_at = 0.0
@@ -140,6 +141,9 @@ class Agent:
             thread = threading.Thread(target=self._run, name="hindsight-agent", daemon=True)
             self._thread = thread
             thread.start()
+            if self.settings.url and self.settings.adopt_spools:
+                self.adoption = Adoption(self.settings, own=self.name)
+                self.adoption.start()
 
     # -- control -------------------------------------------------------------------
     def flush(self, timeout: float = 10.0) -> bool:
@@ -178,6 +182,8 @@ class Agent:
                 return
             self._closed = True
             self._close_deadline = time.monotonic() + timeout
+            if self.adoption is not None:
+                self.adoption.stop()  # what it has not delivered waits for the next agent
             thread = self._thread
             if thread is None:
                 thread = threading.Thread(target=self._run, name="hindsight-agent", daemon=True)
@@ -230,6 +236,9 @@ class Agent:
         finally:
             if self._transport is not None:
                 self._transport.close()
+            if self._spool_lock is not None:
+                # Closed with batches left: they are another agent's to adopt from now on.
+                self._spool_lock.release()
             self._idle.set()
 
     def _has_backlog(self) -> bool:
@@ -298,7 +307,16 @@ class Agent:
 
     def _spool_or_memory(self) -> Spool:
         if self._spool is None:
-            directory = os.path.join(self.settings.spool_dir, self.name)
+            directory = None
+            meta = agent_meta(self.settings, self.session, self.name)
+            try:
+                directory, self._spool_lock = create_owned(self.settings.spool_dir, self.name, meta)
+            except OSError as exc:
+                logger.warning(
+                    "hindsight: spool directory %s unusable (%s); spooling in memory",
+                    os.path.join(self.settings.spool_dir, self.name),
+                    exc,
+                )
             self._spool = Spool(directory, self.settings.spool_max_bytes)
         return self._spool
 
@@ -446,11 +464,7 @@ class Agent:
     def _backoff(self, outcome: Outcome) -> None:
         self._attempts += 1
         self.stats["retries"] += 1
-        if outcome.retry_after is not None:
-            delay = min(outcome.retry_after, RETRY_AFTER_MAX)
-        else:
-            cap = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(self._attempts - 1, 16))
-            delay = random.uniform(cap / 2, cap)  # jitter: agents must not retry in step
+        delay = retry_delay(outcome, self._attempts)
         self._retry_at = time.monotonic() + delay
         self._warn(
             f"retry_{outcome.status}",

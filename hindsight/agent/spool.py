@@ -52,12 +52,36 @@ def _parse_name(name: str) -> tuple[int, int] | None:
         return None
 
 
+def read_file(path: str) -> SpooledBatch | None:
+    """One spool file, or ``None`` (logged) if it is unreadable, truncated or corrupted."""
+    parsed = _parse_name(os.path.basename(path))
+    if parsed is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        logger.warning("hindsight: cannot read spool file %s: %s", path, exc)
+        return None
+    if len(data) < _HEADER.size:
+        logger.warning("hindsight: skipping truncated spool file %s", path)
+        return None
+    magic, crc, length, encoding = _HEADER.unpack_from(data)
+    body = data[_HEADER.size :]
+    if magic != MAGIC or length != len(body) or zlib.crc32(body) != crc:
+        logger.warning("hindsight: skipping corrupted spool file %s", path)
+        return None
+    return SpooledBatch(parsed[0], body, parsed[1], encoding.rstrip(b"\0").decode())
+
+
 class Spool:
     """A FIFO of batch bodies bounded by ``max_bytes``, ordered by sequence number."""
 
     def __init__(self, directory: str | None, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.dropped: Counter[str] = Counter()
+        #: Files skipped because they were truncated or failed their checksum.
+        self.corrupt_files = 0
         self.directory: str | None = None
         self._index: dict[int, tuple[int, int]] = {}  # seq -> (events, size)
         self._memory: dict[int, SpooledBatch] = {}
@@ -140,27 +164,13 @@ class Spool:
             if batch is not None:
                 return batch
             self.dropped["spool_corrupt"] += events
+            self.corrupt_files += 1
             self.remove(seq)
         return None
 
     def _read(self, seq: int, events: int) -> SpooledBatch | None:
         assert self.directory is not None
-        path = os.path.join(self.directory, _file_name(seq, events))
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            logger.warning("hindsight: cannot read spool file %s: %s", path, exc)
-            return None
-        if len(data) < _HEADER.size:
-            logger.warning("hindsight: skipping truncated spool file %s", path)
-            return None
-        magic, crc, length, encoding = _HEADER.unpack_from(data)
-        body = data[_HEADER.size :]
-        if magic != MAGIC or length != len(body) or zlib.crc32(body) != crc:
-            logger.warning("hindsight: skipping corrupted spool file %s", path)
-            return None
-        return SpooledBatch(seq, body, events, encoding.rstrip(b"\0").decode())
+        return read_file(os.path.join(self.directory, _file_name(seq, events)))
 
     def remove(self, seq: int) -> None:
         """Forget the batch ``seq`` (after delivery, or when dropping it)."""
@@ -175,7 +185,8 @@ class Spool:
             os.unlink(os.path.join(self.directory, _file_name(seq, entry[0])))
 
     def remove_directory(self) -> None:
-        """Delete the (empty) spool directory, e.g. on a clean close."""
+        """Delete the (empty) spool directory, e.g. on a clean close (with its lock and
+        ``agent.json``: nothing is left for anyone to adopt)."""
         if self.directory is not None and not self._index:
             for name in os.listdir(self.directory):
                 with contextlib.suppress(OSError):

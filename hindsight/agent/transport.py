@@ -5,6 +5,7 @@ from __future__ import annotations
 import email.utils
 import http.client
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -17,6 +18,10 @@ logger = logging.getLogger(__name__)
 RETRYABLE = frozenset({429, 502, 503, 504})
 
 Verdict = Literal["ok", "retry", "too_large", "reject"]
+
+BACKOFF_BASE = 0.5
+BACKOFF_MAX = 30.0
+RETRY_AFTER_MAX = 300.0
 
 
 @dataclass
@@ -43,6 +48,15 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     except (TypeError, ValueError, IndexError):
         return None
     return max(0.0, when - (time.time() if now is None else now))
+
+
+def retry_delay(outcome: Outcome, attempts: int) -> float:
+    """Seconds to wait before attempt ``attempts + 1``: the collector's ``Retry-After``
+    (capped), else exponential backoff with jitter so agents do not retry in step."""
+    if outcome.retry_after is not None:
+        return min(outcome.retry_after, RETRY_AFTER_MAX)
+    cap = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** min(max(attempts, 1) - 1, 16))
+    return random.uniform(cap / 2, cap)
 
 
 class Transport:

@@ -45,6 +45,11 @@ class EmbeddedServer:
         self.http = requests.Session()
 
     def start(self) -> None:
+        self.launch()
+        self.wait_up()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to answer (see :meth:`wait_up`)."""
         log = open(self.data_dir.parent / f"serve-{self.port}.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hindsight.cli", "serve", "--data-dir", str(self.data_dir),
@@ -53,6 +58,7 @@ class EmbeddedServer:
         )  # fmt: skip
         log.close()
 
+    def wait_up(self) -> None:
         def up() -> bool:
             try:
                 return self.http.get(f"{self.url}/v1/runs", timeout=1).status_code == 200
