@@ -39,9 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hindsight.agent.spool import SUFFIX, Spool
+import msgspec
+
+from hindsight.agent.spool import SUFFIX, Spool, SpooledBatch
 from hindsight.agent.transport import Transport, retry_delay
 from hindsight.config import Settings
+from hindsight.schema import LATER_KINDS, decode_batch, encode_batch
+from hindsight.sender import compress
 
 try:
     import fcntl
@@ -238,12 +242,39 @@ class Delivery:
     #: Still on disk: the collector stayed unavailable, said stop, or we were stopped.
     left: int = 0
     left_events: int = 0
+    #: Events of kinds the collector is too old to know, left out of the batches sent.
+    unsupported_events: int = 0
     error: str = ""
 
     @property
     def complete(self) -> bool:
         """Every batch that was in the directory reached the collector."""
         return not (self.left or self.corrupt_files or self.rejected)
+
+
+def _unknown_later_kind(message: str) -> str | None:
+    from hindsight.agent.core import _UNKNOWN_KIND  # core imports this module
+
+    match = _UNKNOWN_KIND.search(message or "")
+    return match.group(1) if match and match.group(1) in LATER_KINDS else None
+
+
+def _without(batch: SpooledBatch, kinds: set[str], before: int) -> tuple[SpooledBatch, int] | None:
+    """``batch`` re-encoded without events of ``kinds``, same identity and ``seq``; the drop
+    count stays cumulative (``before`` were left out of earlier batches)."""
+    from hindsight.agent.core import _decompress, _kind
+
+    try:
+        decoded = decode_batch(_decompress(batch.body, batch.encoding))
+    except Exception:
+        return None
+    kept = [e for e in decoded.events if _kind(e) not in kinds]
+    removed = len(decoded.events) - len(kept)
+    dropped = dict(decoded.dropped)
+    dropped["unsupported_kind"] = dropped.get("unsupported_kind", 0) + before + removed
+    again = msgspec.structs.replace(decoded, events=kept, dropped=dropped)
+    body = compress(encode_batch(again), batch.encoding)
+    return SpooledBatch(batch.seq, body, len(kept), batch.encoding), removed
 
 
 def deliver(
@@ -259,12 +290,15 @@ def deliver(
     Retries 429/5xx and connection errors with the agent's backoff until ``deadline``
     (``time.monotonic()``) or ``stop``; skips and counts unreadable files; drops and counts
     batches the collector refuses (400, 413, ...: a gone agent's batch cannot be split or
-    re-sequenced); stops on 401/403/404/405.  The directory is removed once empty.
+    re-sequenced); stops on 401/403/404/405.  A collector older than the batches, which
+    refuses an event kind added to the protocol later, gets them without that kind (as the
+    agent itself does).  The directory is removed once empty.
     ``on_batch(n)`` is called as ``n`` more batch files are done with, for progress.
     """
     spool = Spool(directory, sys.maxsize)
     done = Delivery(directory)
     attempts = 0
+    unsupported: set[str] = set()
     while stop is None or not stop.is_set():
         corrupt_before = spool.corrupt_files
         batch = spool.peek()
@@ -272,12 +306,22 @@ def deliver(
             on_batch(spool.corrupt_files - corrupt_before)
         if batch is None:
             break
-        outcome = transport.post(batch.body, batch.encoding)
+        sent, removed = batch, 0
+        if unsupported:
+            stripped = _without(batch, unsupported, done.unsupported_events)
+            if stripped is not None:
+                sent, removed = stripped
+        outcome = transport.post(sent.body, sent.encoding)
+        kind = _unknown_later_kind(outcome.message) if outcome.status == 400 else None
+        if kind is not None and kind not in unsupported:
+            unsupported.add(kind)
+            continue
         if outcome.verdict == "ok":
             attempts = 0
             spool.remove(batch.seq)
             done.batches += 1
-            done.events += batch.events
+            done.events += sent.events
+            done.unsupported_events += removed
         elif outcome.verdict == "retry":
             attempts += 1
             delay = retry_delay(outcome, attempts)

@@ -93,6 +93,36 @@ def test_a_corrupted_orphan_file_is_skipped_and_counted(collector, tmp_path):
     assert not orphan.exists()
 
 
+def test_an_older_collector_gets_an_orphan_without_the_kinds_it_does_not_know(collector, tmp_path):
+    from hindsight.schema import ProfileEvent
+
+    profile = ProfileEvent(worker="w", prefix="p", start=1.0, stop=2.0, frames=[], nodes=[])
+    collector.rule = lambda b: (503, {})
+    agent = Agent(settings(collector, tmp_path, adopt_spools=False), session="s-gone", name="gone")
+    for i in range(20):
+        agent.add(CustomEvent(stream="gone", time=float(i), value=i))
+        agent.add(profile)
+    agent.close(timeout=0.3)
+
+    def older(batch: Any) -> Any:
+        for i, e in enumerate(batch.events):
+            if isinstance(e, ProfileEvent):
+                return 400, {}, f"Invalid value 'profile' - at `$.events[{i}].kind`"
+        return None
+
+    collector.rule = older
+    next_agent = adopter(collector, tmp_path)
+    assert next_agent.adoption.finished.wait(30)
+    next_agent.close()
+    (done,) = next_agent.adoption.deliveries
+    assert (done.batches, done.events, done.unsupported_events, done.complete) == (5, 20, 20, True)
+    batches = gone_batches(collector)
+    assert [b.seq for b in batches] == [0, 1, 2, 3, 4]
+    assert [e.value for b in batches for e in b.events] == list(range(20))
+    assert batches[-1].final and batches[-1].dropped == {"unsupported_kind": 20}
+    assert sum(1 for status, b in collector.requests if status == 400) == 1
+
+
 def test_orphans_of_another_collector_or_token_are_not_adopted(collector, tmp_path):
     orphan = make_orphan(collector, tmp_path, token="tenant-a")
     agent = adopter(collector, tmp_path, token="tenant-b")
