@@ -191,6 +191,64 @@ class Client:
         """Per cluster per hour or day: runs, tasks, errors, seconds."""
         return _pd().DataFrame(self.get("/v1/history/clusters", **params)["points"])
 
+    # ------------------------------------------------------------ why slow
+
+    def profile(
+        self,
+        run_id: str,
+        prefix: str | None = None,
+        worker: str | None = None,
+        format: str = "json",
+    ) -> Any:
+        """A run's statistical profile (of one prefix and/or worker). ``format="json"``
+        gives a dict: ``samples``, ``interval`` (seconds per sample), ``top`` (the hottest
+        functions) and ``tree`` (nested frames: ``name``, ``filename``, ``samples``,
+        ``self``, ``children``); ``"collapsed"`` folded-stack text for flamegraph.pl,
+        speedscope or inferno; ``"speedscope"`` speedscope's JSON."""
+        return self._profile(f"/v1/runs/{run_id}/profile", format, prefix=prefix, worker=worker)
+
+    def profiles(self, prefix: str | None = None, name: str | None = None, format: str = "json",
+                 **window: Any) -> Any:  # fmt: skip
+        """The merged profile of a prefix and/or of a job's runs over runs started in
+        ``since``/``until`` (also ``cluster``, ``runs``), in the formats of :meth:`profile`."""
+        return self._profile("/v1/profiles", format, prefix=prefix, name=name, **window)
+
+    def profile_diff(self, a: str, b: str, prefix: str | None = None) -> dict[str, Any]:
+        """Run ``b``'s profile against run ``a``'s: a tree of frames with samples and
+        share of each run (``a``, ``b``, ``share_a``, ``share_b``, ``delta``)."""
+        return self.get("/v1/compare/profile", a=a, b=b, prefix=prefix)
+
+    def _profile(self, path: str, format: str, **params: Any) -> Any:
+        if format == "collapsed":
+            with self._open(path, {**params, "format": format}) as resp:
+                return resp.read().decode()
+        return self.get(path, **params, format=format)
+
+    def activity(self, run_id: str) -> Any:
+        """Dask's fine performance metrics of a run: context, prefix, activity, unit,
+        value (e.g. seconds of ``thread-cpu`` of prefix ``read-parquet``). Totals by
+        activity are in ``df.attrs["totals"]``; pivot for seconds by activity and prefix:
+        ``df[df.unit == "seconds"].pivot_table("value", "prefix", "activity", "sum")``."""
+        body = self.get(f"/v1/runs/{run_id}/activity")
+        df = _pd().DataFrame(
+            body["activity"], columns=["context", "prefix", "activity", "unit", "value"]
+        )
+        df.attrs["totals"] = body["totals"]
+        return df
+
+    def activity_history(self, prefix: str | None = None, name: str | None = None,
+                         **params: Any) -> Any:  # fmt: skip
+        """Seconds by activity per hour or day of run start (``bucket``), of a prefix and/or
+        a job name: one row per time and activity, with ``runs``, ``total`` and ``mean``
+        (per run)."""
+        body = self.get("/v1/history/activity", prefix=prefix, name=name, **params)
+        rows = [
+            {"time": p["time"], "runs": p["runs"], "activity": a, **v}
+            for p in body["points"]
+            for a, v in p["activity"].items()
+        ]
+        return _pd().DataFrame(rows, columns=["time", "runs", "activity", "total", "mean"])
+
     def trace(self, run_id: str) -> dict[str, Any]:
         """The run as Chrome trace-event JSON (save it and open it in ui.perfetto.dev)."""
         return self.get(f"/v1/runs/{run_id}/trace")

@@ -411,18 +411,22 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], A
     return {(r["prefix"], r["worker"]): (r["samples"], tag) for r in new_rows}
 
 
+def _live(db: Session, blobs: BlobStore, run: m.Run) -> RunProfiles:
+    """A running run's trees, built in memory from what has arrived so far."""
+    from storage import runfile
+
+    tasks = runfile.load_run(db, blobs, run).tasks
+    return attribute(windows(tasks), _events(blobs, _worker_batches(db, run)))
+
+
 def load(
     db: Session, blobs: BlobStore, run: m.Run, prefix: str | None = None, worker: str | None = None
 ) -> Profile:
     """A run's profile, optionally of one prefix and/or one worker."""
     have = ensure(db, blobs, run)
-    if have is None:  # running: built in memory from what has arrived so far
-        from storage import runfile
-
-        batches = _worker_batches(db, run)
-        built = attribute(windows(runfile.load_run(db, blobs, run).tasks), _events(blobs, batches))
+    if have is None:
         out = Profile()
-        for (p, w), tree in built.trees.items():
+        for (p, w), tree in _live(db, blobs, run).trees.items():
             if (prefix is None or p == prefix) and (worker is None or w == worker):
                 merge_into(out, tree)
                 out.interval = tree.interval
@@ -483,3 +487,20 @@ def across_runs(
     for (data,) in found[:limit]:
         decode_into(out, data)
     return Merged(out, min(len(found), limit), len(found) > limit)
+
+
+def load_prefixes(db: Session, blobs: BlobStore, run: m.Run) -> dict[str, Profile]:
+    """A run's profile per task prefix (over all its workers)."""
+    have = ensure(db, blobs, run)
+    out: dict[str, Profile] = {}
+    if have is None:
+        for (prefix, _worker), tree in _live(db, blobs, run).trees.items():
+            merged = out.setdefault(prefix, Profile(interval=tree.interval))
+            merge_into(merged, tree)
+        return out
+    P = m.RunProfile
+    for prefix, data in db.execute(
+        select(P.prefix, P.data).where(P.run_id == run.id, P.prefix != "", P.worker == "")
+    ):
+        out[prefix] = decode(data)
+    return out

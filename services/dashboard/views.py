@@ -28,8 +28,8 @@ from sqlalchemy import func, select
 
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import ApiError, db, store
-from services.dashboard import plots
-from storage import analysis, queries, runfile
+from services.dashboard import plots, why_plots
+from storage import activity, analysis, flame, profiles, queries, runcode, runfile
 from storage import models as m
 from storage.queries import BadCursor, RunFilters
 from storage.tokens import Principal
@@ -210,7 +210,36 @@ def run_page(run_id: str) -> Any:
         dag_max=plots.DAG_MAX_NODES,
         live=detail["status"] == "running",
         refresh=_refresh_seconds(),
+        **why_slow(run),
     )
+
+
+def why_slow(run: m.Run) -> dict[str, Any]:
+    """The run page's profile flame graph, fine-performance-metrics view and code."""
+    trees = profiles.load_prefixes(db(), store().blobs, run)
+    whole = profiles.Profile()
+    for tree in trees.values():
+        profiles.merge_into(whole, tree)
+        whole.interval = tree.interval
+    hottest = [f for f in flame.top(whole, 10) if f["self"]]
+    merged = why_plots.by_prefix(trees)
+    act = activity.run_activity(db(), run.id)
+    return {
+        "profile": script_json(
+            why_plots.flame_graph(
+                merged,
+                "Profile: samples by task prefix and call stack "
+                "(click a frame to zoom in, reset to zoom out)",
+                "profile",
+            )
+        ),
+        "profile_samples": merged.samples,
+        "profile_seconds": merged.samples * merged.interval,
+        "hottest": hottest,
+        "activity_plot": script_json(why_plots.activity_chart(act["activity"])),
+        "activity_totals": [t for t in act["totals"] if t["unit"] == "seconds"],
+        "code": runcode.run_code(db(), run.id),
+    }
 
 
 def _refresh_seconds() -> float:
@@ -247,6 +276,8 @@ def compare_page() -> Any:
         a.name or a.run_key,
         b.name or b.run_key,
     )
+    diff = flame.diff(profiles.load(db(), store().blobs, a), profiles.load(db(), store().blobs, b))
+    title = "Profile of B against A: widths are B's samples; red where B spends a larger share, blue smaller"
     return render_template(
         "compare.html",
         a=queries.run_summary(a, ca, sa),
@@ -254,6 +285,7 @@ def compare_page() -> Any:
         cmp=result,
         streams=script_json(streams),
         stream_data=script_json(stream_data),
+        profile_diff=script_json(why_plots.diff_graph(diff, title, "profile-diff")),
     )
 
 
@@ -269,8 +301,24 @@ def history_page() -> Any:
     except ApiError as exc:
         return render_template("error.html", message=exc.message), 400
     rows = analysis.cluster_history(db(), p.tenant_id, bucket, since, until)
+    # Fine performance metrics of a prefix and/or a job over time (issue 9).
+    prefix, job = request.args.get("prefix") or None, request.args.get("name") or None
+    activity_plot = None
+    if prefix or job:
+        points = activity.history(db(), p.tenant_id, bucket=bucket, prefix=prefix, name=job,
+                                  since=since, until=until)  # fmt: skip
+        what = " of ".join(x for x in (prefix and f"prefix {prefix}", job and f"job {job}") if x)
+        activity_plot = why_plots.activity_history_chart(
+            points, f"Seconds per run by activity, {what}, per {bucket}"
+        )
     return render_template(
-        "history.html", rows=rows, bucket=bucket, plot=script_json(plots.cluster_history(rows))
+        "history.html",
+        rows=rows,
+        bucket=bucket,
+        plot=script_json(plots.cluster_history(rows)),
+        activity_plot=script_json(activity_plot),
+        prefix=prefix or "",
+        job=job or "",
     )
 
 

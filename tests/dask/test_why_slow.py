@@ -184,9 +184,11 @@ def test_cpu_bound_and_sleep_bound_prefixes_show_where_their_time_went(hindsight
     assert sleepy["thread-cpu"] < 0.2 < 1.8 < sleepy["thread-noncpu"]
     assert sleepy["thread-noncpu"] > sleepy["thread-cpu"]
     # The metrics of the last tasks came with a heartbeat after each run ended: the
-    # seconds of all 8 tasks are there, as much as their compute time in the task records.
+    # thread time of all 8 tasks is there, as much as their compute time in the task
+    # records (Dask measures both around the same call).
     for seconds, run_id in ((cpu, cpu_run), (sleepy, sleepy_run)):
-        assert sum(seconds.values()) == pytest.approx(compute_seconds(server, run_id), rel=0.05)
+        thread = seconds["thread-cpu"] + seconds["thread-noncpu"]
+        assert thread == pytest.approx(compute_seconds(server, run_id), rel=0.05)
     # A busy host makes a spinning thread wait for a core, which Dask counts as
     # thread-noncpu: the CPU-bound prefix is above its noncpu time whenever the host had a
     # core to give it (this shared host is often loaded far past its 2 cores).
@@ -269,3 +271,25 @@ def test_activity_history_of_a_prefix(hindsight_server, recorded):
     assert point["runs"] == 1
     assert point["activity"]["thread-cpu"]["total"] == pytest.approx(cpu["thread-cpu"])
     assert json.dumps(point)  # plain JSON
+
+
+def test_the_python_client_reads_profiles_and_activity(hindsight_server, recorded):
+    from hindsight import Client
+
+    c = Client(hindsight_server.url)
+    run_id = run_of(hindsight_server, recorded, "cpu-bound", 8)
+    tree = c.profile(run_id, prefix="burn_cpu")
+    assert tree["top"][0]["name"] == "burn_cpu"
+    folded = c.profile(run_id, prefix="burn_cpu", format="collapsed")
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in folded.splitlines()) == tree["samples"]
+    assert c.profile(run_id, format="speedscope")["profiles"][0]["type"] == "sampled"
+    df = c.activity(run_id)
+    seconds = df[df.unit == "seconds"].pivot_table("value", "prefix", "activity", "sum")
+    assert seconds.loc["burn_cpu", "thread-cpu"] == pytest.approx(2.0, abs=0.2)
+    assert {t["activity"] for t in df.attrs["totals"]} >= {"thread-cpu", "thread-noncpu"}
+    assert c.profiles(prefix="burn_cpu", cluster=recorded["cluster"])["runs"] == 1
+    sleepy = run_of(hindsight_server, recorded, "sleep-bound", 8)
+    assert c.profile_diff(sleepy, run_id)["samples_b"] == c.profile(run_id)["samples"]
+    hist = c.activity_history(prefix="burn_cpu", cluster=recorded["cluster"], bucket="day")
+    assert set(hist.columns) == {"time", "runs", "activity", "total", "mean"}
+    assert hist.set_index("activity").loc["thread-cpu", "total"] == pytest.approx(2.0, abs=0.2)
