@@ -47,8 +47,14 @@ class Client:
     # ------------------------------------------------------------ transport
 
     def _open(self, path: str, params: dict[str, Any] | None = None) -> Any:
-        query = {k: _param(v) for k, v in (params or {}).items() if v is not None}
-        url = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        query = {
+            k: [_param(x) for x in v] if isinstance(v, list | tuple) else _param(v)
+            for k, v in (params or {}).items()
+            if v is not None
+        }
+        url = f"{self.url}{path}" + (
+            f"?{urllib.parse.urlencode(query, doseq=True)}" if query else ""
+        )
         req = urllib.request.Request(url)
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
@@ -252,6 +258,89 @@ class Client:
     def trace(self, run_id: str) -> dict[str, Any]:
         """The run as Chrome trace-event JSON (save it and open it in ui.perfetto.dev)."""
         return self.get(f"/v1/runs/{run_id}/trace")
+
+    # ------------------------------------------------------------ the history lake
+
+    def lake(
+        self,
+        table: str = "tasks",
+        *,
+        columns: list[str] | None = None,
+        direct: bool = False,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        **filters: Any,
+    ) -> Any:
+        """A ``dask.dataframe`` of a lake table (tasks, metrics, runs, streams) across runs
+        and clusters, one partition per lake file the filters keep (docs/lake.md).
+
+        Filters: cluster, since, until, run, session, prefix, status, worker, name, stream,
+        key (a value or a list: any of them), min_/max_duration (compute seconds),
+        min_/max_nbytes, min_/max_value, min_makespan. Nothing is read until you compute;
+        on a Dask cluster every worker reads its partitions. Each partition is read
+        through the query service (your token, your tenant), or with ``direct=True``
+        straight from the blob store with the worker's own credentials (operators;
+        ``endpoint_url`` for MinIO and the like)."""
+        import dask.dataframe as dd
+
+        from hindsight import lake as _lake
+
+        f = _lake.Filters.from_kwargs(**filters)
+        params = {**f.params(), "columns": ",".join(columns) if columns else None}
+        plan = self.get(f"/v1/lake/{table}/files", **params)
+        meta = _lake_schema(plan["schema"]).empty_table().to_pandas()
+        if not plan["files"]:
+            return dd.from_pandas(meta, npartitions=1)
+        reader: Any
+        if direct:
+            reader = _lake.LocationPart(table, f, columns, endpoint_url, region)
+        else:
+            reader = _ServicePart(self.url, self.token, self.timeout, params)
+        return dd.from_map(reader, plan["files"], meta=meta, enforce_metadata=False)
+
+    def lake_rows(
+        self,
+        table: str = "tasks",
+        *,
+        columns: list[str] | None = None,
+        sort: str | None = None,
+        limit: int | None = None,
+        **filters: Any,
+    ) -> Any:
+        """Rows of a lake table as a pandas DataFrame, filtered, sorted and limited by the
+        query service: ``lake_rows(prefix="read_parquet", sort="-duration", limit=100)``
+        is the 100 slowest read_parquet tasks. Filters as in :meth:`lake`."""
+        import pyarrow as pa
+
+        from hindsight import lake as _lake
+
+        f = _lake.Filters.from_kwargs(**filters)
+        params = {**f.params(), "columns": ",".join(columns) if columns else None,
+                  "sort": sort, "limit": limit, "format": "arrow"}  # fmt: skip
+        with self._open(f"/v1/lake/{table}", params) as resp:
+            return pa.ipc.open_stream(resp.read()).read_all().to_pandas()
+
+
+def _lake_schema(encoded: str) -> Any:
+    import base64
+
+    import pyarrow as pa
+
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(encoded)))
+
+
+class _ServicePart:
+    """Reads one planned lake file through the query service (a Dask task: picklable)."""
+
+    def __init__(self, url: str, token: str | None, timeout: float, params: dict[str, Any]) -> None:
+        self.url, self.token, self.timeout, self.params = url, token, timeout, params
+
+    def __call__(self, file: dict[str, Any]) -> Any:
+        import pyarrow as pa
+
+        client = Client(self.url, self.token, self.timeout)
+        with client._open(file["path"], self.params) as resp:
+            return pa.ipc.open_stream(resp.read()).read_all().to_pandas()
 
 
 def _param(value: Any) -> str:

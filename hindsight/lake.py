@@ -597,14 +597,22 @@ def dataset(
     )
 
 
+def stored_columns(columns: Sequence[str] | None) -> list[str] | None:
+    """The columns to read from a file for ``columns`` (None: all of them)."""
+    if not columns:
+        return None
+    return [c for c in columns if c not in PARTITION_COLUMNS]
+
+
 def read_file(
     fs: Any, path: str, table: str, filters: Filters, columns: Sequence[str] | None = None
 ) -> Any:
-    """One lake file's rows matching ``filters`` (``columns`` only), as a pyarrow Table."""
+    """One lake file's rows matching ``filters`` (stored ``columns`` only, all if None), as
+    a pyarrow Table."""
     import pyarrow.dataset as ds
 
     return ds.dataset(path, filesystem=fs, format="parquet").to_table(
-        columns=list(columns) if columns else None, filter=filters.expression(table)
+        columns=None if columns is None else list(columns), filter=filters.expression(table)
     )
 
 
@@ -625,8 +633,29 @@ class _DirectPart:
 
     def __call__(self, file: LakeFile) -> Any:
         fs, _base = filesystem(self.location, endpoint_url=self.endpoint_url, region=self.region)
-        t = read_file(fs, file.path, self.table, self.filters, self.columns or None)
+        t = read_file(fs, file.path, self.table, self.filters, stored_columns(self.columns))
         return with_partition_columns(t, file.cluster, file.day, self.columns).to_pandas()
+
+
+class LocationPart:
+    """Reads one file of a plan from ``/v1/lake/{table}/files`` straight from its
+    ``location`` (a Dask task: picklable)."""
+
+    def __init__(
+        self,
+        table: str,
+        filters: Filters,
+        columns: Sequence[str] | None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+    ) -> None:
+        self.table, self.filters, self.columns = table, filters, list(columns or [])
+        self.endpoint_url, self.region = endpoint_url, region
+
+    def __call__(self, file: dict[str, Any]) -> Any:
+        fs, path = filesystem(file["location"], endpoint_url=self.endpoint_url, region=self.region)
+        t = read_file(fs, path, self.table, self.filters, stored_columns(self.columns))
+        return with_partition_columns(t, file["cluster"], file["day"], self.columns).to_pandas()
 
 
 def with_partition_columns(

@@ -121,9 +121,10 @@ def read_file(
     partition columns (cluster, day) where asked."""
     import pyarrow.parquet as pq
 
-    stored = [c for c in columns if c not in layout.PARTITION_COLUMNS] if columns else None
     t = pq.read_table(
-        io.BytesIO(blobs.get(f.entry.key)), columns=stored, filters=filters.expression(table)
+        io.BytesIO(blobs.get(f.entry.key)),
+        columns=layout.stored_columns(columns),
+        filters=filters.expression(table),
     )
     return layout.with_partition_columns(t, f.cluster, f.day, columns)
 

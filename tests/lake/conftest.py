@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from hindsight import lake as layout
 from storage import models as m
+from tests.dask.conftest import hindsight_server  # noqa: F401
 from tests.helpers import auth, post
 from tests.query.test_runs import T0, run_batch
 

@@ -1,0 +1,135 @@
+"""The lake with Dask on both ends: runs of a real LocalCluster (worker processes,
+recorded by the agent into a real ``hindsight serve``) appear in the lake when they finish,
+with the records of the run's tasks route; ``hindsight.Client.lake()`` computed on the
+LocalCluster gives the rows of the REST route, read through the service or straight from
+the blob store."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+import dask.array as da
+import pandas as pd
+import pyarrow as pa
+import pytest
+import requests
+from distributed import Client, LocalCluster, get_task_stream, span
+
+import hindsight
+from hindsight.client import Client as HindsightClient
+from tests.dask.conftest import EmbeddedServer, wait_for_run, wait_until
+
+
+def load(i: int) -> int:
+    hindsight.emit("rows-in", 1000 + i)
+    time.sleep(0.002 * (i % 5))
+    return i
+
+
+def in_lake(server: EmbeddedServer, run_ids: list[str]) -> None:
+    """Wait until the runs are in the lake (finished by the server's finish hook)."""
+    try:
+        import storage.finish  # noqa: F401
+    except ImportError:  # the finish hook has not landed: run the finisher as it would
+        from storage.blobs import blob_store_for
+        from storage.config import load_settings
+        from storage.db import make_engine, make_sessionmaker
+        from tests.lake.conftest import finish_all
+
+        settings = load_settings({"data_dir": str(server.data_dir)})
+        engine = make_engine(settings.database_url)
+        finish_all(make_sessionmaker(engine), blob_store_for(settings), "default")
+        engine.dispose()
+
+    def present() -> bool:
+        got = server.get("/v1/lake/runs", run=run_ids, columns="run")["rows"]
+        return len(got) == len(run_ids)
+
+    wait_until(present, 60, f"runs {run_ids} in the lake")
+
+
+@pytest.fixture(scope="module")
+def lake_history(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
+    cluster = f"lake-{uuid.uuid4().hex[:8]}"
+    config = {"hindsight.url": hindsight_server.url, "hindsight.cluster": cluster,
+              "hindsight.sample-interval": 0.1}  # fmt: skip
+    with dask.config.set(config):
+        with LocalCluster(
+            n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0",
+            worker_dashboard_address=":0", scheduler_kwargs={"preload": ["hindsight.dask"]},
+        ) as lc, Client(lc) as client:  # fmt: skip
+            runs = {}
+            with span("lake-array"), get_task_stream(client) as ts:
+                x = da.random.random((300, 300), chunks=(50, 50))
+                dask.compute((x + x.T).sum(), optimize_graph=False)
+            runs["array"] = wait_for_run(hindsight_server, cluster, "lake-array", len(ts.data))
+            with span("lake-load"), get_task_stream(client) as ts:
+                dask.compute(dask.delayed(sum)([dask.delayed(load)(i) for i in range(40)]))
+            runs["load"] = wait_for_run(hindsight_server, cluster, "lake-load", len(ts.data))
+            in_lake(hindsight_server, [r["id"] for r in runs.values()])
+            yield {"cluster": cluster, "runs": runs, "server": hindsight_server,
+                   "hs": HindsightClient(hindsight_server.url), "client": client}  # fmt: skip
+
+
+def test_finished_runs_are_in_the_lake_with_the_route_records(lake_history):
+    server = lake_history["server"]
+    for run in lake_history["runs"].values():
+        lake = server.get("/v1/lake/tasks", run=run["id"], limit=10000)["rows"]
+        route = server.tasks(run["id"])
+        fields = ("key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
+                  "startstops", "exception", "traceback")  # fmt: skip
+        got = {r["key"]: {**{f: r[f] for f in fields}, "duration": r["compute"]} for r in lake}
+        want = {t["key"]: {**{f: t[f] for f in fields}, "duration": t["duration"]} for t in route}
+        assert len(got) == len(lake) == len(route) == run["task_count"]
+        assert got == want
+        summary = server.get("/v1/lake/runs", run=run["id"])["rows"][0]
+        assert (summary["name"], summary["task_count"]) == (run["name"], run["task_count"])
+    emitted = server.get(
+        "/v1/lake/streams", stream="rows-in", run=lake_history["runs"]["load"]["id"]
+    )
+    assert sorted(e["value"] for e in emitted["rows"]) == [1000 + i for i in range(40)]
+
+
+def rest_rows(h: dict[str, Any], **params: Any) -> pd.DataFrame:
+    resp = requests.get(f"{h['server'].url}/v1/lake/tasks",
+                        params={"cluster": h["cluster"], "format": "arrow", **params}, timeout=60)  # fmt: skip
+    resp.raise_for_status()
+    return pa.ipc.open_stream(resp.content).read_all().to_pandas()
+
+
+def canonical(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows by key, values as Python objects (Dask turns strings into its own string
+    dtype; the values are what must agree)."""
+    df = df.sort_values("key").reset_index(drop=True).astype(object)
+    return df.where(df.notna(), None)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_client_lake_computed_on_the_cluster_is_the_rest_answer(lake_history, direct):
+    h, client = lake_history, lake_history["client"]
+    ddf = h["hs"].lake("tasks", cluster=h["cluster"], direct=direct)
+    plan = h["server"].get("/v1/lake/tasks/files", cluster=h["cluster"])["files"]
+    assert ddf.npartitions == len(plan) >= 1
+    with get_task_stream(client) as ts:
+        got = ddf.compute()
+    # the reads ran on the cluster's workers, one task per file
+    workers = set(client.scheduler_info()["workers"])
+    assert len(ts.data) >= ddf.npartitions and {t["worker"] for t in ts.data} <= workers
+    pd.testing.assert_frame_equal(canonical(got), canonical(rest_rows(h)))
+    # filters and columns travel with the partitions
+    slow = h["hs"].lake("tasks", cluster=h["cluster"], prefix="load", min_duration=0.004,
+                        columns=["key", "compute", "cluster"], direct=direct).compute()  # fmt: skip
+    want = rest_rows(h, prefix="load", min_duration=0.004, columns="key,compute,cluster")
+    assert len(want) > 0 and list(slow.columns) == ["key", "compute", "cluster"]
+    pd.testing.assert_frame_equal(canonical(slow), canonical(want))
+
+
+def test_lake_rows_sorts_and_limits_on_the_server(lake_history):
+    h = lake_history
+    top = h["hs"].lake_rows("tasks", cluster=h["cluster"], sort="-duration", limit=5)
+    everything = rest_rows(h)
+    assert list(top["key"]) == list(everything.sort_values("compute", ascending=False)["key"][:5])
