@@ -275,7 +275,7 @@ class Client:
         and clusters, one partition per lake file the filters keep (docs/lake.md).
 
         Filters: cluster, since, until, run, session, prefix, status, worker, name, stream,
-        key (a value or a list: any of them), min_/max_duration (compute seconds),
+        key (a value or a list: any of them), min_/max_duration (seconds of compute),
         min_/max_nbytes, min_/max_value, min_makespan. Nothing is read until you compute;
         on a Dask cluster every worker reads its partitions. Each partition is read
         through the query service (your token, your tenant), or with ``direct=True``

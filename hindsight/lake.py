@@ -115,7 +115,9 @@ def latest_manifests(keys: Iterable[str]) -> dict[tuple[str, str, str], str]:
 #: The columns of each table, in order (Arrow types by name). This is the lake's contract:
 #: a column is never removed, renamed or retyped within a lake version; new columns may be
 #: added at the end. tasks and metrics are the compacted run copy's columns
-#: (``storage/runfile.py``) after the run's identity; a test keeps them in step.
+#: (``storage/runfile.py``) after the run's identity, its ``compute`` named ``duration`` as
+#: in a run's task records (and clear of Dask's ``DataFrame.compute``); a test keeps them
+#: in step.
 COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     "tasks": (
         ("run", "string"),
@@ -134,7 +136,7 @@ COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("stop", "float64"),
         ("compute_start", "float64"),
         ("compute_stop", "float64"),
-        ("compute", "float64"),
+        ("duration", "float64"),
         ("transfer", "float64"),
         ("disk_read", "float64"),
         ("disk_write", "float64"),
@@ -163,10 +165,10 @@ COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("error_count", "int64"),
         ("graph_count", "int64"),
         ("nbytes", "int64"),
-        ("compute", "float64"),
-        ("transfer", "float64"),
-        ("disk_read", "float64"),
-        ("disk_write", "float64"),
+        ("compute_seconds", "float64"),
+        ("transfer_seconds", "float64"),
+        ("disk_read_seconds", "float64"),
+        ("disk_write_seconds", "float64"),
         ("workers", "int64"),
         ("prefixes", "list<string>"),
         ("fingerprint", "string"),
@@ -294,8 +296,8 @@ _LIST_FILTERS = {
 }
 _RANGE_FILTERS = {
     # filter -> (column, bound, tables)
-    "min_duration": ("compute", ">=", ("tasks",)),
-    "max_duration": ("compute", "<=", ("tasks",)),
+    "min_duration": ("duration", ">=", ("tasks",)),
+    "max_duration": ("duration", "<=", ("tasks",)),
     "min_nbytes": ("nbytes", ">=", ("tasks", "runs")),
     "max_nbytes": ("nbytes", "<=", ("tasks", "runs")),
     "min_value": ("value", ">=", ("metrics",)),

@@ -84,7 +84,8 @@ def build_tables(
 
     sch = schemas()
     pid = run.public_id
-    tasks = _with_identity(data.tasks, pid, session, sch["tasks"])
+    renamed = ["duration" if c == "compute" else c for c in data.tasks.column_names]
+    tasks = _with_identity(data.tasks.rename_columns(renamed), pid, session, sch["tasks"])
     metrics = _with_identity(data.metrics, pid, session, sch["metrics"])
     summary = run_summary(run, cluster, session)
     prefixes = sorted(p for p in pc.unique(data.tasks["prefix"]).to_pylist() if p is not None)
@@ -106,10 +107,10 @@ def build_tables(
                 "error_count": run.error_count,
                 "graph_count": run.graph_count,
                 "nbytes": run.nbytes,
-                "compute": total("compute"),
-                "transfer": total("transfer"),
-                "disk_read": total("disk_read"),
-                "disk_write": total("disk_write"),
+                "compute_seconds": total("compute"),
+                "transfer_seconds": total("transfer"),
+                "disk_read_seconds": total("disk_read"),
+                "disk_write_seconds": total("disk_write"),
                 "workers": pc.count_distinct(data.tasks["worker"]).as_py(),
                 "prefixes": prefixes,
                 "fingerprint": fingerprint(run, prefixes),

@@ -2,10 +2,10 @@
 
 A scan is planned from the index's copy of the lake catalog (``lake_files``: one indexed
 query by tenant, table, cluster and day, however many partitions there are), pruned by
-each file's statistics (time span, runs, and per prefix its rows, slowest compute and
+each file's statistics (time span, runs, and per prefix its rows, longest duration and
 largest result, statuses, metric and stream names), then read in parallel from the blob
 store with the row filter pushed into the Parquet reader (row groups whose statistics
-cannot match are skipped). A sort on compute seconds or bytes, descending, reads files in
+cannot match are skipped). A sort on duration or bytes, descending, reads files in
 the order of their statistics and stops as soon as no unread file can hold a row of the
 answer: "the 100 slowest tasks of a prefix over 30 days" opens a handful of files, not all.
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 IO_THREADS = 8
 #: Per table, the sorts a file's statistics bound (column -> index in stats["prefixes"]).
-_BOUNDED_SORTS = {("tasks", "compute"): 1, ("tasks", "nbytes"): 2}
+_BOUNDED_SORTS = {("tasks", "duration"): 1, ("tasks", "nbytes"): 2}
 
 
 @dataclass

@@ -92,7 +92,7 @@ def _stats(table_name: str, t: Any) -> dict[str, Any]:
 
     if table_name == "tasks":
         g = t.group_by("prefix").aggregate(
-            [("prefix", "count"), ("compute", "max"), ("nbytes", "max")]
+            [("prefix", "count"), ("duration", "max"), ("nbytes", "max")]
         )
         erred = _counts(t.filter(pc.equal(t["status"], "erred"))["prefix"])
         prefixes = {
@@ -100,7 +100,7 @@ def _stats(table_name: str, t: Any) -> dict[str, Any]:
             for p, n, mc, mb in zip(
                 g["prefix"].to_pylist(),
                 g["prefix_count"].to_pylist(),
-                g["compute_max"].to_pylist(),
+                g["duration_max"].to_pylist(),
                 g["nbytes_max"].to_pylist(),
                 strict=True,
             )

@@ -125,8 +125,6 @@ def _sort(table: str, text: str | None) -> Sort | None:
     if text is None:
         return None
     column = text.lstrip("-")
-    if table == "tasks" and column == "duration":
-        column = "compute"
     types = dict(layout.COLUMNS[table])
     if column not in (*types, "cluster", "day") or types.get(column, "").startswith("list"):
         raise bad("sort", f"not a sortable column of {table}: {column!r}")

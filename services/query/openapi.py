@@ -396,8 +396,8 @@ _lake_filters = [
     _many("name", "metrics: these metric names; runs: these run names"),
     _many("stream", "streams: these emit() streams", 256),
     _many("key", "tasks, streams: these task keys", 4096),
-    _number("min_duration", "tasks: compute seconds at least"),
-    _number("max_duration", "tasks: compute seconds at most"),
+    _number("min_duration", "tasks: duration (compute seconds) at least"),
+    _number("max_duration", "tasks: duration (compute seconds) at most"),
     _number("min_nbytes", "tasks, runs: bytes at least"),
     _number("max_nbytes", "tasks, runs: bytes at most"),
     _number("min_value", "metrics: value at least"),
@@ -411,7 +411,7 @@ _lake_rows = _get(
     [
         _lake_table,
         *_lake_filters,
-        _q("sort", _str(64), "a column, '-' for descending (tasks: 'duration' is compute)"),
+        _q("sort", _str(64), "a column, '-' for descending"),
         {
             "name": "limit",
             "in": "query",

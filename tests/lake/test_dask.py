@@ -82,7 +82,7 @@ def test_finished_runs_are_in_the_lake_with_the_route_records(lake_history):
         route = server.tasks(run["id"])
         fields = ("key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
                   "startstops", "exception", "traceback")  # fmt: skip
-        got = {r["key"]: {**{f: r[f] for f in fields}, "duration": r["compute"]} for r in lake}
+        got = {r["key"]: {**{f: r[f] for f in fields}, "duration": r["duration"]} for r in lake}
         want = {t["key"]: {**{f: t[f] for f in fields}, "duration": t["duration"]} for t in route}
         assert len(got) == len(lake) == len(route) == run["task_count"]
         assert got == want
@@ -122,9 +122,9 @@ def test_client_lake_computed_on_the_cluster_is_the_rest_answer(lake_history, di
     pd.testing.assert_frame_equal(canonical(got), canonical(rest_rows(h)))
     # filters and columns travel with the partitions
     slow = h["hs"].lake("tasks", cluster=h["cluster"], prefix="load", min_duration=0.004,
-                        columns=["key", "compute", "cluster"], direct=direct).compute()  # fmt: skip
-    want = rest_rows(h, prefix="load", min_duration=0.004, columns="key,compute,cluster")
-    assert len(want) > 0 and list(slow.columns) == ["key", "compute", "cluster"]
+                        columns=["key", "duration", "cluster"], direct=direct).compute()  # fmt: skip
+    want = rest_rows(h, prefix="load", min_duration=0.004, columns="key,duration,cluster")
+    assert len(want) > 0 and list(slow.columns) == ["key", "duration", "cluster"]
     pd.testing.assert_frame_equal(canonical(slow), canonical(want))
 
 
@@ -132,4 +132,4 @@ def test_lake_rows_sorts_and_limits_on_the_server(lake_history):
     h = lake_history
     top = h["hs"].lake_rows("tasks", cluster=h["cluster"], sort="-duration", limit=5)
     everything = rest_rows(h)
-    assert list(top["key"]) == list(everything.sort_values("compute", ascending=False)["key"][:5])
+    assert list(top["key"]) == list(everything.sort_values("duration", ascending=False)["key"][:5])

@@ -76,8 +76,8 @@ def test_filters_columns_sort_and_limit(lake_app):
     assert keys(rows(h, min_duration=0.5, max_duration=0.5)) == keys(everything)
     assert rows(h, min_duration=0.51) == []
     assert keys(rows(h, min_nbytes=28, max_nbytes=28)) == keys(everything)
-    two = get(h, "/v1/lake/tasks", columns="key,cluster,compute", sort="-start", limit=2).json
-    assert [list(r) for r in two["rows"]] == [["key", "cluster", "compute"]] * 2
+    two = get(h, "/v1/lake/tasks", columns="key,cluster,duration", sort="-start", limit=2).json
+    assert [list(r) for r in two["rows"]] == [["key", "cluster", "duration"]] * 2
     latest = sorted(everything, key=lambda r: -r["start"])[:2]
     assert [r["key"] for r in two["rows"]] == [r["key"] for r in latest]
     assert two["truncated"] is True and two["count"] == 2
@@ -156,9 +156,9 @@ def test_arrow_and_parquet_answers_hold_the_json_rows(lake_app):
     t = pa.ipc.open_stream(arrow.data).read_all()
     assert sorted(t["key"].to_pylist()) == expected
     assert "cluster" in t.column_names and "tenant" not in t.column_names
-    parquet = get(h, "/v1/lake/tasks", format="parquet", columns="key,compute")
+    parquet = get(h, "/v1/lake/tasks", format="parquet", columns="key,duration")
     t = pq.read_table(io.BytesIO(parquet.data))
-    assert t.column_names == ["key", "compute"] and sorted(t["key"].to_pylist()) == expected
+    assert t.column_names == ["key", "duration"] and sorted(t["key"].to_pylist()) == expected
     top = pa.ipc.open_stream(get(h, "/v1/lake/tasks", format="arrow", sort="-start", limit=3).data)
     assert len(top.read_all()) == 3
     # one planned file, as a Dask partition reads it
@@ -240,12 +240,12 @@ def test_top_k_reads_only_the_files_that_can_hold_the_answer(stack, storage, mak
             tasks = run.tables["tasks"]
             slower = pa.array([d + i / 100 for i in range(40)], pa.float64())
             run.tables["tasks"] = tasks.set_column(
-                tasks.schema.get_field_index("compute"), "compute", slower
+                tasks.schema.get_field_index("duration"), "duration", slower
             )
             lakewrite.commit(db, storage.blobs, part, add=[run], now=T0 + 40 * DAY)
     h = {**lake_app, "token": token}
     body = get(h, "/v1/lake/tasks", prefix="load", sort="-duration", limit=10).json
-    assert [r["compute"] for r in body["rows"]] == [29 + i / 100 for i in range(39, 29, -1)]
+    assert [r["duration"] for r in body["rows"]] == [29 + i / 100 for i in range(39, 29, -1)]
     assert body["scan"]["files"] == 30 and body["scan"]["files_opened"] <= 8
     asc = get(h, "/v1/lake/tasks", prefix="load", sort="duration", limit=3).json
-    assert [r["compute"] for r in asc["rows"]] == [0.0, 0.01, 0.02]
+    assert [r["duration"] for r in asc["rows"]] == [0.0, 0.01, 0.02]

@@ -36,7 +36,7 @@ RECORD_FIELDS = (
 def as_task_record(row: dict[str, Any]) -> dict[str, Any]:
     rec = {f: row[f] for f in RECORD_FIELDS}
     rec["startstops"] = json.loads(rec["startstops"])
-    rec["duration"] = row["compute"]
+    rec["duration"] = row["duration"]
     return rec
 
 
@@ -87,7 +87,7 @@ def test_finished_runs_land_in_their_day_with_the_route_records(stack, storage, 
     r1 = summaries[runs["r1"]["id"]]
     assert (r1["status"], r1["error_count"], r1["task_count"]) == ("erred", 1, 4)
     assert r1["name"] == "job-r1" and r1["prefixes"] == ["inc"]
-    assert r1["compute"] == pytest.approx(4 * 0.5)
+    assert r1["compute_seconds"] == pytest.approx(4 * 0.5)
     emitted = lake_records(storage, stack, tenant, "streams", stream="rows-in")
     assert sorted((e["run"], e["number"]) for e in emitted) == sorted(
         (runs[n]["id"], 1000.0 * (1 + d)) for n, d in (("r0", 0), ("r1", 0.1), ("r2", 1), ("r3", 1))
@@ -139,7 +139,7 @@ def synthetic(
                 cols["status"] = ["memory"] * n
                 cols["start"] = [t0 + i for i in range(n)]
                 cols["stop"] = [t0 + i + 0.5 for i in range(n)]
-                cols["compute"] = [0.5 + i / 1000 for i in range(n)]
+                cols["duration"] = [0.5 + i / 1000 for i in range(n)]
                 cols["nbytes"] = [i for i in range(n)]
             if table == "runs":
                 cols["started_at"], cols["status"] = [t0], ["finished"]
@@ -291,6 +291,9 @@ def test_lake_tasks_and_metrics_are_the_compacted_copys_columns():
     from storage.runfile import _schemas
 
     tasks, _graph, metrics = _schemas()
+    tasks = tasks.set(
+        tasks.get_field_index("compute"), tasks.field("compute").with_name("duration")
+    )
     for table, copy in (("tasks", tasks), ("metrics", metrics)):
         s = layout.schema(table)
         assert s.names[:2] == ["run", "session"]
