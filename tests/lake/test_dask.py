@@ -133,3 +133,38 @@ def test_lake_rows_sorts_and_limits_on_the_server(lake_history):
     top = h["hs"].lake_rows("tasks", cluster=h["cluster"], sort="-duration", limit=5)
     everything = rest_rows(h)
     assert list(top["key"]) == list(everything.sort_values("duration", ascending=False)["key"][:5])
+
+
+def doc_block(name: str) -> str:
+    """The Python block of docs/lake.md marked ``<!-- tested: {name} ... -->``."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "lake.md").read_text()
+    m = re.search(rf"<!-- tested: {re.escape(name)}\b[^>]*-->\n```python\n(.*?)```", text, re.S)
+    assert m, f"no tested block {name!r} in docs/lake.md"
+    return m.group(1)
+
+
+def test_the_docs_analysis_and_recipes_run(lake_history, capsys):
+    h = lake_history
+    location = (h["server"].data_dir / "blobs").as_uri()
+    load_tasks = h["runs"]["load"]["task_count"] - 1  # and one sum
+    ns: dict[str, Any] = {"hs": h["hs"]}
+    exec(doc_block("dask-analysis"), ns)
+    weekly, throughput = ns["weekly"], ns["throughput"]
+    assert weekly.loc["load"]["count"].sum() >= load_tasks
+    assert list(throughput.index.get_level_values("cluster")).count(h["cluster"]) >= 1
+    assert (throughput > 0).all()
+    ns = {"location": location, "tenant": "default"}
+    exec(doc_block("pyarrow"), ns)
+    df = ns["df"]
+    assert len(df[df["cluster"] == h["cluster"]]) == sum(
+        r["task_count"] for r in h["runs"].values()
+    )
+    ns = {"location": location, "tenant": "default"}
+    exec(doc_block("hindsight-lake"), ns)
+    assert set(ns["table"]["prefix"].to_pylist()) == {"load"}
+    assert len(ns["table"]) >= load_tasks
+    assert sorted(ns["ddf"].compute()["number"])[-40:] == [1000.0 + i for i in range(40)]
+    capsys.readouterr()
