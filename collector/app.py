@@ -8,6 +8,8 @@ from flask import Flask
 
 from collector.openapi import OPENAPI
 from collector.ratelimit import RateLimiter
+from collector.ray import bp as ray_bp
+from collector.ray import init_ray
 from collector.views import bp
 from services.common.web import make_app
 from storage.config import Settings
@@ -15,7 +17,7 @@ from storage.config import Settings
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
     """Build the collector app. ``config`` overrides environment settings (tests pass a dict)."""
-    app = make_app(__name__, config, [bp], OPENAPI, settings=settings)
+    app = make_app(__name__, config, [bp, ray_bp], OPENAPI, settings=settings)
     init_collector(app)
     return app
 
@@ -24,3 +26,4 @@ def init_collector(app: Flask) -> None:
     """Per-process collector state (also used by the embedded server)."""
     s = app.config["SETTINGS"]
     app.extensions["hindsight.ratelimit"] = RateLimiter(s.rate_limit_events, s.rate_limit_burst)
+    init_ray(app)

@@ -48,7 +48,63 @@ PATHS = {
                 **UNAVAILABLE,
             },
         }
-    }
+    },
+    "/v1/ray/events": {
+        "post": {
+            "summary": "Store one body of Ray's event exporter (docs/ray.md)",
+            "description": "Ray's aggregator agent POSTs a JSON array of events as they are. "
+            "Acknowledged only after the body is stored (named by its content: a retried body "
+            "is stored and counted once). Events of types Hindsight does not index are stored "
+            "and counted as skipped, never refused: Ray retries a refused body forever.",
+            "parameters": [
+                {
+                    "name": "cluster",
+                    "in": "query",
+                    "schema": {"type": "string", "maxLength": 128},
+                    "description": "the cluster name runs are filed under (default ray)",
+                },
+                {
+                    "name": "token",
+                    "in": "query",
+                    "schema": {"type": "string"},
+                    "description": "a token created with `hindsight tokens create --for ray` "
+                    "(the exporter sends no headers); not needed by the embedded server",
+                },
+            ],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"type": "array", "items": {"type": "object"}}}
+                },
+            },
+            "responses": {
+                **ok(
+                    "stored (duplicate: this body was stored before)",
+                    {
+                        "type": "object",
+                        "required": ["accepted", "skipped", "duplicate"],
+                        "properties": {
+                            "accepted": {"type": "integer"},
+                            "skipped": {
+                                "type": "object",
+                                "additionalProperties": {"type": "integer"},
+                            },
+                            "duplicate": {"type": "boolean"},
+                            "sessions": {"type": "array", "items": {"type": "string"}},
+                            "tasks_written": {"type": "integer"},
+                        },
+                    },
+                    status="200",
+                ),
+                "400": error("the body is not a JSON array, or the cluster name is invalid"),
+                **AUTH_ERRORS,
+                "413": error("larger than the cap after decompression"),
+                "415": error("unknown Content-Type or Content-Encoding"),
+                "429": error("tenant over its rate limit; retry after Retry-After seconds"),
+                **UNAVAILABLE,
+            },
+        }
+    },
 }
 
 OPENAPI = document(

@@ -138,24 +138,47 @@ def tokens() -> None:
 @click.option("--tenant", required=True)
 @click.option(
     "--scopes",
-    default="ingest,read",
-    show_default=True,
-    help="Comma-separated: ingest, read, admin.",
+    default=None,
+    help="Comma-separated: ingest, read, admin, ray.  [default: ingest,read; ray with --for ray]",
 )
+@click.option(
+    "--for",
+    "for_",
+    type=click.Choice(["ray"]),
+    default=None,
+    help="ray: a token for Ray's event exporter (scope ray only); prints the export URL.",
+)
+@click.option("--url", default="http://127.0.0.1:8700", show_default=True,
+              help="With --for ray: the collector's URL as Ray's nodes reach it.")  # fmt: skip
+@click.option("--cluster", default="ray", show_default=True,
+              help="With --for ray: the cluster name the runs are filed under.")  # fmt: skip
 @click.option("--name", default=None, help="A label to recognise the token by.")
 @click.option("--data-dir", type=click.Path(file_okay=False))
-def tokens_create(tenant: str, scopes: str, name: str | None, data_dir: str | None) -> None:
-    """Create a token and print it (it is stored hashed and cannot be shown again)."""
+def tokens_create(
+    tenant: str, scopes: str | None, for_: str | None, url: str, cluster: str,
+    name: str | None, data_dir: str | None,
+) -> None:  # fmt: skip
+    """Create a token and print it (it is stored hashed and cannot be shown again). With
+    ``--for ray``, print the URL to give Ray's event exporter instead (docs/ray.md)."""
+    from hindsight.schema import valid_name
     from storage.db import make_sessionmaker
     from storage.tokens import create_token
 
+    if for_ == "ray" and scopes not in (None, "ray"):
+        raise click.UsageError("--for ray makes a token with the ray scope only")
+    if for_ == "ray" and not valid_name(cluster):
+        raise click.UsageError(f"invalid cluster name {cluster!r}")
+    scopes = scopes or ("ray" if for_ == "ray" else "ingest,read")
     with _index(data_dir, upgrade=None) as (_, engine):
         try:
             with make_sessionmaker(engine).begin() as session:
                 token = create_token(session, tenant, scopes, name)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
-    click.echo(token)
+    if for_ == "ray":
+        click.echo(f"{url.rstrip('/')}/v1/ray/events?cluster={cluster}&token={token}")
+    else:
+        click.echo(token)
 
 
 @main.command()
@@ -176,6 +199,11 @@ def reindex(data_dir: str | None) -> None:
         f"{counts['blobs']} blobs: {counts['indexed']} indexed, {counts['already']} already indexed, "
         f"{counts['skipped']} skipped"
     )
+    if counts.get("ray_bodies"):
+        click.echo(
+            f"{counts['ray_bodies']} Ray exporter bodies: {counts['ray_merged']} merged, "
+            f"{counts['ray_already']} already merged, {counts['ray_skipped']} skipped"
+        )
 
 
 @main.group()

@@ -141,6 +141,7 @@ COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("disk_read", "float64"),
         ("disk_write", "float64"),
         ("startstops", "string"),
+        ("attrs", "string"),  # the scheduler's own facts (JSON), e.g. Ray's attempt (issue 12)
     ),
     "metrics": (
         ("run", "string"),

@@ -33,6 +33,10 @@ Time = Annotated[float, msgspec.Meta(ge=0, le=MAX_TIME)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 Int = Annotated[int, msgspec.Meta(ge=-MAX_INT, le=MAX_INT)]
 Threads = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+AttrKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+# A scheduler's own facts about a task that have no field here (Ray: attempt, state, parent
+# task, node...): flat values only, so every reader can show them without knowing the scheduler.
+AttrValue = Label | Int | Annotated[float, msgspec.Meta(ge=-MAX_TIME, le=MAX_TIME)] | bool | None
 
 
 def valid_name(value: str) -> bool:
@@ -70,6 +74,7 @@ class TaskEvent(_Event, tag="task"):
     startstops: list[StartStop] = []
     exception: Text | None = None
     traceback: Text | None = None
+    attrs: Annotated[dict[AttrKey, AttrValue], msgspec.Meta(max_length=64)] = {}
 
 
 class GraphEvent(_Event, tag="graph"):

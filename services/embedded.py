@@ -10,6 +10,7 @@ from flask import Flask
 from collector.app import init_collector
 from collector.openapi import OPENAPI as COLLECTOR_OPENAPI
 from collector.openapi import PATHS as COLLECTOR_PATHS
+from collector.ray import bp as ray_bp
 from collector.views import bp as collector_bp
 from services.common.openapi import document
 from services.common.web import make_app
@@ -31,7 +32,7 @@ def create_app(config: dict[str, Any] | None = None, *, settings: Settings | Non
     app = make_app(
         __name__,
         config,
-        [collector_bp, query_bp, lake_bp, dashboard_bp],
+        [collector_bp, ray_bp, query_bp, lake_bp, dashboard_bp],
         OPENAPI,
         settings=settings,
     )

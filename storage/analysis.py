@@ -69,13 +69,17 @@ def task_records(table: Any, run_key: str | None = None) -> list[dict[str, Any]]
     is the compute seconds; ``run`` the agent's run id, None for the default run)."""
     run = None if run_key == DEFAULT_RUN else run_key
     out = []
+    # "attrs" (the scheduler's own facts, e.g. Ray's attempt) is absent from copies
+    # compacted before it existed.
+    attrs = ["attrs"] if "attrs" in table.column_names else []
     for row in table.select(
         ["key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
-         "startstops", "exception", "traceback", "compute"]
+         "startstops", "exception", "traceback", "compute", *attrs]
     ).to_pylist():  # fmt: skip
         row["startstops"] = json.loads(row["startstops"])
         row["duration"] = row.pop("compute")
         row["run"] = run
+        row["attrs"] = json.loads(row["attrs"]) if row.get("attrs") else {}
         out.append(row)
     return out
 

@@ -33,6 +33,9 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_METRICS": ("metrics", bool, True),
     "HINDSIGHT_MAX_IN_FLIGHT": ("max_in_flight", int, 64),
     "HINDSIGHT_MAX_IN_FLIGHT_BYTES": ("max_in_flight_bytes", int, 256 * 1024 * 1024),
+    "HINDSIGHT_RAY_SETTLE_SECONDS": ("ray_settle_seconds", float, 5.0),
+    "HINDSIGHT_RAY_IDLE_CLOSE_SECONDS": ("ray_idle_close_seconds", float, 900.0),
+    "HINDSIGHT_RAY_SWEEPER": ("ray_sweeper", bool, True),
 }
 
 
@@ -60,6 +63,9 @@ class Settings:
     metrics: bool
     max_in_flight: int
     max_in_flight_bytes: int
+    ray_settle_seconds: float
+    ray_idle_close_seconds: float
+    ray_sweeper: bool
 
     @property
     def auth_required(self) -> bool:
@@ -122,6 +128,11 @@ def load_settings(
         raise ConfigError("HINDSIGHT_MAX_IN_FLIGHT and ..._BYTES must not be negative (0: no cap)")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
+    if values["ray_settle_seconds"] < 0 or values["ray_idle_close_seconds"] <= 0:
+        raise ConfigError(
+            "HINDSIGHT_RAY_SETTLE_SECONDS must not be negative and "
+            "HINDSIGHT_RAY_IDLE_CLOSE_SECONDS must be positive"
+        )
     if not values["blob_url"].startswith(("s3://", "file://")):
         raise ConfigError(
             f"HINDSIGHT_BLOB_URL must be s3://bucket/prefix or file:///path, not {values['blob_url']!r}"

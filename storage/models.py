@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -385,3 +386,146 @@ class RunProfile(Base):
     # The version of the inputs the tree was built from (see storage.profiles.inputs_tag).
     tag: Mapped[str] = mapped_column(String(64))
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+# ---------------------------------------------------------------- Ray (issue 12)
+# What Ray's event exporter tells about a session, merged from events that arrive in any
+# order, more than once, from different nodes (``storage/ray.py``). Every column merges
+# commutatively (set while NULL, min, max, OR), so a retried or reordered body changes
+# nothing; ``ray_tasks.emitted`` is the one transition that happens once: a task reaches
+# the writer (as a derived batch of protocol records) exactly once.
+
+
+class RayBody(Base):
+    """The manifest of stored exporter bodies: one row per (session, content hash)."""
+
+    __tablename__ = "ray_bodies"
+    __table_args__ = (UniqueConstraint("session_id", "sha"),)
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
+    sha: Mapped[str] = mapped_column(String(64))
+    blob_key: Mapped[str] = mapped_column(String(1024))
+    events: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[float] = mapped_column(Float)
+
+
+class RayEventCount(Base):
+    """Events received and skipped (not understood) per session and event type."""
+
+    __tablename__ = "ray_event_counts"
+    session_id: Mapped[int] = mapped_column(
+        ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # received | skipped
+    event_type: Mapped[str] = mapped_column(String(128), primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+
+
+class RayJob(Base):
+    """A Ray job (one driver): a Hindsight run whose run key is the job id (hex)."""
+
+    __tablename__ = "ray_jobs"
+    session_id: Mapped[int] = mapped_column(
+        ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    entrypoint: Mapped[str | None] = mapped_column(Text)
+    driver_pid: Mapped[int | None] = mapped_column(BigInteger)
+    driver_node: Mapped[str | None] = mapped_column(String(64))
+    # Ray's times (the exporter's clocks) ...
+    created_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    driver_exit_at: Mapped[float | None] = mapped_column(Float)
+    # ... and the collector's: when the end was first seen, when anything last arrived.
+    end_seen: Mapped[float | None] = mapped_column(Float)
+    last_event_at: Mapped[float] = mapped_column(Float)
+    closed_at: Mapped[float | None] = mapped_column(Float)
+    closed_by: Mapped[str | None] = mapped_column(String(16))
+
+
+class RayTask(Base):
+    """One attempt of a Ray task, merged from its definition and lifecycle events."""
+
+    __tablename__ = "ray_tasks"
+    __table_args__ = (
+        Index("ix_ray_tasks_job", "session_id", "job_id", "emitted"),
+        Index("ix_ray_tasks_pending", "emitted", "end_seen"),
+    )
+    session_id: Mapped[int] = mapped_column(
+        ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    task_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str | None] = mapped_column(String(64))
+    defined: Mapped[bool] = mapped_column(Boolean, default=False)
+    name: Mapped[str | None] = mapped_column(String(1024))
+    func: Mapped[str | None] = mapped_column(String(1024))
+    module: Mapped[str | None] = mapped_column(String(1024))
+    task_type: Mapped[str | None] = mapped_column(String(32))
+    parent_id: Mapped[str | None] = mapped_column(String(64))
+    actor_id: Mapped[str | None] = mapped_column(String(64))
+    node_id: Mapped[str | None] = mapped_column(String(64))
+    worker_id: Mapped[str | None] = mapped_column(String(64))
+    pid: Mapped[int | None] = mapped_column(BigInteger)
+    pending_at: Mapped[float | None] = mapped_column(Float)
+    submitted_at: Mapped[float | None] = mapped_column(Float)
+    running_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    failed_at: Mapped[float | None] = mapped_column(Float)
+    error_type: Mapped[str | None] = mapped_column(String(128))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    # Collector times: first seen, and when its end (FINISHED/FAILED) was first seen.
+    first_seen: Mapped[float] = mapped_column(Float)
+    end_seen: Mapped[float | None] = mapped_column(Float)
+    emitted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class RayNode(Base):
+    __tablename__ = "ray_nodes"
+    session_id: Mapped[int] = mapped_column(
+        ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    node_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    ip: Mapped[str | None] = mapped_column(String(256))
+    hostname: Mapped[str | None] = mapped_column(String(1024))
+    name: Mapped[str | None] = mapped_column(String(1024))
+    started_at: Mapped[float | None] = mapped_column(Float)
+    alive_at: Mapped[float | None] = mapped_column(Float)
+    dead_at: Mapped[float | None] = mapped_column(Float)
+    death_reason: Mapped[str | None] = mapped_column(Text)
+    resources: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+
+
+class RayWorker(Base):
+    """A Ray worker process (or driver): joins and leaves like a Dask worker."""
+
+    __tablename__ = "ray_workers"
+    session_id: Mapped[int] = mapped_column(
+        ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    worker_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node_id: Mapped[str | None] = mapped_column(String(64))
+    pid: Mapped[int | None] = mapped_column(BigInteger)
+    worker_type: Mapped[str | None] = mapped_column(String(32))
+    job_id: Mapped[str | None] = mapped_column(String(64))
+    started_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    exit_type: Mapped[str | None] = mapped_column(String(64))
+    exit_detail: Mapped[str | None] = mapped_column(Text)
+
+
+class RayActor(Base):
+    __tablename__ = "ray_actors"
+    session_id: Mapped[int] = mapped_column(
+        ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    actor_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str | None] = mapped_column(String(64))
+    class_name: Mapped[str | None] = mapped_column(String(1024))
+    name: Mapped[str | None] = mapped_column(String(1024))
+    node_id: Mapped[str | None] = mapped_column(String(64))
+    worker_id: Mapped[str | None] = mapped_column(String(64))
+    pid: Mapped[int | None] = mapped_column(BigInteger)
+    alive_at: Mapped[float | None] = mapped_column(Float)
+    dead_at: Mapped[float | None] = mapped_column(Float)

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import TaskEvent
 from storage import models as m
+from storage import ray_read
 from storage.analysis import fingerprint
 from storage.blobs import BlobStore
 from storage.ingest import DEFAULT_RUN, decode_stored
@@ -22,7 +23,7 @@ from storage.ingest import DEFAULT_RUN, decode_stored
 RUN_STATUSES = ("running", "finished", "erred")
 TASK_FIELDS = (
     "key", "prefix", "group", "run", "worker", "thread", "status", "nbytes", "typename",
-    "startstops", "exception", "traceback",
+    "startstops", "exception", "traceback", "attrs",
 )  # fmt: skip
 
 
@@ -299,6 +300,7 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
         first_seen=run.first_seen,
         last_seen=run.last_seen,
     )
+    ray_read.extend_detail(db, run, detail)
     return detail
 
 

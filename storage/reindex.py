@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage import ray
 from storage.blobs import BlobStore
 from storage.ingest import decode_stored, ensure_tenant, index_batch, parse_blob_key
 
@@ -21,8 +22,9 @@ def reindex(
     prefix: str = "v1/",
     on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, int]:
-    """Index every stored batch not yet in the index. Safe to run on a live index and to
-    repeat: the manifest makes each batch count once. Returns counts."""
+    """Index every stored batch not yet in the index, then Ray's stored exporter bodies.
+    Safe to run on a live index and to repeat: the manifests make each batch and body count
+    once. Returns counts."""
     counts = {"blobs": 0, "indexed": 0, "already": 0, "skipped": 0}
     tenants: dict[str, int] = {}
     for key in blobs.list(prefix):
@@ -60,4 +62,9 @@ def reindex(
         counts["indexed" if done else "already"] += 1
         if on_progress:
             on_progress(1)
+    if prefix == "v1/":
+        # Ray's exporter bodies live beside the batches (``storage/ray.py``).
+        ray_counts = ray.reindex(blobs, sessions)
+        if ray_counts["ray_bodies"]:
+            counts.update(ray_counts)
     return counts

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage import lake
+from storage import lake, ray
 from storage import models as m
 from storage.blobs import BlobStore
 
@@ -173,9 +173,11 @@ def apply(
     for s in result.sessions:
         # Every blob under the session's prefix, indexed or not: a batch stored but not yet
         # indexed (index down at the time) would otherwise survive and be reindexed later.
-        for key in list(blobs.list(f"v1/{tenant}/{s.prefix}")):
-            blobs.delete(key)
-            result.blobs_deleted += 1
+        cluster, name = s.prefix.rstrip("/").split("/", 1)
+        for prefix in (f"v1/{tenant}/{s.prefix}", *ray.session_prefixes(tenant, cluster, name)):
+            for key in list(blobs.list(prefix)):
+                blobs.delete(key)
+                result.blobs_deleted += 1
         with sessions.begin() as db:
             lake.forget_session(db, blobs, tenant, s.id)
             db.execute(delete(m.Session).where(m.Session.id == s.id))

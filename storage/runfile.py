@@ -39,7 +39,7 @@ _CACHE_SIZE = 4
 TASK_COLUMNS = (
     "key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
     "exception", "traceback", "start", "stop", "compute_start", "compute_stop",
-    "compute", "transfer", "disk_read", "disk_write", "startstops",
+    "compute", "transfer", "disk_read", "disk_write", "startstops", "attrs",
 )  # fmt: skip
 
 
@@ -67,7 +67,7 @@ def _schemas() -> tuple[Any, Any, Any]:
          ("status", s), ("nbytes", i), ("typename", s), ("exception", s), ("traceback", s),
          ("start", f), ("stop", f), ("compute_start", f), ("compute_stop", f),
          ("compute", f), ("transfer", f), ("disk_read", f), ("disk_write", f),
-         ("startstops", s)]
+         ("startstops", s), ("attrs", s)]
     )  # fmt: skip
     graph = pa.schema([("key", s), ("prefix", s), ("dependencies", pa.list_(s))])
     metrics = pa.schema([("worker", s), ("time", f), ("name", s), ("value", f)])
@@ -128,7 +128,7 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     # per-task tuple of (column, value) pairs and dict of action seconds cost ~2x.
     (a_key, a_prefix, a_group, a_worker, a_thread, a_status, a_nbytes, a_typename, a_exc, a_tb,
      a_start, a_stop, a_cstart, a_cstop, a_compute, a_transfer, a_dread, a_dwrite,
-     a_ss) = (cols[c].append for c in TASK_COLUMNS)  # fmt: skip
+     a_ss, a_attrs) = (cols[c].append for c in TASK_COLUMNS)  # fmt: skip
     for batch_id, key in keys:
         batch = decode_stored(blobs.get(key))
         mine = batch_id in run_ids
@@ -172,6 +172,7 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
                 a_dread(dread)
                 a_dwrite(dwrite)
                 a_ss(enc.encode(ev.startstops).decode())
+                a_attrs(enc.encode(ev.attrs).decode() if ev.attrs else None)
             elif t is GraphEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
                 g_key.append(ev.key)
                 g_prefix.append(ev.prefix)

@@ -19,7 +19,8 @@ from hindsight.schema import valid_name
 from storage import models as m
 from storage.ingest import ensure_tenant
 
-SCOPES = ("ingest", "read", "admin")
+# "ray": may only POST Ray exporter bodies (a token that rides in a URL: docs/ray.md).
+SCOPES = ("ingest", "read", "admin", "ray")
 TOKEN_PREFIX = "hs_"
 
 

@@ -160,6 +160,7 @@ class Admission:
             self.bytes -= size
 
 
+_INGEST = ("/v1/batches", "/v1/ray/events")
 # Routes that must answer while the process is saturated: probes and the scrape.
 _EXEMPT = ("/healthz", "/readyz", "/metrics")
 
@@ -196,7 +197,7 @@ def install(app: Flask, service: str) -> None:
         duration = time.perf_counter() - g.get("t0", time.perf_counter())
         REQUESTS.labels(service, route, str(resp.status_code)).inc()
         REQUEST_SECONDS.labels(service, route).observe(duration)
-        if route == "/v1/batches" and resp.status_code >= 400 and not g.get("rejected_overload"):
+        if route in _INGEST and resp.status_code >= 400 and not g.get("rejected_overload"):
             REJECTS.labels(_error_code(resp)).inc()
         if settings.access_log and request.path not in _EXEMPT:
             principal = g.get("principal")

@@ -61,8 +61,13 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     t = table.select(["key", "prefix", "worker", "thread", "status", "compute_start", "compute_stop",
                       "transfer", "disk_read", "disk_write", "startstops"])  # fmt: skip
     n_tasks = t.num_rows
-    row_names = pc.binary_join_element_wise(
-        pc.fill_null(t["worker"], "?"), pc.cast(pc.fill_null(t["thread"], 0), pa.string()), "-"
+    # A row per worker thread ("worker-thread"); per worker process where the scheduler
+    # reports no threads (Ray).
+    worker = pc.fill_null(t["worker"], "?")
+    row_names = pc.if_else(
+        pc.is_null(t["thread"]),
+        worker,
+        pc.binary_join_element_wise(worker, pc.cast(t["thread"], pa.string()), "-"),
     )
     prefixes = t["prefix"].to_pylist()
     erred = np.asarray(pc.fill_null(pc.equal(t["status"], "erred"), False), dtype=bool)
@@ -275,7 +280,8 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
         counts[key] = _series_lines(
             fig, by_name.get(metric, []), origin, colours, lambda s: s["worker"], key
         )
-        figs.append(fig)
+        if counts[key] or metrics:  # a run without worker metrics (Ray) gets no empty panels
+            figs.append(fig)
     for f in figs[1:]:
         f.xaxis.axis_label = None
     figs[-1].xaxis.axis_label = "seconds since the run's first task"

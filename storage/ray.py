@@ -1,0 +1,937 @@
+"""Ray runs, recorded like Dask runs: exporter bodies in, protocol records out.
+
+Ray's aggregator agent POSTs JSON arrays of events (``storage/ray_events.py`` reads them).
+This module keeps them and turns them into what the rest of Hindsight already indexes:
+
+1. **The raw body is the source of truth.** Each body is stored, split per Ray session, under
+   ``ray/v1/{tenant}/{cluster}/{session}/{sha256}.json.zst`` before it is acknowledged. Ray
+   sends no batch identity, so the name is the content: a retried identical body is stored
+   once, and the manifest (``ray_bodies``, unique per session and hash) merges it once.
+2. **Merge tables** (``ray_jobs``, ``ray_tasks``, ``ray_nodes``, ``ray_workers``,
+   ``ray_actors``) hold what the events say, merged commutatively: values are set while
+   NULL, times take the earliest, flags OR. Events arrive in any order, from several nodes,
+   at least once; a duplicate or reordered event changes nothing.
+3. **A task reaches the writer once.** The rollups (histograms, per-worker sums, cluster
+   hours, prefix days) add, so a task attempt must be counted exactly once, with its final
+   start and stop. ``ray_tasks.emitted`` flips to true in one ``UPDATE ... WHERE NOT
+   emitted RETURNING``; Postgres's row locks make the transition happen in one transaction
+   even with several collector processes. A task is emitted when its definition, RUNNING and
+   end (FINISHED/FAILED) are all known; the sweeper (:func:`run_due`) emits the rest: tasks
+   whose end was seen ``settle`` seconds ago (RUNNING or the definition lost), every task of
+   a job that has closed, and stragglers that arrive after.
+4. **Emitted records are protocol batches** (``hindsight.schema``): tasks as ``TaskEvent``
+   (Ray's own facts in ``attrs``), jobs as ``RunEvent``, worker processes as
+   ``WorkerEvent``. Each is stored under ``ray/derived/v1/...`` named by its content and
+   indexed by the ordinary writer (``storage.ingest.index_batch``), so runs, tasks, Parquet,
+   quantiles, compare, histories, traces and pages work unchanged. Derived batches are
+   outside ``v1/``: ``reindex`` rebuilds them from the raw bodies, never reads them.
+5. **A job closes** ``settle`` seconds after its end was seen (the job's FINISHED, or its
+   driver task's end), or after ``idle`` seconds without an event when neither arrives (a
+   short script whose cluster died with it). Closing emits the job's remaining tasks (a task
+   without an end is ``lost``) and the run's ``finished`` event.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import zstandard
+from sqlalchemy import bindparam, func, or_, select, tuple_, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from hindsight.schema import (
+    MAX_TIME,
+    Batch,
+    RunEvent,
+    SchemaError,
+    SessionEvent,
+    StartStop,
+    TaskEvent,
+    WorkerEvent,
+    decode_batch,
+    encode_batch,
+)
+from storage import models as m
+from storage.blobs import BlobStore
+from storage.ingest import IdCache, ensure_tenant, index_batch
+from storage.ray_events import (
+    NO_SESSION,
+    SessionPart,
+    clean,
+    error_summary,
+    parse,
+    split_array,
+)
+
+logger = logging.getLogger(__name__)
+
+RAW_PREFIX = "ray/v1"
+DERIVED_PREFIX = "ray/derived/v1"
+AGENT = "ray"  # the agent name of derived batches
+STORE_LEVEL = 3
+_RAW_RE = re.compile(
+    r"^ray/v1/(?P<tenant>[^/]+)/(?P<cluster>[^/]+)/(?P<session>[^/]+)/(?P<sha>[0-9a-f]{64})\.json\.zst$"
+)
+# Keys per statement when a list of task keys is bound (SQLite allows 32,766 parameters).
+_CHUNK = 2000
+
+
+def raw_key(tenant: str, cluster: str, session: str, sha: str) -> str:
+    return f"{RAW_PREFIX}/{tenant}/{cluster}/{session}/{sha}.json.zst"
+
+
+def derived_key(tenant: str, cluster: str, session: str, seq: int) -> str:
+    return f"{DERIVED_PREFIX}/{tenant}/{cluster}/{session}/{seq:014x}.json.zst"
+
+
+def session_prefixes(tenant: str, cluster: str, session: str) -> list[str]:
+    """The blob prefixes that hold a session's Ray data (for retention)."""
+    return [f"{p}/{tenant}/{cluster}/{session}/" for p in (RAW_PREFIX, DERIVED_PREFIX)]
+
+
+# ------------------------------------------------------------------ bodies
+
+
+@dataclass
+class StoredPart:
+    """One session's share of a body, ready to store: its events and the bytes to keep."""
+
+    part: SessionPart
+    sha: str
+    data: bytes  # zstd, as stored
+
+    @property
+    def session(self) -> str:
+        return self.part.session
+
+
+def prepare(body: bytes, elements: list[msgspec.Raw] | None = None) -> list[StoredPart]:
+    """Split a body per Ray session (one in practice). A one-session body is kept byte for
+    byte; otherwise each part is the array of its events' exact bytes."""
+    elements = split_array(body) if elements is None else elements
+    parts = parse(body, elements)
+    out = []
+    cctx = zstandard.ZstdCompressor(level=STORE_LEVEL)
+    for part in parts.values():
+        raw = body if len(parts) == 1 else b"[" + b",".join(bytes(r) for r in part.raw) + b"]"
+        out.append(StoredPart(part, hashlib.sha256(raw).hexdigest(), cctx.compress(raw)))
+    return out
+
+
+def read_stored(data: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True).read()
+
+
+# ------------------------------------------------------------------ statements
+
+
+@functools.cache
+def _statements(dialect: str) -> SimpleNamespace:
+    """The merge statements, built once per dialect (see ``storage.ingest._statements``)."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+
+        def lo(a: Any, b: Any) -> Any:
+            return func.least(func.coalesce(a, b), func.coalesce(b, a))
+
+        def hi(a: Any, b: Any) -> Any:
+            return func.greatest(func.coalesce(a, b), func.coalesce(b, a))
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+
+        def lo(a: Any, b: Any) -> Any:
+            return func.min(func.coalesce(a, b), func.coalesce(b, a))
+
+        def hi(a: Any, b: Any) -> Any:
+            return func.max(func.coalesce(a, b), func.coalesce(b, a))
+
+    st = SimpleNamespace(dialect=dialect, insert=insert)
+
+    def upsert(model: Any, keys: list[str], first: Iterable[str] = (), low: Iterable[str] = (),
+               high: Iterable[str] = (), ored: Iterable[str] = (), returning: Any = None) -> Any:  # fmt: skip
+        t = model.__table__
+        ins = insert(t)
+        ex = ins.excluded
+        sets: dict[str, Any] = {}
+        sets.update({c: func.coalesce(t.c[c], ex[c]) for c in first})
+        sets.update({c: lo(t.c[c], ex[c]) for c in low})
+        sets.update({c: hi(t.c[c], ex[c]) for c in high})
+        sets.update({c: or_(t.c[c], ex[c]) for c in ored})
+        stmt = ins.on_conflict_do_update(index_elements=keys, set_=sets)
+        return stmt.returning(*returning) if returning is not None else stmt
+
+    C, S, B = m.Cluster.__table__, m.Session.__table__, m.RayBody.__table__
+    st.cluster = insert(C).on_conflict_do_nothing(index_elements=["tenant_id", "name"])
+    st.cluster_id = select(C.c.id).where(
+        C.c.tenant_id == bindparam("tenant_id"), C.c.name == bindparam("name")
+    )
+    st.session = insert(S).on_conflict_do_nothing(index_elements=["cluster_id", "name"])
+    st.session_id = select(S.c.id).where(
+        S.c.cluster_id == bindparam("cluster_id"), S.c.name == bindparam("name")
+    )
+    st.body = (
+        insert(B).on_conflict_do_nothing(index_elements=["session_id", "sha"]).returning(B.c.id)
+    )
+    EC = m.RayEventCount.__table__
+    ins = insert(EC)
+    st.counts = ins.on_conflict_do_update(
+        index_elements=["session_id", "kind", "event_type"],
+        set_={"count": EC.c.count + ins.excluded.count},
+    )
+    N, W, A, J, T = (x.__table__ for x in (m.RayNode, m.RayWorker, m.RayActor, m.RayJob, m.RayTask))
+    st.node = upsert(m.RayNode, ["session_id", "node_id"],
+                     first=("ip", "hostname", "name", "death_reason", "resources"),
+                     low=("started_at", "alive_at", "dead_at"), returning=(N.c.node_id, N.c.ip))  # fmt: skip
+    st.worker = upsert(m.RayWorker, ["session_id", "worker_id"],
+                       first=("node_id", "pid", "worker_type", "job_id", "exit_type", "exit_detail"),
+                       low=("started_at", "ended_at"), returning=tuple(W.c))  # fmt: skip
+    st.actor = upsert(m.RayActor, ["session_id", "actor_id"],
+                      first=("job_id", "class_name", "name", "node_id", "worker_id", "pid"),
+                      low=("alive_at", "dead_at"))  # fmt: skip
+    st.job = upsert(m.RayJob, ["session_id", "job_id"],
+                    first=("entrypoint", "driver_pid", "driver_node"),
+                    low=("created_at", "finished_at", "driver_exit_at", "end_seen"),
+                    high=("last_event_at",), returning=tuple(J.c))  # fmt: skip
+    st.task = upsert(m.RayTask, ["session_id", "task_id", "attempt"],
+                     first=("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id",
+                            "node_id", "worker_id", "pid", "error_type", "error_message"),
+                     low=("pending_at", "submitted_at", "running_at", "finished_at", "failed_at",
+                          "first_seen", "end_seen"),
+                     ored=("defined",))  # fmt: skip
+    keys = tuple_(T.c.task_id, T.c.attempt).in_(bindparam("p_keys", expanding=True))
+    # Complete: defined, RUNNING and ended, on a node whose IP is known (the worker label
+    # needs it; a node's definition may arrive after its tasks' events).
+    node_known = (
+        select(N.c.node_id)
+        .where(N.c.session_id == T.c.session_id, N.c.node_id == T.c.node_id, N.c.ip.is_not(None))
+        .exists()
+    )
+    complete = (
+        T.c.defined.is_(True),
+        T.c.running_at.is_not(None),
+        or_(T.c.finished_at.is_not(None), T.c.failed_at.is_not(None)),
+        node_known,
+    )
+    st.complete = complete
+    st.emit_complete = (
+        update(T)
+        .where(T.c.session_id == bindparam("p_session"), keys, T.c.emitted.is_(False), *complete)
+        .values(emitted=True)
+        .returning(*T.c)
+    )
+    st.emit_keys = (
+        update(T)
+        .where(T.c.session_id == bindparam("p_session"), keys, T.c.emitted.is_(False))
+        .values(emitted=True)
+        .returning(*T.c)
+    )
+    st.emit_all_complete = (
+        update(T)
+        .where(T.c.session_id == bindparam("p_session"), T.c.emitted.is_(False), *complete)
+        .values(emitted=True)
+        .returning(*T.c)
+    )
+    return st
+
+
+def _stmts(db: Session) -> SimpleNamespace:
+    return _statements(db.get_bind().dialect.name)
+
+
+def _skip_locked(q: Any, db: Session) -> Any:
+    """Rows another transaction holds are left for it (Postgres); SQLite has one writer."""
+    return q.with_for_update(skip_locked=True) if db.get_bind().dialect.name == "postgresql" else q
+
+
+def ensure_session(db: Session, tenant_id: int, cluster: str, session: str, now: float) -> tuple[int, int]:  # fmt: skip
+    """(cluster id, session id), created if new."""
+    st = _stmts(db)
+    db.execute(st.cluster, {"tenant_id": tenant_id, "name": cluster, "first_seen": now, "last_seen": now})  # fmt: skip
+    cluster_id = db.execute(st.cluster_id, {"tenant_id": tenant_id, "name": cluster}).scalar_one()
+    db.execute(st.session, {"cluster_id": cluster_id, "name": session, "first_seen": now, "last_seen": now})  # fmt: skip
+    session_id = db.execute(st.session_id, {"cluster_id": cluster_id, "name": session}).scalar_one()
+    return cluster_id, session_id
+
+
+# ------------------------------------------------------------------ translation
+
+
+def session_started(session: str) -> float | None:
+    """The start a Ray session name carries (``session_2026-11-22_21-42-54_270620_23949``)."""
+    match = re.match(r"^session_(\d{4})-(\d\d)-(\d\d)_(\d\d)-(\d\d)-(\d\d)_(\d{6})_", session)
+    if not match:
+        return None
+    y, mo, d, h, mi, s, us = (int(x) for x in match.groups())
+    try:
+        return datetime(y, mo, d, h, mi, s, us, tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def worker_label(ip: str | None, pid: int | None, node: str | None, worker: str | None) -> str | None:  # fmt: skip
+    """A Ray worker process as the pages show it: ``ip:pid`` (or the ids when unknown)."""
+    if pid and ip:
+        return f"{ip}:{pid}"
+    if pid and node:
+        return f"node-{node[:12]}:{pid}"
+    if worker:
+        return f"worker-{worker[:12]}"
+    return None
+
+
+def _time_ok(*values: float | None) -> bool:
+    return all(v is not None and 0.0 <= v <= MAX_TIME for v in values)
+
+
+def task_state(row: Any) -> str:
+    """The task's last state Ray reported."""
+    if row.failed_at is not None:
+        return "FAILED"
+    if row.finished_at is not None:
+        return "FINISHED"
+    if row.running_at is not None:
+        return "RUNNING"
+    if row.submitted_at is not None:
+        return "SUBMITTED_TO_WORKER"
+    if row.pending_at is not None:
+        return "PENDING"
+    return "UNKNOWN"
+
+
+def task_event(row: Any, ip: str | None, pid: int | None) -> TaskEvent:
+    """A merged ``ray_tasks`` row as a protocol task record.
+
+    Start is RUNNING (as Ray's State API reports ``start_time_ms``), else SUBMITTED_TO_WORKER
+    when RUNNING never arrived; stop is FINISHED or FAILED. Ray's own facts go in ``attrs``
+    (what the record's fields already say - name, job, start, stop - is not repeated)."""
+    failed, finished, running = row.failed_at, row.finished_at, row.running_at
+    end = failed if failed is not None else finished
+    status = "erred" if failed is not None else "memory" if finished is not None else "lost"
+    start = running if running is not None else row.submitted_at
+    startstops = []
+    if start is not None and end is not None and _time_ok(start, end):
+        startstops = [StartStop("compute", start if start < end else end, end)]
+    pid = row.pid or pid
+    attrs: dict[str, Any] = {"attempt": row.attempt, "state": task_state(row)}
+    for k, v in (("type", row.task_type), ("module", row.module), ("parent", row.parent_id),
+                 ("actor", row.actor_id), ("node", row.node_id), ("worker_id", row.worker_id),
+                 ("pid", pid), ("error_type", row.error_type)):  # fmt: skip
+        if v is not None:
+            attrs[k] = v
+    for k, t in (("pending_at", row.pending_at), ("submitted_at", row.submitted_at)):
+        if t is not None and _time_ok(t):
+            attrs[k] = t
+    if start is not None:
+        attrs["start_from"] = "RUNNING" if running is not None else "SUBMITTED_TO_WORKER"
+    if not row.defined:
+        attrs["defined"] = False  # the definition never came: no name or function
+    exception = traceback = None
+    if status != "memory":
+        exception, traceback = error_summary(row.error_message, row.error_type)
+    return TaskEvent(
+        key=row.task_id,
+        prefix=row.func or "unknown",
+        status=status,
+        group=row.name,
+        run=row.job_id,
+        worker=worker_label(ip, pid, row.node_id, row.worker_id),
+        startstops=startstops,
+        exception=exception,
+        traceback=traceback,
+        attrs=attrs,
+    )
+
+
+def run_name(entrypoint: str | None) -> str | None:
+    return clean(" ".join(entrypoint.split()) if entrypoint else None, 1024)
+
+
+def job_started(job: Any) -> RunEvent | None:
+    if not _time_ok(job.created_at):
+        return None
+    return RunEvent(
+        event="started",
+        id=job.job_id,
+        time=job.created_at,
+        name=run_name(job.entrypoint),
+        client=f"ray driver pid {job.driver_pid}" if job.driver_pid else None,
+    )
+
+
+def worker_events(w: Any, ip: str | None) -> list[WorkerEvent]:
+    """A Ray worker process's joined/left events (task workers only: drivers and IO
+    workers run no tasks)."""
+    if w.worker_type not in (None, "WORKER") or not ip or not w.pid:
+        return []
+    address = worker_label(ip, w.pid, w.node_id, w.worker_id)
+    assert address is not None
+    out = []
+    if _time_ok(w.started_at):
+        out.append(
+            WorkerEvent(event="joined", address=address, time=w.started_at, name=w.worker_id)
+        )
+    if _time_ok(w.ended_at):
+        reason = ": ".join(x for x in (w.exit_type, w.exit_detail) if x) or None
+        out.append(WorkerEvent(event="left", address=address, time=w.ended_at, name=w.worker_id,
+                               reason=clean(reason, 1024)))  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------ derived batches
+
+
+class _Lookups:
+    """Node IPs and worker pids of a session, for worker labels (cached per process: a
+    node's IP and a worker's pid never change)."""
+
+    _ips: dict[tuple[int, str], str] = {}
+    _pids: dict[tuple[int, str], int] = {}
+
+    @classmethod
+    def ips(cls, db: Session, session_id: int, nodes: Iterable[str | None]) -> dict[str, str]:
+        want = {n for n in nodes if n}
+        out = {n: cls._ips[(session_id, n)] for n in want if (session_id, n) in cls._ips}
+        missing = want - set(out)
+        if missing:
+            N = m.RayNode
+            for node, ip in db.execute(
+                select(N.node_id, N.ip).where(N.session_id == session_id, N.node_id.in_(missing), N.ip.is_not(None))
+            ):  # fmt: skip
+                out[node] = ip
+                if len(cls._ips) > 100_000:
+                    cls._ips.clear()
+                cls._ips[(session_id, node)] = ip
+        return out
+
+    @classmethod
+    def pids(cls, db: Session, session_id: int, workers: Iterable[str | None]) -> dict[str, int]:
+        want = {w for w in workers if w}
+        out = {w: cls._pids[(session_id, w)] for w in want if (session_id, w) in cls._pids}
+        missing = want - set(out)
+        if missing:
+            W = m.RayWorker
+            for worker, pid in db.execute(
+                select(W.worker_id, W.pid).where(W.session_id == session_id, W.worker_id.in_(missing), W.pid.is_not(None))
+            ):  # fmt: skip
+                out[worker] = pid
+                if len(cls._pids) > 100_000:
+                    cls._pids.clear()
+                cls._pids[(session_id, worker)] = pid
+        return out
+
+
+def tasks_as_events(db: Session, session_id: int, rows: list[Any]) -> list[TaskEvent]:
+    pids = _Lookups.pids(db, session_id, (r.worker_id for r in rows if not r.pid))
+    ips = _Lookups.ips(db, session_id, (r.node_id for r in rows))
+    return [task_event(r, ips.get(r.node_id or ""), pids.get(r.worker_id or "")) for r in rows]
+
+
+@dataclass
+class Derived:
+    """Protocol records derived from one merge, to be indexed as one batch."""
+
+    tasks: list[TaskEvent] = field(default_factory=list)
+    runs: list[RunEvent] = field(default_factory=list)
+    workers: list[WorkerEvent] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks or self.runs or self.workers)
+
+
+def _valid(batch: Batch) -> Batch:
+    """The batch as readers will decode it; events the protocol cannot hold are dropped
+    (logged), so one odd value never blocks a node's exporter."""
+    try:
+        return decode_batch(encode_batch(batch))
+    except SchemaError as exc:
+        logger.error("derived Ray batch failed validation (%s); dropping the events that fail", exc)
+    good = []
+    for ev in batch.events:
+        probe = msgspec.structs.replace(batch, events=[ev])
+        try:
+            decode_batch(encode_batch(probe))
+            good.append(ev)
+        except SchemaError as exc:
+            logger.error("dropping a derived Ray event: %s: %r", exc, ev)
+    return decode_batch(encode_batch(msgspec.structs.replace(batch, events=good)))
+
+
+def write_derived(
+    db: Session,
+    blobs: BlobStore,
+    *,
+    tenant_id: int,
+    tenant: str,
+    cluster: str,
+    session: str,
+    derived: Derived,
+    now: float,
+    cache: IdCache | None = None,
+) -> str | None:
+    """Store the derived records as one protocol batch (named by its content) and index it
+    with the ordinary writer. Returns the blob key, None if there was nothing to write."""
+    if not derived:
+        return None
+    started = session_started(session)
+    events: list[Any] = []
+    if started is not None:
+        events.append(
+            SessionEvent(time=started, config={"scheduler": "ray", "ray_session": session})
+        )
+    events += sorted(derived.runs, key=lambda e: (e.id, e.event, e.time))
+    events += sorted(derived.workers, key=lambda e: (e.address, e.event, e.time))
+    events += sorted(derived.tasks, key=lambda e: (e.key, e.attrs.get("attempt", 0)))
+    body = msgspec.json.encode(events)
+    seq = int(hashlib.sha256(body).hexdigest()[:13], 16)
+    batch = Batch(schema=1, cluster=cluster, session=session, agent=AGENT, seq=seq, events=events)
+    data = zstandard.ZstdCompressor(level=STORE_LEVEL).compress(encode_batch(batch))
+    key = derived_key(tenant, cluster, session, seq)
+    if not blobs.put(key, data, if_absent=True):
+        data = blobs.get(key)  # index what is stored (the same content, by its name)
+    index_batch(db, tenant_id=tenant_id, tenant=tenant, batch=batch, blob_key=key,
+                size=len(data), now=now, cache=cache)  # fmt: skip
+    return key
+
+
+# ------------------------------------------------------------------ merging a body
+
+
+class _Touches:
+    """When this process last refreshed each job's ``last_event_at`` (at most every 5 s:
+    the job row is otherwise left unlocked for concurrent bodies of the same job)."""
+
+    _at: dict[tuple[str, int, str], float] = {}
+
+    @classmethod
+    def due(cls, db: Session, session_id: int, job: str, now: float) -> bool:
+        key = (str(db.get_bind().url), session_id, job)
+        if now - cls._at.get(key, 0.0) < 5.0:
+            return False
+        if len(cls._at) > 100_000:
+            cls._at.clear()
+        cls._at[key] = now
+        return True
+
+
+@dataclass
+class PartResult:
+    session: str
+    duplicate: bool
+    events: int
+    skipped: dict[str, int]
+    emitted: int = 0
+    derived_key: str | None = None
+    session_id: int | None = None
+
+
+def _chunks(items: list[Any], n: int = _CHUNK) -> Iterable[list[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def merge_part(
+    db: Session,
+    *,
+    tenant_id: int,
+    cluster: str,
+    stored: StoredPart,
+    key: str,
+    now: float,
+) -> tuple[int, int, list[Any], list[Any], list[Any]] | None:
+    """Merge one stored part into the tables. Returns (cluster id, session id, job rows,
+    worker rows, touched task keys), or None if this body was merged before. Order: the
+    manifest, then nodes, workers, actors, jobs, tasks, each in key order, so concurrent
+    merges lock rows alike."""
+    st = _stmts(db)
+    part = stored.part
+    cluster_id, session_id = ensure_session(db, tenant_id, cluster, part.session, now)
+    body_id = db.execute(
+        st.body,
+        {"session_id": session_id, "sha": stored.sha, "blob_key": key, "events": len(part.raw),
+         "bytes": len(stored.data), "received_at": now},
+    ).scalar()  # fmt: skip
+    if body_id is None:
+        return None
+    sid = session_id
+    if part.nodes:
+        db.execute(st.node, [
+            {"session_id": sid, "node_id": k, "ip": n.ip, "hostname": n.hostname, "name": n.name,
+             "started_at": n.started_at, "alive_at": n.alive_at, "dead_at": n.dead_at,
+             "death_reason": n.death_reason, "resources": n.resources}
+            for k, n in sorted(part.nodes.items())
+        ])  # fmt: skip
+    workers = []
+    for k, w in sorted(part.workers.items()):
+        workers += db.execute(st.worker, {
+            "session_id": sid, "worker_id": k, "node_id": w.node, "pid": w.pid,
+            "worker_type": w.worker_type, "job_id": w.job, "started_at": w.started_at,
+            "ended_at": w.ended_at, "exit_type": w.exit_type, "exit_detail": w.exit_detail,
+        }).all()  # fmt: skip
+    if part.actors:
+        db.execute(st.actor, [
+            {"session_id": sid, "actor_id": k, "job_id": a.job, "class_name": a.class_name,
+             "name": a.name, "node_id": a.node, "worker_id": a.worker, "pid": a.pid,
+             "alive_at": a.alive_at, "dead_at": a.dead_at}
+            for k, a in sorted(part.actors.items())
+        ])  # fmt: skip
+    jobs = set(part.jobs) | {t.job for t in part.tasks.values() if t.job}
+    job_rows = []
+    for job in sorted(jobs):
+        j = part.jobs.get(job)
+        patched = j is not None and any(
+            v is not None for v in (j.entrypoint, j.driver_pid, j.created_at, j.finished_at, j.driver_exit_at)
+        )  # fmt: skip
+        if not patched and not _Touches.due(db, sid, job, now):
+            continue
+        ended = j is not None and (j.finished_at is not None or j.driver_exit_at is not None)
+        job_rows += db.execute(st.job, {
+            "session_id": sid, "job_id": job,
+            "entrypoint": j.entrypoint if j else None, "driver_pid": j.driver_pid if j else None,
+            "driver_node": j.driver_node if j else None, "created_at": j.created_at if j else None,
+            "finished_at": j.finished_at if j else None,
+            "driver_exit_at": j.driver_exit_at if j else None,
+            "end_seen": now if ended else None, "last_event_at": now, "closed_at": None,
+            "closed_by": None,
+        }).all()  # fmt: skip
+    if part.tasks:
+        db.execute(st.task, [
+            {"session_id": sid, "task_id": k[0], "attempt": k[1], "job_id": t.job,
+             "defined": t.defined, "name": t.name, "func": t.func, "module": t.module,
+             "task_type": t.task_type, "parent_id": t.parent, "actor_id": t.actor,
+             "node_id": t.node, "worker_id": t.worker, "pid": t.pid, "pending_at": t.pending_at,
+             "submitted_at": t.submitted_at, "running_at": t.running_at,
+             "finished_at": t.finished_at, "failed_at": t.failed_at, "error_type": t.error_type,
+             "error_message": t.error_message, "first_seen": now,
+             "end_seen": now if t.finished_at is not None or t.failed_at is not None else None,
+             "emitted": False}
+            for k, t in sorted(part.tasks.items())
+        ])  # fmt: skip
+    counts = [
+        {"session_id": sid, "kind": kind, "event_type": etype, "count": n}
+        for kind, d in (("received", part.received), ("skipped", part.skipped))
+        for etype, n in sorted(d.items())
+    ]
+    if counts:
+        db.execute(st.counts, counts)
+    return cluster_id, sid, job_rows, workers, sorted(part.tasks)
+
+
+def index_part(
+    db: Session,
+    blobs: BlobStore,
+    *,
+    tenant_id: int,
+    tenant: str,
+    cluster: str,
+    stored: StoredPart,
+    now: float,
+    emit: bool = True,
+    cache: IdCache | None = None,
+) -> PartResult:
+    """Merge one stored part and write what became complete. The caller has stored the
+    raw part (``raw_key``) and owns the transaction. With ``emit=False`` (reindex's first
+    pass) only the merge tables change."""
+    part = stored.part
+    result = PartResult(part.session, False, len(part.raw), dict(part.skipped))
+    if part.session == NO_SESSION:
+        return result  # stored and counted by the caller; nothing to index
+    key = raw_key(tenant, cluster, part.session, stored.sha)
+    merged = merge_part(db, tenant_id=tenant_id, cluster=cluster, stored=stored, key=key, now=now)
+    if merged is None:
+        result.duplicate = True
+        return result
+    _cluster_id, sid, job_rows, worker_rows, touched = merged
+    result.session_id = sid
+    if not emit:
+        return result
+    st = _stmts(db)
+    derived = Derived()
+    rows: list[Any] = []
+    for chunk in _chunks(touched):
+        rows += db.execute(st.emit_complete, {"p_session": sid, "p_keys": chunk}).all()
+    known = [n for n, patch in part.nodes.items() if patch.ip]
+    if known:
+        # Tasks that were complete but for their node's IP (rows held by a concurrent
+        # merge are left to it or to the sweeper).
+        T = m.RayTask
+        rows += _emit_locked(db, sid, [T.node_id.in_(known), *st.complete])
+    derived.tasks = tasks_as_events(db, sid, rows)
+    derived.runs = [e for e in (job_started(j) for j in job_rows) if e is not None]
+    derived.workers = workers_of(db, sid, worker_rows, stored.part.nodes)
+    result.emitted = len(derived.tasks)
+    result.derived_key = write_derived(
+        db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster, session=part.session,
+        derived=derived, now=now, cache=cache,
+    )  # fmt: skip
+    return result
+
+
+def workers_of(db: Session, session_id: int, rows: list[Any], nodes: Iterable[str]) -> list[WorkerEvent]:  # fmt: skip
+    """Worker events for the merged worker rows, and for the workers of nodes whose IP just
+    became known (their labels need it)."""
+    by_id = {r.worker_id: r for r in rows}
+    nodes = list(nodes)
+    if nodes:
+        W = m.RayWorker
+        for r in db.execute(select(W).where(W.session_id == session_id, W.node_id.in_(nodes))).scalars():  # fmt: skip
+            by_id.setdefault(r.worker_id, r)
+    if not by_id:
+        return []
+    ips = _Lookups.ips(db, session_id, (r.node_id for r in by_id.values()))
+    out = []
+    for r in by_id.values():
+        out += worker_events(r, ips.get(r.node_id or ""))
+    return out
+
+
+# ------------------------------------------------------------------ the sweeper
+
+
+@dataclass
+class SweepCounts:
+    tasks: int = 0
+    jobs_closed: int = 0
+    batches: int = 0
+
+    def add(self, other: SweepCounts) -> None:
+        self.tasks += other.tasks
+        self.jobs_closed += other.jobs_closed
+        self.batches += other.batches
+
+
+def _session_names(db: Session, session_id: int) -> tuple[int, str, str, str]:
+    """(tenant id, tenant, cluster, session) of a session id."""
+    row = db.execute(
+        select(m.Tenant.id, m.Tenant.name, m.Cluster.name, m.Session.name)
+        .join(m.Cluster, m.Cluster.tenant_id == m.Tenant.id)
+        .join(m.Session, m.Session.cluster_id == m.Cluster.id)
+        .where(m.Session.id == session_id)
+    ).one()
+    return row[0], row[1], row[2], row[3]
+
+
+def _emit_locked(db: Session, session_id: int, where: list[Any]) -> list[Any]:
+    """Emit the unemitted tasks of a session matching ``where`` that no other transaction
+    holds: lock them with SKIP LOCKED (never wait, so never deadlock with a merge), then
+    flip exactly those."""
+    T = m.RayTask
+    keys = [
+        (t, a)
+        for t, a in db.execute(
+            _skip_locked(
+                select(T.task_id, T.attempt).where(
+                    T.session_id == session_id, T.emitted.is_(False), *where
+                ),
+                db,
+            )
+        )
+    ]
+    rows: list[Any] = []
+    st = _stmts(db)
+    for chunk in _chunks(keys):
+        rows += db.execute(st.emit_keys, {"p_session": session_id, "p_keys": chunk}).all()
+    return rows
+
+
+def _sweep_session(
+    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, where: list[Any],
+    now: float, cache: IdCache | None,
+) -> SweepCounts:  # fmt: skip
+    out = SweepCounts()
+    with sessions.begin() as db:
+        rows = _emit_locked(db, session_id, where)
+        if rows:
+            tenant_id, tenant, cluster, session = _session_names(db, session_id)
+            derived = Derived(tasks=tasks_as_events(db, session_id, rows))
+            write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
+                          session=session, derived=derived, now=now, cache=cache)  # fmt: skip
+            out.tasks += len(rows)
+            out.batches += 1
+    return out
+
+
+def _close_job(
+    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, job_id: str,
+    now: float, settle: float, idle: float, cache: IdCache | None,
+) -> SweepCounts:  # fmt: skip
+    out = SweepCounts()
+    J, T = m.RayJob, m.RayTask
+    with sessions.begin() as db:
+        job = db.execute(
+            _skip_locked(select(J).where(J.session_id == session_id, J.job_id == job_id), db)
+        ).scalar_one_or_none()
+        if job is None or job.closed_at is not None:
+            return out
+        ended = job.end_seen is not None and job.end_seen <= now - settle
+        if not ended and job.last_event_at > now - idle:
+            return out
+        rows = _emit_locked(db, session_id, [T.job_id == job_id])
+        end = db.execute(
+            select(func.max(func.coalesce(T.failed_at, T.finished_at))).where(
+                T.session_id == session_id, T.job_id == job_id
+            )
+        ).scalar()
+        finished = next(
+            (t for t in (job.finished_at, job.driver_exit_at, end, job.created_at) if _time_ok(t)),
+            None,
+        )
+        tenant_id, tenant, cluster, session = _session_names(db, session_id)
+        derived = Derived(tasks=tasks_as_events(db, session_id, rows))
+        started = job_started(job)
+        if started is not None:
+            derived.runs.append(started)
+        if finished is not None:
+            derived.runs.append(RunEvent(event="finished", id=job_id, time=finished))
+        if write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
+                         session=session, derived=derived, now=now, cache=cache):  # fmt: skip
+            out.batches += 1
+        job.closed_at = now
+        job.closed_by = (
+            "finished" if job.finished_at is not None
+            else "driver_exit" if job.driver_exit_at is not None else "idle"
+        )  # fmt: skip
+        out.tasks += len(rows)
+        out.jobs_closed += 1
+    return out
+
+
+def run_due(
+    sessions: sessionmaker[Session],
+    blobs: BlobStore,
+    *,
+    settle: float,
+    idle: float,
+    now: float | None = None,
+    cache: IdCache | None = None,
+    limit: int = 100,
+) -> SweepCounts:
+    """One pass of the sweeper: emit tasks whose end was seen ``settle`` seconds ago (RUNNING
+    or the definition never came), close jobs ``settle`` seconds after their end or ``idle``
+    seconds after their last event, and emit stragglers of closed jobs. Safe to run in
+    several processes at once (rows are taken with SKIP LOCKED; a task flips once)."""
+    now = time.time() if now is None else now
+    cutoff = now - settle
+    out = SweepCounts()
+    J, T = m.RayJob, m.RayTask
+    with sessions() as db:
+        stale = db.scalars(
+            select(T.session_id).where(T.emitted.is_(False), T.end_seen <= cutoff).distinct().limit(limit)
+        ).all()  # fmt: skip
+        closing = db.execute(
+            select(J.session_id, J.job_id)
+            .where(J.closed_at.is_(None), or_(J.end_seen <= cutoff, J.last_event_at <= now - idle))
+            .limit(limit)
+        ).all()
+        stragglers = db.scalars(
+            select(T.session_id)
+            .join(J, (J.session_id == T.session_id) & (J.job_id == T.job_id))
+            .where(T.emitted.is_(False), J.closed_at.is_not(None), T.first_seen <= cutoff)
+            .distinct()
+            .limit(limit)
+        ).all()
+    for sid in stale:
+        out.add(_sweep_session(sessions, blobs, sid, [T.end_seen <= cutoff], now, cache))
+    for sid, job in closing:
+        out.add(_close_job(sessions, blobs, sid, job, now, settle, idle, cache))
+    for sid in stragglers:
+        closed = select(J.job_id).where(J.session_id == sid, J.closed_at.is_not(None))
+        out.add(_sweep_session(sessions, blobs, sid, [T.job_id.in_(closed), T.first_seen <= cutoff], now, cache))  # fmt: skip
+    return out
+
+
+def has_open_work(db: Session) -> bool:
+    """Whether anything is left for the sweeper (an open job, an unemitted task)."""
+    J, T = m.RayJob, m.RayTask
+    return (
+        db.scalar(select(J.job_id).where(J.closed_at.is_(None)).limit(1)) is not None
+        or db.scalar(select(T.task_id).where(T.emitted.is_(False)).limit(1)) is not None
+    )
+
+
+# ------------------------------------------------------------------ reindex
+
+
+def parse_raw_key(key: str) -> dict[str, str] | None:
+    match = _RAW_RE.match(key)
+    return match.groupdict() if match else None
+
+
+def reindex(
+    blobs: BlobStore,
+    sessions: sessionmaker[Session],
+    *,
+    settle: float = 0.0,
+    idle: float = 900.0,
+) -> dict[str, int]:
+    """Rebuild the Ray side of the index from the stored bodies. Two passes, so the result
+    does not depend on the order bodies are listed in: merge every body not yet merged,
+    then emit what is complete, the workers, the jobs' starts, and close the jobs whose end
+    is known (``settle`` 0: the bodies are all here). Safe on a live index and to repeat."""
+    counts = {"ray_bodies": 0, "ray_merged": 0, "ray_already": 0, "ray_skipped": 0}
+    touched: dict[int, tuple[int, str, str, str]] = {}
+    tenants: dict[str, int] = {}
+    for key in blobs.list(f"{RAW_PREFIX}/"):
+        counts["ray_bodies"] += 1
+        ident = parse_raw_key(key)
+        if ident is None:
+            counts["ray_skipped"] += 1
+            continue
+        data = blobs.get(key)
+        raw = read_stored(data)
+        if hashlib.sha256(raw).hexdigest() != ident["sha"]:
+            logger.error("skipping Ray body %s: its content does not match its name", key)
+            counts["ray_skipped"] += 1
+            continue
+        try:
+            parts = prepare(raw)
+        except ValueError as exc:
+            logger.error("skipping unreadable Ray body %s: %s", key, exc)
+            counts["ray_skipped"] += 1
+            continue
+        tenant, cluster = ident["tenant"], ident["cluster"]
+        for stored in parts:
+            if stored.session != ident["session"] or stored.session == NO_SESSION:
+                continue
+            with sessions.begin() as db:
+                if tenant not in tenants:
+                    tenants[tenant] = ensure_tenant(db, tenant, time.time())
+                res = index_part(db, blobs, tenant_id=tenants[tenant], tenant=tenant, cluster=cluster,
+                                 stored=stored, now=time.time(), emit=False)  # fmt: skip
+                if res.session_id is not None:
+                    touched[res.session_id] = (tenants[tenant], tenant, cluster, stored.session)
+            counts["ray_already" if res.duplicate else "ray_merged"] += 1
+    for sid, (tenant_id, tenant, cluster, session) in touched.items():
+        emit_session(sessions, blobs, sid, tenant_id, tenant, cluster, session)
+    sweep = run_due(sessions, blobs, settle=settle, idle=idle, limit=1_000_000)
+    counts["ray_jobs_closed"] = sweep.jobs_closed
+    return counts
+
+
+def emit_session(
+    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, tenant_id: int,
+    tenant: str, cluster: str, session: str,
+) -> int:  # fmt: skip
+    """Write everything of a session that is complete (reindex's second pass)."""
+    st = None
+    with sessions.begin() as db:
+        st = _stmts(db)
+        rows = db.execute(st.emit_all_complete, {"p_session": session_id}).all()
+        derived = Derived(tasks=tasks_as_events(db, session_id, rows))
+        J, W = m.RayJob, m.RayWorker
+        jobs = db.execute(select(J).where(J.session_id == session_id)).scalars().all()
+        derived.runs = [e for e in (job_started(j) for j in jobs) if e is not None]
+        workers = db.execute(select(W).where(W.session_id == session_id)).scalars().all()
+        derived.workers = workers_of(db, session_id, list(workers), [])
+        write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
+                      session=session, derived=derived, now=time.time())  # fmt: skip
+    return len(rows)
