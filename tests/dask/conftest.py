@@ -37,8 +37,9 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = 
 class EmbeddedServer:
     """``hindsight serve`` on a fixed loopback port; can be stopped and started again."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
+        self.env = env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -54,7 +55,8 @@ class EmbeddedServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hindsight.cli", "serve", "--data-dir", str(self.data_dir),
              "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HINDSIGHT_AUTH": "disabled"},
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "HINDSIGHT_AUTH": "disabled", **self.env},
         )  # fmt: skip
         log.close()
 

@@ -1,0 +1,517 @@
+"""POST /v1/ray/events with exporter bodies shaped like Ray's (``bench/lib_ray.py``): what a
+real cluster will not do on demand (lost, reordered and repeated events, a late RUNNING, a
+job that never finishes, concurrent collectors), on both ways to run (SQLite + files,
+Postgres + S3). The sweeper is driven by hand (``run_due`` with a chosen clock)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+import requests
+from werkzeug.serving import make_server
+
+from bench.lib_ray import RaySim, bodies
+from storage import ray
+from storage.db import make_engine, make_sessionmaker, upgrade
+from storage.reindex import reindex
+from storage.tokens import create_token
+from tests.conftest import new_tenant
+from tests.test_reindex import fresh_index
+
+T0 = 1795383780.0
+SETTLE = 5.0
+IDLE = 900.0
+
+
+@pytest.fixture
+def app(stack: dict[str, Any]) -> Any:
+    from services.embedded import create_app
+
+    return create_app({**stack, "ray_sweeper": False, "access_log": True,
+                       "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE})  # fmt: skip
+
+
+@pytest.fixture
+def token(stack: dict[str, Any]) -> str:
+    engine = make_engine(stack["database_url"])
+    upgrade(engine)
+    with make_sessionmaker(engine).begin() as db:
+        t = create_token(db, new_tenant(), "ray,read")
+    engine.dispose()
+    return t
+
+
+class Ray:
+    """A client of one app and tenant: post bodies, run the sweeper, read runs back."""
+
+    def __init__(self, app: Any, token: str, cluster: str = "rc") -> None:
+        self.app = app
+        self.client = app.test_client()
+        self.token = token
+        self.cluster = cluster
+        self.store = app.extensions["hindsight"]
+
+    def post(self, body: bytes | Any, **params: str) -> Any:
+        if not isinstance(body, bytes):
+            body = json.dumps(body).encode()
+        query = {"cluster": self.cluster, **params}
+        return self.client.post(
+            "/v1/ray/events", query_string=query, data=body,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"},
+        )  # fmt: skip
+
+    def post_all(self, chunks: list[bytes]) -> None:
+        for b in chunks:
+            r = self.post(b)
+            assert r.status_code == 200, r.json
+
+    def sweep(self, after: float = 0.0) -> ray.SweepCounts:
+        return ray.run_due(self.store.sessions, self.store.blobs, settle=SETTLE, idle=IDLE,
+                           now=time.time() + after)  # fmt: skip
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = self.client.get(
+            path, query_string=params, headers={"Authorization": f"Bearer {self.token}"}
+        )
+        assert r.status_code == 200, r.json
+        return r.json
+
+    def runs(self) -> list[dict[str, Any]]:
+        return self.get("/v1/runs", cluster=self.cluster)["runs"]
+
+    def run(self, job: int) -> dict[str, Any]:
+        (run,) = [r for r in self.runs() if r["run_key"] == ray_job(job)]
+        return run
+
+    def tasks(self, run_id: str) -> list[dict[str, Any]]:
+        return self.get(f"/v1/runs/{run_id}/tasks", limit=10_000)["tasks"]
+
+    def view(self) -> dict[str, Any]:
+        """What a user sees of the cluster, minus when the index saw it."""
+        out: dict[str, Any] = {
+            "runs": {},
+            "history": self.get("/v1/history/clusters", cluster=self.cluster, bucket="day"),
+        }
+        for r in self.runs():
+            d = self.get(f"/v1/runs/{r['id']}")
+            tasks = sorted(
+                (t["key"], t["attrs"]["attempt"], t["status"], t["prefix"], t["group"], t["worker"],
+                 json.dumps(t["startstops"]), t["exception"], json.dumps(t["attrs"], sort_keys=True))
+                for t in self.tasks(r["id"])
+            )  # fmt: skip
+            out["runs"][r["run_key"]] = {
+                "summary": {k: r[k] for k in ("name", "status", "started_at", "finished_at",
+                                              "makespan", "task_count", "error_count")},
+                "detail": {k: d[k] for k in ("tasks_by_status", "workers", "prefixes", "seconds_by_action")},
+                "tasks": tasks,
+                "quantiles": self.get(f"/v1/runs/{r['id']}/summary")["prefixes"],
+            }  # fmt: skip
+        return out
+
+
+def ray_job(job: int) -> str:
+    return job.to_bytes(4, "little").hex()
+
+
+def task_hex(event: dict[str, Any]) -> str | None:
+    """The task id (hex) a task lifecycle event is about."""
+    payload = event.get("taskLifecycleEvent")
+    return base64.b64decode(payload["taskId"]).hex() if payload else None
+
+
+def is_running(event: dict[str, Any]) -> bool:
+    """The executing worker's event (RUNNING, with its pid)."""
+    return bool(event.get("taskLifecycleEvent", {}).get("workerPid"))
+
+
+def workload(seed: int = 1, n: int = 60) -> tuple[RaySim, list[Any], list[dict[str, Any]]]:
+    """A session: node and workers, job 1 with ``n`` tasks (every 7th fails), and an actor
+    task and a retried task in job 2."""
+    sim = RaySim(seed=seed)
+    events = sim.node_events(T0 - 5) + sim.worker_events(T0 - 4)
+    tasks, job1 = sim.job(1, n, T0, fail_every=7)
+    events += job1
+    events += sim.job_start(2, T0 + 10)
+    actor = b"\x42" * 12 + (2).to_bytes(4, "little")
+    incr = sim.task(2, "Counter.incr", T0 + 10.5, 0.02, func="Counter.incr", actor=actor)
+    first = sim.task(2, "flaky", T0 + 10.6, 0.01, failed=True)
+    retry = sim.task(2, "flaky", T0 + 10.7, 0.01, attempt=1, task_id=first.task_id)
+    for t in (incr, first, retry):
+        events += sim.task_events(t)
+        tasks.append(t)
+    events += sim.job_end(2, T0 + 11)
+    return sim, tasks, events
+
+
+# ------------------------------------------------------------------ the basics
+
+
+def test_a_job_becomes_a_run_with_its_tasks(app, token):
+    r = Ray(app, token)
+    sim, tasks, events = workload()
+    r.post_all(bodies(events))
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert run["status"] == "finished" and run["name"] == "python job.py"
+    assert run["task_count"] == 60 and run["error_count"] == 60 // 7
+    recorded = {t["key"]: t for t in r.tasks(run["id"])}
+    for t in tasks[:60]:
+        rec = recorded[t.hex]
+        assert rec["startstops"] == [{"action": "compute", "start": pytest.approx(t.start, abs=1e-6),
+                                      "stop": pytest.approx(t.stop, abs=1e-6)}]  # fmt: skip
+        assert rec["status"] == ("erred" if t.failed else "memory")
+        assert rec["worker"] == f"{sim.ip}:{sim.pids[sim.worker_of(t)]}"
+        assert rec["prefix"] == "work" and rec["group"] == t.name
+    job2 = {(t["key"], t["attrs"]["attempt"]): t for t in r.tasks(r.run(2)["id"])}
+    assert len(job2) == 3
+    incr = next(t for t in job2.values() if t["prefix"] == "Counter.incr")
+    assert (
+        incr["attrs"]["type"] == "ACTOR_TASK"
+        and incr["attrs"]["actor"] == (b"\x42" * 12 + b"\x02\0\0\0").hex()
+    )
+    flaky = sorted((k[1], t["status"]) for k, t in job2.items() if t["prefix"] == "flaky")
+    assert flaky == [(0, "erred"), (1, "memory")]
+    detail = r.get(f"/v1/runs/{run['id']}")
+    assert detail["completeness"]["closed_by"] == "finished"
+    assert detail["workers_used"] == sim.workers
+
+
+def test_a_retried_body_is_stored_and_counted_once(app, token):
+    r = Ray(app, token)
+    _, _, events = workload()
+    chunks = bodies(events, 30)
+    r.post_all(chunks)
+    again = r.post(chunks[3])
+    assert again.status_code == 200 and again.json["duplicate"] is True
+    # The same events in bodies cut differently: new bodies, no new facts.
+    shuffled = events[:]
+    random.Random(5).shuffle(shuffled)
+    r.post_all(bodies(shuffled, 77))
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert run["task_count"] == 60 and run["error_count"] == 60 // 7
+    assert len(r.tasks(run["id"])) == 60
+    detail = r.get(f"/v1/runs/{run['id']}")
+    assert detail["completeness"]["batches_received"] == len(chunks) + len(bodies(shuffled, 77))
+    assert sum(p["count"] for p in detail["prefixes"]) == 60
+    assert sum(w["tasks"] for w in detail["workers"]) == 60
+    keys = list(r.store.blobs.list(f"{ray.RAW_PREFIX}/"))
+    assert len(keys) == len(chunks) + len(bodies(shuffled, 77))
+
+
+def test_an_unknown_event_type_is_stored_and_the_rest_indexed(app, token):
+    r = Ray(app, token)
+    sim, tasks, events = workload()
+    odd = [
+        {**events[0], "eventType": "QUANTUM_EVENT", "quantumEvent": {"spin": 0.5}},
+        {**events[0], "eventType": "TASK_LIFECYCLE_EVENT", "taskLifecycleEvent": {"taskId": 7}},
+        {**events[0], "timestamp": 12, "eventType": "NODE_DEFINITION_EVENT"},
+        42,
+    ]
+    body = json.dumps(odd + events[:200]).encode()
+    resp = r.post(body)
+    assert resp.status_code == 200, resp.json
+    assert resp.json["skipped"] == {"QUANTUM_EVENT": 1, "malformed": 3}
+    (key,) = [k for k in r.store.blobs.list(f"{ray.RAW_PREFIX}/")]
+    assert ray.read_stored(r.store.blobs.get(key)) == body  # stored as sent, odd events and all
+    r.post_all(bodies(events[200:]))
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert run["task_count"] == 60
+    c = r.get(f"/v1/runs/{run['id']}")["completeness"]
+    assert c["events_skipped"] == {"QUANTUM_EVENT": 1, "malformed": 3}
+
+
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        (b'{"eventType": "TASK_DEFINITION_EVENT"}', 400, "not_an_array"),
+        (b"[{", 400, "not_an_array"),
+        (b"\xff\xfe", 400, "not_an_array"),
+        (b"[]", 200, None),
+        (b"[1, null, []]", 200, None),
+    ],
+)
+def test_only_a_body_that_is_not_an_array_is_refused(app, token, body, status, code):
+    resp = Ray(app, token).post(body)
+    assert resp.status_code == status, resp.json
+    if code:
+        assert resp.json["error"]["code"] == code
+
+
+def test_bad_cluster_name_type_and_size(stack, token):
+    from services.embedded import create_app
+
+    app = create_app({**stack, "ray_sweeper": False, "max_batch_bytes": 4096})
+    r = Ray(app, token, cluster="../etc")
+    assert r.post(b"[]").status_code == 400
+    r.cluster = "ok"
+    assert r.post(b"[" + b" " * 5000 + b"]").status_code == 413
+    resp = r.client.post("/v1/ray/events", data=b"[]", headers={"Content-Type": "text/csv",
+                         "Authorization": f"Bearer {token}"})  # fmt: skip
+    assert resp.status_code == 415
+
+
+def test_rate_limited_bodies_get_429(stack, token):
+    from services.embedded import create_app
+
+    app = create_app(
+        # Ten events of burst, refilled at one event a minute: the second body must wait.
+        {**stack, "ray_sweeper": False, "rate_limit_events": 1 / 60, "rate_limit_burst": 10}
+    )
+    r = Ray(app, token)
+    _, _, events = workload()
+    assert r.post(json.dumps(events[:10]).encode()).status_code == 200
+    resp = r.post(json.dumps(events[10:30]).encode())
+    assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
+    assert not list(r.store.blobs.list(f"{ray.RAW_PREFIX}/"))[1:], "a refused body was stored"
+
+
+# ------------------------------------------------------------------ order, loss, lateness
+
+
+def test_order_and_repetition_do_not_change_the_result(stack, app):
+    """The same events in order, and shuffled with repeats, late RUNNING events and the
+    job's FINISHED first, give the same runs, tasks, rollups and history."""
+    engine = make_engine(stack["database_url"])
+    with make_sessionmaker(engine).begin() as db:
+        in_order, mixed = (
+            create_token(db, new_tenant(), "ray,read"),
+            create_token(db, new_tenant(), "ray,read"),
+        )
+    engine.dispose()
+    _, _, events = workload(seed=3)
+    a = Ray(app, in_order)
+    a.post_all(bodies(events))
+    rng = random.Random(11)
+    late = [e for e in events if is_running(e)]
+    ends = [e for e in events if e["eventType"] == "DRIVER_JOB_LIFECYCLE_EVENT"]
+    rest = [e for e in events if e not in late and e not in ends]
+    rest += rng.sample(rest, len(rest) // 5)  # repeats
+    rng.shuffle(rest)
+    b = Ray(app, mixed)
+    b.post_all(bodies(ends + rest, 53))
+    b.post_all(bodies(late, 41))
+    for client in (a, b):
+        client.sweep(after=SETTLE + 1)
+    assert a.view() == b.view()
+    assert a.view()["runs"][ray_job(1)]["summary"]["task_count"] == 60
+
+
+def test_a_task_whose_running_never_arrives_is_written_after_settling(app, token):
+    r = Ray(app, token)
+    sim, tasks, events = workload()
+    lost = {t.hex for t in tasks[:60:10]}  # six tasks lose their RUNNING event
+    keep = [e for e in events if not (is_running(e) and task_hex(e) in lost)]
+    r.post_all(bodies(keep))
+    run = r.run(1)
+    assert run["task_count"] == 54  # the others wait for their RUNNING
+    r.sweep(after=SETTLE / 2)
+    assert r.run(1)["task_count"] == 54
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert run["task_count"] == 60
+    waited = {t["key"]: t for t in r.tasks(run["id"]) if t["key"] in lost}
+    assert len(waited) == 6
+    for t in tasks[:60:10]:
+        rec = waited[t.hex]
+        assert rec["attrs"]["start_from"] == "SUBMITTED_TO_WORKER"
+        assert rec["startstops"][0]["start"] == pytest.approx(t.start - 0.0005, abs=1e-6)
+    c = r.get(f"/v1/runs/{run['id']}")["completeness"]
+    assert c["tasks"]["without_running"] == 6 and c["ratio"] == pytest.approx(54 / 60)
+
+
+def test_a_job_that_never_finishes_closes_when_idle(app, token):
+    r = Ray(app, token)
+    sim = RaySim(seed=9)
+    tasks, events = sim.job(1, 20, T0, finish=False)
+    # The last task's end never arrives.
+    cut = [e for e in events if not (task_hex(e) == tasks[-1].hex and not is_running(e))]
+    r.post_all(bodies(sim.node_events(T0 - 1) + sim.worker_events(T0 - 1) + cut))
+    r.sweep(after=SETTLE + 1)
+    assert r.run(1)["status"] == "running"
+    r.sweep(after=IDLE + 1)
+    run = r.run(1)
+    assert run["status"] == "finished" and run["task_count"] == 20
+    assert run["finished_at"] == pytest.approx(tasks[-2].stop, abs=1e-6)
+    detail = r.get(f"/v1/runs/{run['id']}")
+    assert detail["completeness"]["closed_by"] == "idle"
+    assert detail["completeness"]["job_finished_event"] is False
+    assert detail["tasks_by_status"] == {"memory": 19, "lost": 1}
+
+
+def test_events_after_the_job_closed_are_still_written_once(app, token):
+    r = Ray(app, token)
+    sim = RaySim(seed=4)
+    tasks, events = sim.job(1, 10, T0)
+    r.post_all(bodies(sim.node_events(T0 - 1) + events))
+    r.sweep(after=SETTLE + 1)
+    assert r.run(1)["task_count"] == 10
+    late = sim.task(1, "late", T0 + 1, 0.01)
+    r.post_all(bodies(sim.task_events(late)))  # complete on arrival
+    straggler = sim.task(1, "straggler", T0 + 2, 0.01)
+    r.post_all(bodies([sim.definition(straggler), sim.submitter(straggler)]))  # no RUNNING
+    assert r.run(1)["task_count"] == 11
+    r.sweep(after=SETTLE + 1)
+    assert r.run(1)["task_count"] == 12
+    r.post_all(bodies(sim.task_events(late) + [sim.running(straggler)]))  # repeats: no change
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert run["task_count"] == 12 and len(r.tasks(run["id"])) == 12
+
+
+def test_reindex_rebuilds_the_same_runs(stack, app, token, tmp_path):
+    r = Ray(app, token)
+    _, _, events = workload(seed=6)
+    rng = random.Random(2)
+    mixed = events + rng.sample(events, 40)
+    rng.shuffle(mixed)
+    r.post_all(bodies(mixed, 90))
+    r.sweep(after=SETTLE + 1)
+    before = r.view()
+
+    from services.embedded import create_app
+
+    rebuilt_url = fresh_index(stack, tmp_path)
+    upgrade(rebuilt_url)
+    engine = make_engine(rebuilt_url)
+    counts = reindex(r.store.blobs, make_sessionmaker(engine))
+    assert counts["ray_merged"] == len(bodies(mixed, 90)) and counts["ray_skipped"] == 0
+    # Tokens are not in the blob store: one for the same tenant in the rebuilt index.
+    principal = r.store.principal_for(token)
+    assert principal is not None
+    with make_sessionmaker(engine).begin() as db:
+        again = create_token(db, principal.tenant, "ray,read")
+    engine.dispose()
+    rebuilt = Ray(create_app({**stack, "database_url": rebuilt_url, "ray_sweeper": False}), again)
+    after = rebuilt.view()
+    for job in before["runs"]:
+        for part in before["runs"][job]:
+            assert after["runs"][job][part] == before["runs"][job][part], (job, part)
+    assert after == before
+
+
+def test_tasks_wait_for_their_nodes_address(app, token):
+    """A task is written with its worker's ``ip:pid``, even when the node's definition
+    arrives after the task's events (it waits for it, up to the settle time)."""
+    r = Ray(app, token)
+    sim = RaySim(seed=8)
+    tasks, events = sim.job(1, 12, T0)
+    r.post_all(bodies(events))
+    assert r.run(1)["task_count"] == 0
+    r.post_all(bodies(sim.node_events(T0 - 1)))
+    run = r.run(1)
+    assert run["task_count"] == 12
+    assert {t["worker"] for t in r.tasks(run["id"])} == {f"{sim.ip}:{p}" for p in sim.pids}
+
+
+@pytest.mark.postgres
+def test_concurrent_collectors_write_each_task_once(pg_url, s3_url, moto_endpoint):
+    """Bodies of one job posted at once by eight clients to a threaded collector on
+    Postgres (each request its own transaction), with repeats: every attempt once, and
+    the rollups add up to the task count."""
+    from services.embedded import create_app
+
+    stack = {"database_url": pg_url, "blob_url": s3_url, "s3_endpoint_url": moto_endpoint,
+             "auth": "required", "ray_sweeper": False, "access_log": False}  # fmt: skip
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    with make_sessionmaker(engine).begin() as db:
+        tok, reader = create_token(db, tenant, "ray"), create_token(db, tenant, "read")
+    engine.dispose()
+    app = create_app(stack)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        sim = RaySim(seed=12, workers=4)
+        _, events = sim.job(1, 600, T0, fail_every=9)
+        events = sim.node_events(T0 - 1) + sim.worker_events(T0 - 1) + events
+        rng = random.Random(3)
+        mixed = events + rng.sample(events, 300)
+        rng.shuffle(mixed)
+        chunks = bodies(mixed, 40)
+        chunks += chunks[::7]  # retried bodies
+        rng.shuffle(chunks)
+        url = f"http://127.0.0.1:{server.port}/v1/ray/events?cluster=rc&token={tok}"
+        errors: list[Any] = []
+
+        def send(mine: list[bytes]) -> None:
+            with requests.Session() as http:
+                for b in mine:
+                    resp = http.post(
+                        url, data=b, headers={"Content-Type": "application/json"}, timeout=60
+                    )
+                    if resp.status_code != 200:
+                        errors.append((resp.status_code, resp.text))
+
+        senders = [threading.Thread(target=send, args=(chunks[i::8],)) for i in range(8)]
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join(120)
+        assert errors == []
+        r = Ray(app, reader)
+        r.sweep(after=SETTLE + 1)
+        run = r.run(1)
+        assert run["task_count"] == 600 and run["error_count"] == 600 // 9
+        tasks = r.tasks(run["id"])
+        assert len({t["key"] for t in tasks}) == len(tasks) == 600
+        detail = r.get(f"/v1/runs/{run['id']}")
+        assert sum(w["tasks"] for w in detail["workers"]) == 600
+        assert sum(p["count"] for p in detail["prefixes"]) == 600
+        (q,) = r.get(f"/v1/runs/{run['id']}/summary")["prefixes"]
+        assert q["actions"]["compute"]["count"] == 600
+        (hour,) = r.get("/v1/history/clusters", cluster="rc", bucket="day")["points"]
+        assert hour["tasks"] == 600
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_retention_removes_a_ray_session_and_reindex_does_not_bring_it_back(app, token):
+    from sqlalchemy import update
+
+    from storage import models as m
+    from storage.retention import apply
+
+    r = Ray(app, token)
+    _, _, events = workload(seed=13)
+    r.post_all(bodies(events))
+    r.sweep(after=SETTLE + 1)
+    assert len(r.runs()) == 2
+    tenant = r.store.principal_for(token).tenant
+    with r.store.sessions.begin() as db:
+        db.execute(update(m.Session).values(last_seen=time.time() - 40 * 86400))
+    done = apply(r.store.blobs, r.store.sessions, tenant, max_age=30 * 86400)
+    assert len(done.sessions) == 1 and done.blobs_deleted > 0
+    assert not list(r.store.blobs.list(f"{ray.RAW_PREFIX}/{tenant}/"))
+    assert not list(r.store.blobs.list(f"{ray.DERIVED_PREFIX}/{tenant}/"))
+    assert r.runs() == []
+    reindex(r.store.blobs, r.store.sessions)
+    assert r.runs() == []
+
+
+def test_a_body_of_many_sessions_is_split_and_bounded(app, token):
+    """Ray sends one session a body; events of several are stored per session, and past
+    sixteen sessions the rest are stored and counted, not indexed."""
+    r = Ray(app, token)
+    events = []
+    for seed in range(20):
+        sim = RaySim(seed=100 + seed)
+        events += sim.node_events(T0) + sim.job(1, 1, T0)[1]
+    resp = r.post(json.dumps(events).encode())
+    assert resp.status_code == 200
+    assert len(resp.json["sessions"]) == 16
+    assert resp.json["skipped"] == {"too_many_sessions": len(events) * 4 // 20}
+    stored = [
+        ray.read_stored(r.store.blobs.get(k)) for k in r.store.blobs.list(f"{ray.RAW_PREFIX}/")
+    ]
+    assert sum(len(json.loads(b)) for b in stored) == len(events)  # every event kept

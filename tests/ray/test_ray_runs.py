@@ -1,0 +1,211 @@
+"""Ray jobs on a real local cluster, recorded through Ray's own event exporter into a real
+Hindsight server, compared with Ray's State API for the same jobs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import zstandard
+
+from tests.dashboard.conftest import shoot
+from tests.dashboard.test_browser import model_counts
+from tests.dask.conftest import EmbeddedServer, wait_until
+from tests.ray.conftest import RAY_CLUSTER, RayCluster, ray_run, wait_quiet
+
+
+@pytest.fixture(scope="module")
+def jobs(ray_server: EmbeddedServer, ray_cluster: RayCluster) -> Iterator[dict[str, Any]]:
+    out: dict[str, Any] = {}
+    for name, script in (("tasks", "tasks_job.py"), ("short", "short_job.py")):
+        result = ray_cluster.run(script)
+        run = ray_run(ray_server, result["job"])
+        out[name] = {"result": result, "run": run, "detail": wait_quiet(ray_server, run["id"])}
+    for entry in out.values():
+        job = entry["result"]["job"]
+        # The State API sees the last task events a moment after the driver exits.
+        expected = len(ray_server.tasks(entry["run"]["id"]))
+
+        def settled(job: str = job, expected: int = expected) -> list[dict[str, Any]] | None:
+            tasks = ray_cluster.state_tasks(job)
+            done = all(t["state"] in ("FINISHED", "FAILED") for t in tasks)
+            return tasks if done and len(tasks) >= expected else None
+
+        entry["state"] = wait_until(settled, 60, f"the State API to report job {job}")
+    yield out
+
+
+def recorded(server: EmbeddedServer, run_id: str) -> dict[tuple[str, int], dict[str, Any]]:
+    tasks = server.tasks(run_id)
+    out = {(t["key"], t["attrs"]["attempt"]): t for t in tasks}
+    assert len(out) == len(tasks), "a task attempt was recorded twice"
+    return out
+
+
+def compute(task: dict[str, Any]) -> tuple[float, float]:
+    (phase,) = task["startstops"]
+    assert phase["action"] == "compute"
+    return phase["start"], phase["stop"]
+
+
+@pytest.mark.parametrize("name", ["tasks", "short"])
+def test_tasks_match_rays_state_api(jobs, ray_server, name):
+    entry = jobs[name]
+    mine = recorded(ray_server, entry["run"]["id"])
+    theirs = {(t["task_id"], t["attempt_number"]): t for t in entry["state"]}
+    assert set(mine) == set(theirs)
+    for key, t in theirs.items():
+        m = mine[key]
+        assert m["attrs"]["state"] == t["state"], key
+        assert m["status"] == {"FINISHED": "memory", "FAILED": "erred"}[t["state"]]
+        assert m["group"] == t["name"]
+        assert m["prefix"] == t["func_or_class_name"]
+        assert m["attrs"]["type"] == t["type"]
+        start, stop = compute(m)
+        assert abs(start * 1000 - t["start_time_ms"]) <= 1, (key, start, t["start_time_ms"])
+        assert abs(stop * 1000 - t["end_time_ms"]) <= 1, (key, stop, t["end_time_ms"])
+        assert m["attrs"].get("parent") == (
+            t["parent_task_id"]
+            if t["parent_task_id"] and set(t["parent_task_id"]) != {"f"}
+            else None
+        )
+        assert m["attrs"].get("pid") == t["worker_pid"]
+        if t["error_type"]:
+            assert m["attrs"]["error_type"] == t["error_type"]
+    assert entry["run"]["task_count"] == len(theirs)
+    assert entry["run"]["error_count"] == sum(t["state"] == "FAILED" for t in theirs.values())
+
+
+def test_every_kind_of_task_is_there(jobs, ray_server):
+    entry = jobs["tasks"]
+    tasks = list(recorded(ray_server, entry["run"]["id"]).values())
+    by_prefix: dict[str, list[dict[str, Any]]] = {}
+    for t in tasks:
+        by_prefix.setdefault(t["prefix"], []).append(t)
+    assert len(by_prefix["square"]) == 40 + 4  # plain, and the four nested under fan_out
+    (parent,) = by_prefix["fan_out"]
+    nested = [t for t in by_prefix["square"] if t["attrs"].get("parent") == parent["key"]]
+    assert len(nested) == 4
+    assert sorted(t["attrs"]["attempt"] for t in by_prefix["flaky"]) == [0, 1, 2]
+    assert {t["status"] for t in by_prefix["flaky"] + by_prefix["fail"]} == {"erred"}
+    assert len(by_prefix["Counter.incr"]) == 5
+    assert {t["attrs"]["type"] for t in by_prefix["Counter.incr"]} == {"ACTOR_TASK"}
+    assert by_prefix["Counter.__init__"][0]["attrs"]["type"] == "ACTOR_CREATION_TASK"
+    actor = by_prefix["Counter.incr"][0]["attrs"]["actor"]
+    assert actor and {t["attrs"]["actor"] for t in by_prefix["Counter.incr"]} == {actor}
+    assert [a["actor_id"] for a in entry["detail"]["ray"]["actors"]] == [actor]
+    fail = by_prefix["fail"][0]
+    assert fail["exception"].startswith("ValueError: boom")
+    assert "raise ValueError" in fail["traceback"] and "\x1b[" not in fail["traceback"]
+
+
+def test_run_detail_says_what_ray_told(jobs, ray_server):
+    for entry in jobs.values():
+        d = entry["detail"]
+        assert d["scheduler"] == "ray" and d["status"] == "finished"
+        assert d["run_key"] == entry["result"]["job"]
+        assert "jobs/" in d["name"]  # the driver's entrypoint
+        c = d["completeness"]
+        assert c["closed"] and c["closed_by"] == "finished" and c["job_finished_event"]
+        assert c["tasks"]["complete"] == c["tasks"]["total"] == d["task_count"]
+        assert c["ratio"] == 1.0 and c["events_skipped"] == {}
+        workers = {w["worker"] for w in d["workers"]}
+        assert workers and all(w.startswith("127.0.0.1:") for w in workers)
+        assert d["ray"]["nodes"][0]["ip"] == "127.0.0.1"
+
+
+def stored_bodies(server: EmbeddedServer) -> list[Path]:
+    return sorted(
+        (server.data_dir / "blobs" / "ray" / "v1" / "default" / RAY_CLUSTER).rglob("*.json.zst")
+    )
+
+
+def test_a_real_body_posted_again_is_counted_once(jobs, ray_server):
+    """Re-POST what Ray sent (read back from the blob store), as is and with an event of
+    a type Hindsight does not know in front: accepted, nothing counted twice."""
+    before = {r["id"]: r["task_count"] for r in ray_server.runs(RAY_CLUSTER)}
+    paths = stored_bodies(ray_server)
+    biggest = max(paths, key=lambda p: p.stat().st_size)
+    body = zstandard.ZstdDecompressor().decompressobj().decompress(biggest.read_bytes())
+    url = f"{ray_server.url}/v1/ray/events?cluster={RAY_CLUSTER}"
+    hdr = {"Content-Type": "application/json"}
+    again = requests.post(url, data=body, headers=hdr, timeout=30)
+    assert again.status_code == 200 and again.json()["duplicate"] is True
+    events = json.loads(body)
+    novel = {**events[0], "eventType": "TELEPATHY_EVENT", "telepathyEvent": {"thought": "hi"}}
+    mixed = requests.post(url, data=json.dumps([novel, *events]), headers=hdr, timeout=30)
+    assert mixed.status_code == 200 and mixed.json()["duplicate"] is False
+    assert mixed.json()["skipped"] == {"TELEPATHY_EVENT": 1}
+    assert len(stored_bodies(ray_server)) == len(paths) + 1
+    after = {r["id"]: r["task_count"] for r in ray_server.runs(RAY_CLUSTER)}
+    assert after == before
+    run = jobs["tasks"]["run"]
+    assert len(ray_server.tasks(run["id"])) == before[run["id"]]
+    skipped = ray_server.get(f"/v1/runs/{run['id']}")["completeness"]["events_skipped"]
+    assert skipped == {"TELEPATHY_EVENT": 1}
+
+
+def test_a_dask_run_and_a_ray_run_of_one_cluster_side_by_side(jobs, ray_server):
+    """A Dask cluster recording under the Ray cluster's name: both kinds of run in the runs
+    list and in the cluster's history."""
+    import dask
+    from distributed import Client, LocalCluster, span
+
+    config = {"hindsight.url": ray_server.url, "hindsight.cluster": RAY_CLUSTER}
+    with dask.config.set(config):
+        with LocalCluster(
+            n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0",
+            worker_dashboard_address=":0", scheduler_kwargs={"preload": ["hindsight.dask"]},
+        ) as lc, Client(lc):  # fmt: skip
+            with span("dask-side"):
+                total = dask.delayed(sum)([dask.delayed(abs)(-i) for i in range(30)])
+                assert total.compute() == sum(range(30))
+
+    def both() -> list[dict[str, Any]] | None:
+        runs = ray_server.runs(RAY_CLUSTER)
+        dask_runs = [r for r in runs if r["name"] == "dask-side" and r["status"] == "finished"]
+        return runs if dask_runs and dask_runs[0]["task_count"] >= 31 else None
+
+    runs = wait_until(both, 90, "the Dask run to be recorded")
+    ray_runs = {jobs[n]["run"]["id"] for n in jobs}
+    assert ray_runs <= {r["id"] for r in runs}
+    (dask_run,) = [r for r in runs if r["name"] == "dask-side"]
+    assert ray_server.get(f"/v1/runs/{dask_run['id']}").get("scheduler") is None
+    assert {ray_server.get(f"/v1/runs/{i}")["scheduler"] for i in ray_runs} == {"ray"}
+    points = ray_server.get("/v1/history/clusters", cluster=RAY_CLUSTER, bucket="day")["points"]
+    everything = sum(r["task_count"] for r in ray_server.runs(RAY_CLUSTER))
+    assert sum(p["tasks"] for p in points) == everything
+    assert sum(p["runs"] for p in points) == len(runs)
+    (cluster,) = [c for c in ray_server.get("/v1/clusters")["clusters"] if c["name"] == RAY_CLUSTER]
+    assert cluster["runs"] == len(runs) and cluster["sessions"] == 2  # one Ray, one Dask
+
+
+@pytest.mark.browser
+def test_the_run_page_of_a_ray_job(jobs, ray_server, page):
+    """The dashboard draws a Ray run like a Dask one (a task-stream row per worker process,
+    progress per function, errors grouped) and says what Ray does not send (no graph, no
+    worker metrics) instead of drawing empty panels."""
+    run = jobs["tasks"]["run"]
+    tasks = ray_server.tasks(run["id"])
+    page.goto(f"{ray_server.url}/?cluster={RAY_CLUSTER}")
+    page.locator(f"a[href='/runs/{run['id']}']").first.click()
+    page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
+    model = model_counts(page)
+    assert model["glyphs"] == sum(len(t["startstops"]) for t in tasks)
+    assert model["rows"] == len({t["worker"] for t in tasks})
+    assert model["lines"]["progress"] == len({t["prefix"] for t in tasks})
+    assert not {"cpu", "tasks", "memory-managed"} & set(model["lines"])
+    assert "black" in model["colours"]  # failed attempts, as Dask draws them
+    assert page.locator("#no-graph").count() == 1 and page.locator("#dag").count() == 0
+    assert "100.0% of tasks fully recorded" in page.locator("#ray-completeness").inner_text()
+    groups = {
+        g["exception"]: g["count"] for g in ray_server.get(f"/v1/runs/{run['id']}/errors")["groups"]
+    }
+    assert groups["RuntimeError: flaky every time"] == 3
+    assert page.locator("tr.error-group").count() == len(groups)
+    shoot(page, "ray-run")
+    assert page.errors == []
