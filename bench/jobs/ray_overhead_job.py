@@ -1,0 +1,55 @@
+"""The Ray job of bench/ray_overhead.py (a driver script, not a bench): TASKS small tasks (some nested, some failing), a
+few actor calls; prints the wall time from the first submission to the last result."""
+
+import json
+import sys
+import time
+
+import ray
+
+TASKS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+
+
+@ray.remote
+def work(i):
+    end = time.perf_counter() + 0.002  # 2 ms of CPU
+    while time.perf_counter() < end:
+        pass
+    if i % 100 == 99:
+        raise ValueError(f"boom {i}")
+    return i
+
+
+@ray.remote
+def fan_out(n):
+    return len(ray.get([work.remote(i * 100) for i in range(n)]))
+
+
+@ray.remote
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def incr(self):
+        self.n += 1
+        return self.n
+
+
+ray.init()
+job = ray.get_runtime_context().get_job_id()
+counter = Counter.remote()
+ray.get(counter.incr.remote())  # the actor is up before the clock starts
+t0 = time.perf_counter()
+refs = [work.remote(i) for i in range(TASKS)] + [fan_out.remote(10) for _ in range(TASKS // 100)]
+refs += [counter.incr.remote() for _ in range(TASKS // 20)]
+done = 0
+for ref in refs:
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayTaskError:
+        pass
+    done += 1
+wall = time.perf_counter() - t0
+n = TASKS + TASKS // 100 * 11 + TASKS // 20 + 2  # tasks, fan-outs and theirs, actor calls
+ray.shutdown()
+print(json.dumps({"job": job, "wall": wall, "tasks": n}))
