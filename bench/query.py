@@ -15,6 +15,9 @@ COPY, and one run of 1,000,000 Dask-shaped task records through the real ingest 
 - ``prefix_history_ms``: ``GET /v1/history/prefixes?bucket=day`` across all clusters over
   a window holding 10,000 runs (median; the ``prefix_days`` rollup), and the same by hour
   (merging the 10,000 runs' histograms) without a target;
+- ``profile_ms``: ``GET /v1/profiles?prefix=read-parquet`` merging the stored profiles of
+  100 runs (median; each run's tree of that prefix has ~2,000 frames, as deep pandas/pyarrow
+  stacks give, out of a shared code base so the merge is realistic);
 - and, without targets: compacting the 1M-task run from its raw batches, and streaming it
   in full as NDJSON.
 
@@ -52,7 +55,7 @@ from storage.ingest import index_batch, run_public_id  # noqa: E402
 from storage.tokens import create_token  # noqa: E402
 
 TARGETS = {"run_list_p95_ms": 50, "run_tasks_cold_s": 1.5, "run_tasks_page_ms": 300,
-           "prefix_history_ms": 200}  # fmt: skip
+           "prefix_history_ms": 200, "profile_ms": 500}  # fmt: skip
 T0 = 1_780_000_000.0
 TENANT = "bench"
 
@@ -180,6 +183,67 @@ def generate_history(
         raw.close()
 
 
+def synthetic_profiles(n_runs: int, nodes: int, seed: int = 3) -> list[Any]:
+    """``n_runs`` profile trees of one prefix: each run samples ~``nodes`` frames of one
+    shared random call tree (depth up to 25), with its own counts, as repeated runs of
+    one job do."""
+    from storage.profiles import Profile, add_flat
+
+    rng = random.Random(seed)
+    size = int(nodes * 1.25)
+    frames = [(f"fn_{i}", f"/opt/venv/lib/python3.11/site-packages/lib{i % 40}/mod{i % 300}.py",
+               10 + i, 12 + i, f"result = fn_{i + 1}(frame, **kwargs)") for i in range(size)]  # fmt: skip
+    parents, depth = [-1], [0]
+    for i in range(1, size):
+        p = rng.randrange(i)
+        while depth[p] >= 24:
+            p = parents[p]
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    out = []
+    for _ in range(n_runs):
+        dropped = [rng.random() < 0.03 for _ in range(size)]
+        counts = [0] * size
+        for i in range(size - 1, -1, -1):  # children come after their parents
+            if not dropped[i]:
+                counts[i] += rng.randint(1, 50)
+                if parents[i] >= 0:
+                    counts[parents[i]] += counts[i]
+        index: dict[int, int] = {}
+        flat: list[tuple[int, int, int]] = []
+        for i, p in enumerate(parents):
+            if dropped[i] or (p >= 0 and p not in index):
+                continue
+            index[i] = len(flat)
+            flat.append((index[p] if p >= 0 else -1, i, counts[i]))
+        prof = Profile()
+        add_flat(prof, frames, flat)
+        out.append(prof)
+    return out
+
+
+def load_profiles(sessions: Any, tenant_id: int, runs: list[int], nodes: int = 2000) -> int:
+    """Stored profiles for ``runs`` (their prefix read-parquet, and the whole run's), as
+    ``storage.profiles.store`` writes them; returns the bytes stored per run."""
+    from storage import models as m
+    from storage.profiles import encode, frame_ids
+
+    trees = synthetic_profiles(len(runs), nodes)
+    stored = 0
+    with sessions.begin() as db:
+        used = {t.keys[f]: t.lines[f] for t in trees for f in t.keys}
+        ids = frame_ids(db, tenant_id, used)
+        rows = []
+        for rid, tree in zip(runs, trees, strict=True):
+            data = encode(tree, {f: ids[k] for f, k in tree.keys.items()})
+            stored += 2 * len(data)
+            for prefix in ("read-parquet", ""):
+                rows.append({"run_id": rid, "prefix": prefix, "worker": "", "samples": tree.samples,
+                             "nodes": tree.size(), "interval": 0.01, "tag": "bench", "data": data})  # fmt: skip
+        db.execute(m.RunProfile.__table__.insert(), rows)
+    return stored // max(len(runs), 1)
+
+
 def load_big_run(
     sessions: Any, blobs: Any, tenant_id: int, n_tasks: int, per_batch: int = 5000
 ) -> None:
@@ -268,6 +332,15 @@ def main() -> int:
         t = time.perf_counter()
         load_big_run(sessions, blobs, tenant_id, args.big_tasks)
         log(f"big run indexed in {time.perf_counter() - t:.1f} s")
+        # 100 runs of two hours (50 clusters, one run each an hour) with stored profiles
+        p_since, p_until = T0 + 1000 * 3600, T0 + 1002 * 3600
+        with engine.connect() as conn:
+            profiled = list(conn.execute(
+                text("SELECT id FROM runs WHERE started_at >= :a AND started_at < :b ORDER BY id"),
+                {"a": p_since, "b": p_until},
+            ).scalars())  # fmt: skip
+        profile_bytes = load_profiles(sessions, tenant_id, profiled)
+        log(f"stored profiles of {len(profiled)} runs ({profile_bytes:,} bytes per run)")
 
         import logging
 
@@ -325,6 +398,14 @@ def main() -> int:
         log(f"prefix history: {len(body['points'])} days, {covered:,} task durations, {ph_ms:.1f} ms; "
             f"by hour {ph_hour_ms:.0f} ms")  # fmt: skip
 
+        # ---- a prefix's profile merged over 100 runs
+        url = f"/v1/profiles?prefix=read-parquet&since={p_since}&until={p_until}"
+        merged = get(url).json
+        assert merged["runs"] == len(profiled), merged["runs"]
+        profile_ms = statistics.median(timed(lambda: get(url)) * 1000 for _ in range(10))
+        log(f"profile of read-parquet over {merged['runs']} runs ({len(profiled)} trees of ~2,000 "
+            f"frames): {profile_ms:.0f} ms")  # fmt: skip
+
         # ---- the 1M-task run
         big = get("/v1/runs?name=big-run").json["runs"][0]
         assert big["task_count"] == args.big_tasks, big
@@ -361,6 +442,8 @@ def main() -> int:
             "run_tasks_page_ms": round(page_ms, 1),
             "prefix_history_ms": round(ph_ms, 1),
             "prefix_history_hourly_ms": round(ph_hour_ms, 1),
+            "profile_ms": round(profile_ms, 1),
+            "profile_stored_bytes_per_run": profile_bytes,
             "run_list_sorted_by_makespan_ms": round(sorted_ms, 1),
             "run_compact_s": round(compact_s, 2),
             "run_tasks_ndjson_s": round(ndjson_s, 2),

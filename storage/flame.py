@@ -19,8 +19,9 @@ def label(key: FrameKey) -> str:
     return text.replace(";", ":").replace("\n", " ").replace("\r", " ")
 
 
-def _frame(p: Profile, key: FrameKey) -> dict[str, Any]:
-    line_number, line = p.lines.get(key, (0, ""))
+def _frame(p: Profile, fid: int) -> dict[str, Any]:
+    key = p.keys[fid]
+    line_number, line = p.lines[fid]
     return {
         "name": key[0],
         "filename": key[1],
@@ -34,13 +35,9 @@ def tree_json(p: Profile, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     """The call tree as nested JSON; children sorted by samples, most first.
     ``samples`` includes callees, ``self`` does not."""
 
-    def one(key: FrameKey | None, node: Node, depth: int) -> dict[str, Any]:
+    def one(fid: int | None, node: Node, depth: int) -> dict[str, Any]:
         kids = sorted(node.children.items(), key=lambda kv: -kv[1].count)
-        out: dict[str, Any] = (
-            {"name": "all", "filename": "", "first_line": 0, "line_number": 0, "line": ""}
-            if key is None
-            else _frame(p, key)
-        )
+        out: dict[str, Any] = dict(ROOT) if fid is None else _frame(p, fid)
         out["samples"] = node.count
         out["self"] = node.count - sum(c.count for c in node.children.values())
         out["children"] = [one(k, c, depth + 1) for k, c in kids] if depth < max_depth else []
@@ -51,9 +48,12 @@ def tree_json(p: Profile, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     return one(None, p.root, 0)
 
 
+ROOT = {"name": "all", "filename": "", "first_line": 0, "line_number": 0, "line": ""}
+
+
 def walk(p: Profile) -> Any:
-    """(stack of frame keys, node) for every node, pre-order."""
-    stack: list[tuple[tuple[FrameKey, ...], Node]] = [((), p.root)]
+    """(stack of frame ids, node) for every node, pre-order."""
+    stack: list[tuple[tuple[int, ...], Node]] = [((), p.root)]
     while stack:
         path, node = stack.pop()
         if path:
@@ -69,7 +69,7 @@ def collapsed(p: Profile) -> str:
     for path, node in walk(p):
         own = node.count - sum(c.count for c in node.children.values())
         if own > 0:
-            lines.append(f"{';'.join(label(k) for k in path)} {own}")
+            lines.append(f"{';'.join(label(p.keys[f]) for f in path)} {own}")
     lines.sort()
     return "\n".join(lines) + ("\n" if lines else "")
 
@@ -77,7 +77,7 @@ def collapsed(p: Profile) -> str:
 def speedscope(p: Profile, name: str) -> dict[str, Any]:
     """speedscope's file format: one sampled profile, weights in seconds."""
     frames: list[dict[str, Any]] = []
-    index: dict[FrameKey, int] = {}
+    index: dict[int, int] = {}
     samples: list[list[int]] = []
     weights: list[float] = []
     for path, node in walk(p):
@@ -85,10 +85,11 @@ def speedscope(p: Profile, name: str) -> dict[str, Any]:
         if own <= 0:
             continue
         stack = []
-        for key in path:
-            i = index.get(key)
+        for fid in path:
+            i = index.get(fid)
             if i is None:
-                i = index[key] = len(frames)
+                i = index[fid] = len(frames)
+                key = p.keys[fid]
                 frames.append({"name": key[0], "file": key[1], "line": key[2]})
             stack.append(i)
         samples.append(stack)
@@ -117,14 +118,14 @@ def speedscope(p: Profile, name: str) -> dict[str, Any]:
 def top(p: Profile, n: int = 20) -> list[dict[str, Any]]:
     """The functions with the most samples of their own (``self``), with their samples
     including callees (``samples``, a recursive function counted once per stack)."""
-    own: dict[FrameKey, int] = {}
-    total: dict[FrameKey, int] = {}
+    own: dict[int, int] = {}
+    total: dict[int, int] = {}
     for path, node in walk(p):
         key = path[-1]
         own[key] = own.get(key, 0) + node.count - sum(c.count for c in node.children.values())
         if key not in path[:-1]:
             total[key] = total.get(key, 0) + node.count
-    ranked = sorted(own, key=lambda k: (-own[k], -total.get(k, 0), k))[:n]
+    ranked = sorted(own, key=lambda k: (-own[k], -total.get(k, 0), p.keys[k]))[:n]
     return [
         {
             **_frame(p, k),
@@ -154,24 +155,24 @@ def diff(a: Profile, b: Profile, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     ``share_b``), so runs of different lengths compare; ``delta`` is the change of share."""
     ta, tb = a.samples or 1, b.samples or 1
 
-    def one(key: FrameKey | None, na: Node | None, nb: Node | None, depth: int) -> dict[str, Any]:
-        out: dict[str, Any] = (
-            {"name": "all", "filename": "", "first_line": 0, "line_number": 0, "line": ""}
-            if key is None
-            else _frame(b if nb is not None else a, key)
-        )
+    def by_key(p: Profile, node: Node | None) -> dict[FrameKey, tuple[int, Node]]:
+        return {p.keys[f]: (f, c) for f, c in node.children.items()} if node else {}
+
+    def one(frame: dict[str, Any], na: Node | None, nb: Node | None, depth: int) -> dict[str, Any]:
+        out = dict(frame)
         ca, cb = (na.count if na else 0), (nb.count if nb else 0)
         out.update(a=ca, b=cb, share_a=ca / ta, share_b=cb / tb, delta=cb / tb - ca / ta)
-        keys = set(na.children if na else ()) | set(nb.children if nb else ())
-        kids = [
-            (k, na.children.get(k) if na else None, nb.children.get(k) if nb else None)
-            for k in keys
-        ]
+        ka, kb = by_key(a, na), by_key(b, nb)
+        kids = []
+        for key in ka.keys() | kb.keys():
+            xa, xb = ka.get(key), kb.get(key)
+            shown = _frame(b, xb[0]) if xb else _frame(a, xa[0])  # type: ignore[index]
+            kids.append((shown, xa[1] if xa else None, xb[1] if xb else None))
         kids.sort(key=lambda t: -max(t[1].count if t[1] else 0, t[2].count if t[2] else 0))
-        out["children"] = [one(k, x, y, depth + 1) for k, x, y in kids] if depth < max_depth else []
+        out["children"] = [one(f, x, y, depth + 1) for f, x, y in kids] if depth < max_depth else []
         return out
 
-    return one(None, a.root, b.root, 0)
+    return one(ROOT, a.root, b.root, 0)
 
 
 def collapsed_diff(a: Profile, b: Profile) -> str:
@@ -182,7 +183,7 @@ def collapsed_diff(a: Profile, b: Profile) -> str:
         for path, node in walk(p):
             c = node.count - sum(x.count for x in node.children.values())
             if c > 0:
-                own.setdefault(path, [0, 0])[i] += c
+                own.setdefault(tuple(p.keys[f] for f in path), [0, 0])[i] += c
     lines = [f"{';'.join(label(k) for k in path)} {ca} {cb}" for path, (ca, cb) in own.items()]
     lines.sort()
     return "\n".join(lines) + ("\n" if lines else "")

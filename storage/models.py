@@ -529,3 +529,20 @@ class RayActor(Base):
     pid: Mapped[int | None] = mapped_column(BigInteger)
     alive_at: Mapped[float | None] = mapped_column(Float)
     dead_at: Mapped[float | None] = mapped_column(Float)
+
+
+class ProfileFrame(Base):
+    """A code location of the tenant's profiles, stored once: ``run_profiles`` trees refer
+    to frames by id. ``digest`` is the sha1 of name, filename and first line (a function's
+    identity); ``line_number`` and ``line`` are one sampled line, for display."""
+
+    __tablename__ = "profile_frames"
+    __table_args__ = (UniqueConstraint("tenant_id", "digest"),)
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    digest: Mapped[str] = mapped_column(String(40))
+    name: Mapped[str] = mapped_column(String(1024))
+    filename: Mapped[str] = mapped_column(String(1024))
+    first_line: Mapped[int] = mapped_column(BigInteger)
+    line_number: Mapped[int] = mapped_column(BigInteger)
+    line: Mapped[str] = mapped_column(String(1024))

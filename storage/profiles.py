@@ -19,6 +19,7 @@ samples grow by as much, so totals stay exact.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -47,30 +48,48 @@ MAX_RUNS = 1000
 ZSTD_LEVEL = 3
 
 FrameKey = tuple[str, str, int]  # function name, filename, first line
+#: Version of the stored tree format: part of every row's tag, so rows of an older format
+#: are rebuilt rather than misread.
+FORMAT = "p3"
 
 
 class Node:
-    """A frame in a call tree: samples with it on the stack, and its callees."""
+    """A frame in a call tree: samples with it on the stack, and its callees by frame id."""
 
     __slots__ = ("count", "children")
 
     def __init__(self) -> None:
         self.count = 0
-        self.children: dict[FrameKey, Node] = {}
+        self.children: dict[int, Node] = {}
 
 
 @dataclass
 class Profile:
-    """A call tree. ``root.count`` is every sample; ``lines`` keeps, per frame, a sampled
-    line number and its source text for display."""
+    """A call tree. ``root.count`` is every sample. Nodes refer to frames by id, which
+    keeps merging to integer lookups: ``keys[id]`` is a frame's identity and ``lines[id]``
+    a sampled line number and its source text, for display. Trees read from the index
+    use the tenant's frame ids (``profile_frames``); trees built in memory number their
+    frames from 0."""
 
     root: Node = field(default_factory=Node)
-    lines: dict[FrameKey, tuple[int, str]] = field(default_factory=dict)
+    keys: dict[int, FrameKey] = field(default_factory=dict)
+    lines: dict[int, tuple[int, str]] = field(default_factory=dict)
+    ids: dict[FrameKey, int] = field(default_factory=dict)
     interval: float = 0.01
+    _next: int = 0
 
     @property
     def samples(self) -> int:
         return self.root.count
+
+    def intern(self, key: FrameKey, line: tuple[int, str]) -> int:
+        i = self.ids.get(key)
+        if i is None:
+            i = self.ids[key] = self._next
+            self._next += 1
+            self.keys[i] = key
+            self.lines[i] = line
+        return i
 
     def size(self) -> int:
         n, stack = 0, [self.root]
@@ -80,8 +99,39 @@ class Profile:
             stack.extend(node.children.values())
         return n
 
+    def frame_ids(self) -> set[int]:
+        out: set[int] = set()
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            out.update(node.children)
+            stack.extend(node.children.values())
+        return out
+
 
 # -- building -------------------------------------------------------------------------
+def _add_nodes(p: Profile, remap: list[int] | None, parents: Any, frames: Any, counts: Any) -> None:
+    """Add pre-order nodes (already checked), frames given in ``p``'s ids via ``remap``
+    (None: they are ``p``'s ids already)."""
+    placed: list[Node] = []
+    append = placed.append
+    root = p.root
+    top = 0
+    for parent, f, c in zip(parents, frames, counts, strict=True):
+        if parent < 0:
+            up = root
+            top += c
+        else:
+            up = placed[parent]
+        fid = remap[f] if remap is not None else f
+        child = up.children.get(fid)
+        if child is None:
+            child = up.children[fid] = Node()
+        child.count += c
+        append(child)
+    root.count += top
+
+
 def add_flat(
     p: Profile,
     frames: list[tuple[str, str, int, int, str]],
@@ -94,22 +144,8 @@ def add_flat(
     for i, (parent, f, c) in enumerate(nodes):
         if not (-1 <= parent < i) or not (0 <= f < n_frames) or c < 0:
             return False
-    placed: list[Node] = []
-    root = p.root
-    lines = p.lines
-    for parent, f, c in nodes:
-        name, filename, first, line_number, line = frames[f]
-        key = (name, filename, first)
-        up = root if parent < 0 else placed[parent]
-        child = up.children.get(key)
-        if child is None:
-            child = up.children[key] = Node()
-            if key not in lines:
-                lines[key] = (line_number, line)
-        child.count += c
-        if parent < 0:
-            root.count += c
-        placed.append(child)
+    remap = [p.intern((n, fn, first), (ln, line)) for n, fn, first, ln, line in frames]
+    _add_nodes(p, remap, [n[0] for n in nodes], [n[1] for n in nodes], [n[2] for n in nodes])
     return True
 
 
@@ -122,13 +158,13 @@ def add_event(p: Profile, ev: ProfileEvent) -> bool:
 
 def merge_into(dst: Profile, src: Profile) -> None:
     """Add ``src``'s samples to ``dst``."""
+    remap = {f: dst.intern(k, src.lines[f]) for f, k in src.keys.items()}
     dst.root.count += src.root.count
-    for key, info in src.lines.items():
-        dst.lines.setdefault(key, info)
     stack = [(dst.root, src.root)]
     while stack:
         d, s = stack.pop()
-        for key, sc in s.children.items():
+        for fid, sc in s.children.items():
+            key = remap[fid]
             dc = d.children.get(key)
             if dc is None:
                 dc = d.children[key] = Node()
@@ -157,7 +193,7 @@ def prune(p: Profile, max_nodes: int) -> None:
     stack = [p.root]
     while stack:
         node = stack.pop()
-        kept: dict[FrameKey, Node] = {}
+        kept: dict[int, Node] = {}
         for key, c in sorted(node.children.items(), key=lambda kv: -kv[1].count):
             if c.count > threshold or (c.count == threshold and budget > 0):
                 if c.count == threshold:
@@ -165,69 +201,120 @@ def prune(p: Profile, max_nodes: int) -> None:
                 kept[key] = c
         node.children = kept
         stack.extend(reversed(kept.values()))
-    used = {k for k in _keys(p.root)}
-    p.lines = {k: v for k, v in p.lines.items() if k in used}
-
-
-def _keys(root: Node) -> Iterator[FrameKey]:
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        yield from node.children
-        stack.extend(node.children.values())
 
 
 # -- storage ----------------------------------------------------------------------------
 class _Stored(msgspec.Struct, array_like=True, gc=False):
+    """A tree at rest: pre-order nodes as parallel lists (parent index, the tenant's frame
+    id, samples). Frames are stored once per tenant in ``profile_frames``, so a tree is
+    integers only: small at rest, and many merge without decoding a string."""
+
     interval: float
-    frames: list[tuple[str, str, int, int, str]]
-    nodes: list[tuple[int, int, int]]
+    parents: list[int]
+    frames: list[int]
+    counts: list[int]
 
 
 _stored_decoder = msgspec.json.Decoder(_Stored)
 _encoder = msgspec.json.Encoder()
 
 
-def flatten(p: Profile) -> tuple[list[tuple[str, str, int, int, str]], list[tuple[int, int, int]]]:
-    """The tree as pre-order (frames, nodes), children by samples, most first."""
-    frames: list[tuple[str, str, int, int, str]] = []
-    frame_ids: dict[FrameKey, int] = {}
-    nodes: list[tuple[int, int, int]] = []
-    stack: list[tuple[FrameKey, Node, int]] = [
+def flatten(p: Profile) -> tuple[list[int], list[int], list[int]]:
+    """Pre-order (parents, frame ids, counts), children by samples, most first."""
+    parents: list[int] = []
+    frames: list[int] = []
+    counts: list[int] = []
+    stack: list[tuple[int, Node, int]] = [
         (k, c, -1) for k, c in sorted(p.root.children.items(), key=lambda kv: kv[1].count)
     ]
     while stack:
-        key, node, parent = stack.pop()
-        f = frame_ids.get(key)
-        if f is None:
-            f = frame_ids[key] = len(frames)
-            line_number, line = p.lines.get(key, (0, ""))
-            frames.append((key[0], key[1], key[2], line_number, line))
-        i = len(nodes)
-        nodes.append((parent, f, node.count))
+        fid, node, parent = stack.pop()
+        i = len(parents)
+        parents.append(parent)
+        frames.append(fid)
+        counts.append(node.count)
         stack.extend(
             (k, c, i) for k, c in sorted(node.children.items(), key=lambda kv: kv[1].count)
         )
-    return frames, nodes
+    return parents, frames, counts
 
 
-def encode(p: Profile) -> bytes:
-    frames, nodes = flatten(p)
-    body = _encoder.encode(_Stored(p.interval, frames, nodes))
+def encode(p: Profile, global_ids: dict[int, int]) -> bytes:
+    """The tree at rest, its frames renumbered to the tenant's ids (``global_ids``)."""
+    parents, frames, counts = flatten(p)
+    body = _encoder.encode(_Stored(p.interval, parents, [global_ids[f] for f in frames], counts))
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(body)
 
 
 def decode_into(p: Profile, data: bytes) -> None:
-    """Add a stored tree to ``p`` (merging many stored trees never builds each one)."""
-    stored = _stored_decoder.decode(zstandard.ZstdDecompressor().decompress(data))
-    p.interval = stored.interval
-    add_flat(p, stored.frames, stored.nodes)
+    """Add a stored tree to ``p``, in the tenant's frame ids (merging many stored trees
+    never builds each one); :func:`resolve` names the frames at the end."""
+    st = _stored_decoder.decode(zstandard.ZstdDecompressor().decompress(data))
+    p.interval = st.interval
+    _add_nodes(p, None, st.parents, st.frames, st.counts)
 
 
-def decode(data: bytes) -> Profile:
+def _digest(key: FrameKey) -> str:
+    return hashlib.sha1(
+        f"{key[0]}\x00{key[1]}\x00{key[2]}".encode(), usedforsecurity=False
+    ).hexdigest()
+
+
+def frame_ids(
+    db: Session, tenant_id: int, frames: dict[FrameKey, tuple[int, str]]
+) -> dict[FrameKey, int]:
+    """The tenant's ids of ``frames`` (identity -> display line), adding the new ones."""
+    F = m.ProfileFrame.__table__
+    digests = {_digest(k): k for k in frames}
+    if db.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    out: dict[FrameKey, int] = {}
+    ordered = sorted(digests)  # one order for every writer: no lock cycles
+    for i in range(0, len(ordered), 1000):
+        chunk = ordered[i : i + 1000]
+        db.execute(
+            insert(F).on_conflict_do_nothing(index_elements=["tenant_id", "digest"]),
+            [
+                {"tenant_id": tenant_id, "digest": d, "name": digests[d][0],
+                 "filename": digests[d][1], "first_line": digests[d][2],
+                 "line_number": frames[digests[d]][0], "line": frames[digests[d]][1]}
+                for d in chunk
+            ],
+        )  # fmt: skip
+        for fid, d in db.execute(
+            select(F.c.id, F.c.digest).where(F.c.tenant_id == tenant_id, F.c.digest.in_(chunk))
+        ):
+            out[digests[d]] = fid
+    return out
+
+
+def resolve(db: Session, tenant_id: int, p: Profile) -> Profile:
+    """Name the frames of a tree read from the index (in the tenant's frame ids)."""
+    ids = sorted(p.frame_ids())
+    F = m.ProfileFrame
+    for i in range(0, len(ids), 5000):
+        for fid, name, filename, first, line_number, line in db.execute(
+            select(F.id, F.name, F.filename, F.first_line, F.line_number, F.line).where(
+                F.tenant_id == tenant_id, F.id.in_(ids[i : i + 5000])
+            )
+        ):
+            p.keys[fid] = (name, filename, first)
+            p.lines[fid] = (line_number, line)
+            p.ids[(name, filename, first)] = fid
+    for fid in ids:  # a frame removed under us: still drawn, unnamed
+        if fid not in p.keys:
+            p.keys[fid] = ("?", "", 0)
+            p.lines[fid] = (0, "")
+    p._next = max(p.keys, default=-1) + 1
+    return p
+
+
+def decode(db: Session, tenant_id: int, data: bytes) -> Profile:
     p = Profile()
     decode_into(p, data)
-    return p
+    return resolve(db, tenant_id, p)
 
 
 # -- a run's profile ----------------------------------------------------------------------
@@ -284,25 +371,20 @@ def attribute(
     return out
 
 
-def rows(run_id: int, built: RunProfiles, tag: str) -> list[dict[str, Any]]:
-    """The ``run_profiles`` rows of a run: per (prefix, worker), per prefix, and the run."""
+@dataclass
+class Row:
+    """One ``run_profiles`` row before it is stored: its key and its (pruned) tree."""
+
+    prefix: str
+    worker: str
+    tree: Profile
+
+
+def rows(built: RunProfiles) -> list[Row]:
+    """A run's rows: per (prefix, worker), per prefix, and the whole run, each pruned."""
     by_prefix: dict[str, Profile] = {}
     whole = Profile()
     out = []
-
-    def row(prefix: str, worker: str, p: Profile, max_nodes: int) -> dict[str, Any]:
-        prune(p, max_nodes)
-        return {
-            "run_id": run_id,
-            "prefix": prefix,
-            "worker": worker,
-            "samples": p.samples,
-            "nodes": p.size(),
-            "interval": p.interval,
-            "tag": tag,
-            "data": encode(p),
-        }
-
     for (prefix, worker), tree in sorted(built.trees.items()):
         merged = by_prefix.get(prefix)
         if merged is None:
@@ -310,10 +392,13 @@ def rows(run_id: int, built: RunProfiles, tag: str) -> list[dict[str, Any]]:
         merge_into(merged, tree)
         merge_into(whole, tree)
         whole.interval = tree.interval
-        out.append(row(prefix, worker, tree, MAX_WORKER_NODES))
+        prune(tree, MAX_WORKER_NODES)
+        out.append(Row(prefix, worker, tree))
     for prefix, tree in by_prefix.items():
-        out.append(row(prefix, "", tree, MAX_NODES))
-    out.append(row("", "", whole, MAX_NODES))
+        prune(tree, MAX_NODES)
+        out.append(Row(prefix, "", tree))
+    prune(whole, MAX_NODES)
+    out.append(Row("", "", whole))
     return out
 
 
@@ -340,22 +425,32 @@ def inputs_tag(db: Session, run: m.Run, batches: list[tuple[int, str]]) -> str:
     n, hi = db.execute(
         select(func.count(), func.max(m.RunBatch.batch_id)).where(m.RunBatch.run_id == run.id)
     ).one()
-    return f"{n}-{hi or 0}/{len(batches)}-{batches[-1][0] if batches else 0}"
+    return f"{FORMAT}/{n}-{hi or 0}/{len(batches)}-{batches[-1][0] if batches else 0}"
 
 
-def build(
-    run_id: int, tasks: Any, events: Iterable[Any], tag: str
-) -> tuple[RunProfiles, list[dict[str, Any]]]:
+def build(tasks: Any, events: Iterable[Any]) -> list[Row]:
     """A run's profile rows from its task table and candidate events."""
-    built = attribute(windows(tasks), events)
-    return built, rows(run_id, built, tag)
+    return rows(attribute(windows(tasks), events))
 
 
-def store(db: Session, run_id: int, new_rows: list[dict[str, Any]]) -> None:
+def store(db: Session, run: m.Run, new_rows: list[Row], tag: str) -> None:
     """Replace a run's stored profile (the caller owns the transaction)."""
-    db.execute(delete(m.RunProfile).where(m.RunProfile.run_id == run_id))
-    if new_rows:
-        db.execute(m.RunProfile.__table__.insert(), new_rows)
+    frames: dict[FrameKey, tuple[int, str]] = {}
+    for r in new_rows:
+        for fid in r.tree.frame_ids():
+            frames.setdefault(r.tree.keys[fid], r.tree.lines[fid])
+    ids = frame_ids(db, run.tenant_id, frames)
+    db.execute(delete(m.RunProfile).where(m.RunProfile.run_id == run.id))
+    values = []
+    for r in new_rows:
+        global_ids = {fid: ids[key] for fid, key in r.tree.keys.items() if key in ids}
+        values.append(
+            {"run_id": run.id, "prefix": r.prefix, "worker": r.worker, "samples": r.tree.samples,
+             "nodes": r.tree.size(), "interval": r.tree.interval, "tag": tag,
+             "data": encode(r.tree, global_ids)}
+        )  # fmt: skip
+    if values:
+        db.execute(m.RunProfile.__table__.insert(), values)
 
 
 def finish(fr: Any) -> None:
@@ -363,8 +458,7 @@ def finish(fr: Any) -> None:
     Idempotent: the rows are replaced whole."""
     batches = _worker_batches(fr.db, fr.run)
     events = (ev for batch in fr.batches() for ev in batch.events)
-    _built, new_rows = build(fr.run.id, fr.data().tasks, events, inputs_tag(fr.db, fr.run, batches))
-    store(fr.db, fr.run.id, new_rows)
+    store(fr.db, fr.run, build(fr.data().tasks, events), inputs_tag(fr.db, fr.run, batches))
 
 
 def _events(blobs: BlobStore, batches: list[tuple[int, str]]) -> Iterator[Any]:
@@ -398,17 +492,17 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], A
     if run.status == "running":
         return None
     data = runfile.load_run(db, blobs, run)
-    _built, new_rows = build(run.id, data.tasks, _events(blobs, batches), tag)
+    new_rows = build(data.tasks, _events(blobs, batches))
     # Derived data, written in its own transaction (as a finisher would): the caller's
     # session stays a reader.
     try:
         with Session(db.get_bind()) as writer, writer.begin():
-            store(writer, run.id, new_rows)
+            store(writer, run, new_rows, tag)
     except (IntegrityError, DBAPIError):
         # Another request stored it at the same time, or the index is busy: the rows
         # built here are as good; they are stored next time.
         logger.info("profile of run %s not stored (concurrent build)", run.public_id)
-    return {(r["prefix"], r["worker"]): (r["samples"], tag) for r in new_rows}
+    return {(r.prefix, r.worker): (r.tree.samples, tag) for r in new_rows}
 
 
 def _live(db: Session, blobs: BlobStore, run: m.Run) -> RunProfiles:
@@ -441,7 +535,7 @@ def load(
     out = Profile()
     for (data,) in db.execute(select(P.data).where(P.run_id == run.id, *where)):
         decode_into(out, data)
-    return out
+    return resolve(db, run.tenant_id, out)
 
 
 @dataclass
@@ -486,7 +580,7 @@ def across_runs(
     out = Profile()
     for (data,) in found[:limit]:
         decode_into(out, data)
-    return Merged(out, min(len(found), limit), len(found) > limit)
+    return Merged(resolve(db, tenant_id, out), min(len(found), limit), len(found) > limit)
 
 
 def load_prefixes(db: Session, blobs: BlobStore, run: m.Run) -> dict[str, Profile]:
@@ -502,5 +596,5 @@ def load_prefixes(db: Session, blobs: BlobStore, run: m.Run) -> dict[str, Profil
     for prefix, data in db.execute(
         select(P.prefix, P.data).where(P.run_id == run.id, P.prefix != "", P.worker == "")
     ):
-        out[prefix] = decode(data)
+        out[prefix] = decode(db, run.tenant_id, data)
     return out

@@ -145,7 +145,7 @@ def test_tokens_create_rejects_bad_input(tmp_path):
 
 def test_db_upgrade_and_reindex_rebuild_a_deleted_index(tmp_path):
     up = run("db", "upgrade", "--data-dir", str(tmp_path), env=env())
-    assert up.returncode == 0 and "index at revision 0006" in up.stdout
+    assert up.returncode == 0 and "index at revision 0007" in up.stdout
     server = Served(tmp_path)
     try:
         with Sender(server.url) as sender:

@@ -13,7 +13,7 @@ def test_head_matches_models(index_url):
     engine = make_engine(index_url)
     upgrade(engine)
     upgrade(engine)  # idempotent
-    assert current_revision(engine) == "0006"
+    assert current_revision(engine) == "0007"
     with engine.connect() as conn:
         diff = compare_metadata(
             MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata

@@ -16,7 +16,7 @@ from bokeh.models import ColumnDataSource, CustomJS, FactorRange, HoverTool, Ran
 from bokeh.plotting import figure
 
 from services.dashboard.plots import WORKER_PALETTE, colour_of
-from storage.profiles import Node, Profile, prune
+from storage.profiles import Node, Profile, merge_into, prune
 
 #: Frames drawn at most per flame graph (the least sampled are folded into their callers).
 MAX_FRAMES = 2500
@@ -80,9 +80,10 @@ def _layout(p: Profile) -> tuple[list[tuple[Any, ...]], int]:
         return out, 0
     stack: list[tuple[Any, Node, float, float, int]] = [(None, p.root, 0.0, 1.0, -1)]
     while stack:
-        key, node, left, right, depth = stack.pop()
-        if key is not None:
-            line_number, line = p.lines.get(key, (0, ""))
+        fid, node, left, right, depth = stack.pop()
+        if fid is not None:
+            key = p.keys[fid]
+            line_number, line = p.lines[fid]
             where = f"{key[1]}:{key[2]}" if key[1] else ""
             out.append((depth, left, right, key[0], where, line, node.count, line_number))
         x = left
@@ -157,13 +158,18 @@ def by_prefix(trees: dict[str, Profile]) -> Profile:
     """One tree with a first level per task prefix (a frame named after the prefix)."""
     out = Profile()
     for prefix, tree in sorted(trees.items()):
-        key = (prefix, "", 0)
-        node = Node()
-        node.count = tree.root.count
-        node.children = tree.root.children
-        out.root.children[key] = node
-        out.root.count += node.count
-        out.lines.update(tree.lines)
+        level = Profile(interval=tree.interval)
+        top = level.root.children[level.intern((prefix, "", 0), (0, ""))] = Node()
+        top.count = level.root.count = tree.root.count
+        remap = {f: level.intern(k, tree.lines[f]) for f, k in tree.keys.items()}
+        stack = [(top, tree.root)]
+        while stack:
+            d, s = stack.pop()
+            for f, c in s.children.items():
+                n = d.children[remap[f]] = Node()
+                n.count = c.count
+                stack.append((n, c))
+        merge_into(out, level)
         out.interval = tree.interval
     return out
 
