@@ -7,8 +7,10 @@ Hindsight server (``hindsight serve`` in a subprocess):
 * ``map``: ``client.gather(client.map(inc, range(N)))`` with N = 20,000 tasks;
 * ``array``: ``da.ones(...).sum()`` with 15,000 chunks (20,000+ tasks).
 
-"Without" removes the plugin from ``scheduler.plugins`` (and stops its sampler), so
-the scheduler runs exactly its default hooks; "with" puts it back.  Per pair the
+"Without" removes the plugin from ``scheduler.plugins`` (and stops its sampler), stops
+the workers' profile shipping and sets Dask's ``computations.nframes`` back to 0, so the
+scheduler runs exactly its default hooks and the client sends no code; "with" puts all of
+it back (profiles, fine performance metrics and code on).  Per pair the
 order alternates, and the figures are medians of per-pair ratios, which cancels the
 slow drift of a shared host.  Scheduler CPU is the CPU time of this process: with
 LocalCluster the scheduler, the client and the agent thread all run here, so the
@@ -24,8 +26,15 @@ per-task state, and a with/without RSS difference on one process is allocator no
 that halves the bench's runtime and makes the agent's *relative* cost larger, so the
 figures are conservative.
 
+Profile bytes: a run of pandas work (``--profile-tasks`` groupbys of 200,000 rows, deep
+stacks as real jobs have) is recorded with the agent on; its profile is read back through
+the API and the bytes it takes at rest (its ``run_profiles`` rows, and its share of the
+tenant's ``profile_frames``) and on the wire (its share of the compressed worker batches,
+by the JSON size of the profile events in each) are reported, with the seconds of task
+time they cover.
+
 Usage: ``.venv/bin/python bench/agent_overhead.py [--pairs 5] [--tasks 20000]
-[--memory-tasks 200000]``.  Ends with one JSON line.
+[--memory-tasks 200000] [--profile-tasks 40]``.  Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -101,22 +110,56 @@ class Server:
         self.log.close()
 
 
-class Toggle:
-    """Switch the installed scheduler plugin on and off on the in-process scheduler."""
+NFRAMES = "distributed.diagnostics.computations.nframes"
 
-    def __init__(self, cluster: LocalCluster) -> None:
+
+def ship_profiles(enabled: bool, dask_worker: Any = None) -> None:
+    """On a worker: start or stop the Hindsight worker plugin's profile shipping."""
+    plugin = dask_worker.plugins.get("hindsight-worker")
+    shipper = plugin._runtime.get("profiles") if plugin is not None else None
+    if shipper is not None:
+        shipper.set_enabled(enabled)
+
+
+class Toggle:
+    """Switch Hindsight on and off: the scheduler plugin on the in-process scheduler, the
+    workers' profile shipping, and code capture in this (the client's) process."""
+
+    def __init__(self, cluster: LocalCluster, client: Client) -> None:
         self.scheduler = cluster.scheduler
+        self.client = client
         self.plugin = self.scheduler.plugins["hindsight"]
+        self.nframes = dask.config.get(NFRAMES)
+
+    def _on_loop(self, fn: Any) -> None:
+        """Run ``fn`` on the scheduler's event loop and wait for it: a PeriodicCallback
+        started from this thread would be bound to this thread's (idle) loop and never
+        fire, which silently left the "with" runs without samples."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+
+        self.scheduler.loop.add_callback(run)
+        if not done.wait(30):
+            raise RuntimeError("the scheduler's event loop did not run the toggle")
 
     def on(self) -> None:
         self.scheduler.plugins["hindsight"] = self.plugin
-        if self.plugin._sampler is not None:
-            self.plugin._sampler.start()
+        if self.plugin._sampler is not None and not self.plugin._sampler.is_running():
+            self._on_loop(self.plugin._sampler.start)
+        self.client.run(ship_profiles, True)
+        dask.config.set({NFRAMES: self.nframes})
 
     def off(self) -> None:
         self.scheduler.plugins.pop("hindsight", None)
-        if self.plugin._sampler is not None:
-            self.plugin._sampler.stop()
+        if self.plugin._sampler is not None and self.plugin._sampler.is_running():
+            self._on_loop(self.plugin._sampler.stop)
+        self.client.run(ship_profiles, False)
+        dask.config.set({NFRAMES: 0})
 
 
 def wait_idle(client: Client, cluster: LocalCluster) -> None:
@@ -207,11 +250,105 @@ def item_bytes() -> int:
     return size // 10_000
 
 
+def groupby_work(i: int) -> int:
+    """Pandas work with realistic stacks: a groupby-aggregate and a merge of 200,000 rows."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(i)
+    df = pd.DataFrame({"k": rng.integers(0, 1000, 200_000), "v": rng.random(200_000)})
+    agg = df.groupby("k")["v"].agg(["sum", "mean", "max"]).reset_index()
+    return int(len(df.merge(agg, on="k")))
+
+
+def profile_bytes(
+    client: Client, cluster: LocalCluster, server: Server, data_dir: str, tasks: int
+) -> dict[str, Any]:
+    """Record one run of pandas work; its profile's bytes at rest and on the wire."""
+    import sqlite3
+
+    import zstandard
+    from distributed import span
+
+    from hindsight.schema import ProfileEvent, decode_batch, encode_batch
+
+    wait_idle(client, cluster)
+    with span("bench-profile"):
+        client.gather(client.map(groupby_work, range(tasks), pure=False))
+    deadline = time.monotonic() + 120
+    run = None
+    while time.monotonic() < deadline:
+        runs = requests.get(
+            f"{server.url}/v1/runs", params={"name": "bench-profile"}, timeout=30
+        ).json()["runs"]
+        if runs and runs[0]["status"] != "running" and runs[0]["task_count"] == tasks:
+            run = runs[0]
+            break
+        time.sleep(0.5)
+    assert run is not None, f"the profiled run never finished: {runs}"
+    # Let the workers' last cycles arrive: the profile must not grow any more.
+    last = -1
+    while time.monotonic() < deadline:
+        prof = requests.get(f"{server.url}/v1/runs/{run['id']}/profile", timeout=60).json()
+        if prof["samples"] == last:
+            break
+        last = prof["samples"]
+        time.sleep(3)
+    db = sqlite3.connect(os.path.join(data_dir, "index.db"))
+    try:
+        (run_id,) = db.execute("SELECT id FROM runs WHERE public_id = ?", (run["id"],)).fetchone()
+        rows, at_rest, nodes = db.execute(
+            "SELECT count(*), sum(length(data)), sum(nodes) FROM run_profiles WHERE run_id = ?",
+            (run_id,),
+        ).fetchone()
+        frames, frame_bytes = db.execute(
+            "SELECT count(*), sum(length(name) + length(filename) + length(line) + 40 + 24) "
+            "FROM profile_frames"
+        ).fetchone()
+        stored_runs = db.execute("SELECT count(DISTINCT run_id) FROM run_profiles").fetchone()[0]
+    finally:
+        db.close()
+    # On the wire: each worker batch's compressed bytes, shared by JSON size.
+    wire = profile_events = 0
+    dctx = zstandard.ZstdDecompressor()
+    for path in Path(data_dir, "blobs").rglob("worker-*/*.json.zst"):
+        body = path.read_bytes()
+        batch = decode_batch(dctx.stream_reader(body, read_across_frames=True).read())
+        mine = [
+            e
+            for e in batch.events
+            if isinstance(e, ProfileEvent) and run["started_at"] - 2 <= e.stop
+        ]
+        if not mine:
+            continue
+        total = len(encode_batch(batch))
+        batch.events = mine
+        wire += len(body) * len(encode_batch(batch)) / total
+        profile_events += len(mine)
+    task_seconds = prof["samples"] * prof["interval"]
+    log(f"  {tasks} tasks, {prof['samples']:,} samples ({task_seconds:.1f} s of task threads): "
+        f"{at_rest:,} bytes in {rows} rows at rest (+ frames {frame_bytes:,} bytes for {frames} "
+        f"code locations, shared by {stored_runs} runs), ~{wire:,.0f} bytes on the wire in "
+        f"{profile_events} events")  # fmt: skip
+    return {
+        "profile_samples": prof["samples"],
+        "profile_task_seconds": round(task_seconds, 1),
+        "profile_rows": rows,
+        "profile_nodes": nodes,
+        "profile_bytes_at_rest": at_rest,
+        "profile_frame_bytes_tenant": frame_bytes,
+        "profile_frames_tenant": frames,
+        "profile_wire_bytes": round(wire),
+        "profile_events": profile_events,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--memory-tasks", type=int, default=200_000)
+    parser.add_argument("--profile-tasks", type=int, default=40)
     args = parser.parse_args()
 
     data_dir = tempfile.mkdtemp(prefix="hindsight-bench-")
@@ -235,7 +372,7 @@ def main() -> None:
                 worker_dashboard_address=":0",
                 scheduler_kwargs={"preload": ["hindsight.dask"]},
             ) as cluster, Client(cluster) as client:  # fmt: skip
-                toggle = Toggle(cluster)
+                toggle = Toggle(cluster, client)
                 log("warm-up")
                 for name in ("map", "array"):
                     run_workload(name, client, cluster, 2000)
@@ -294,6 +431,11 @@ def main() -> None:
                     # Context only: the whole process, i.e. mostly Dask's own state for
                     # 200k tasks (an RSS with/without difference is allocator noise here).
                     figures["process_rss_growth_mib"] = round(with_["rss_growth"] / 2**20, 1)
+                if args.profile_tasks:
+                    log(f"profile bytes: {args.profile_tasks} pandas groupbys with the agent")
+                    figures.update(
+                        profile_bytes(client, cluster, server, data_dir, args.profile_tasks)
+                    )
                 stats = toggle.plugin.agent.stats if toggle.plugin.agent else {}
                 figures["agent_batches_sent"] = int(stats.get("sent_batches", 0))
                 figures["agent_events_sent"] = int(stats.get("sent_events", 0))

@@ -333,7 +333,8 @@ def main() -> int:
         load_big_run(sessions, blobs, tenant_id, args.big_tasks)
         log(f"big run indexed in {time.perf_counter() - t:.1f} s")
         # 100 runs of two hours (50 clusters, one run each an hour) with stored profiles
-        p_since, p_until = T0 + 1000 * 3600, T0 + 1002 * 3600
+        mid = args.runs // args.clusters // 2
+        p_since, p_until = T0 + mid * 3600, T0 + (mid + 2) * 3600
         with engine.connect() as conn:
             profiled = list(conn.execute(
                 text("SELECT id FROM runs WHERE started_at >= :a AND started_at < :b ORDER BY id"),

@@ -69,6 +69,9 @@ class Settings:
     request_timeout: float = 10.0
     #: Ship each worker's statistical profiles (Dask samples them anyway; this sends them).
     profiles: bool = True
+    #: Seconds between shipping a worker's finished profile cycles (at most a quarter of the
+    #: history Dask keeps: ``distributed.admin.low-level-log-length`` cycles).
+    profile_interval: float = 5.0
     #: Client frames of submitting code Dask should send with each computation
     #: (``distributed.diagnostics.computations.nframes``), raised to this where Hindsight
     #: can: the client given to ``install()`` and clients in the scheduler's process (an
@@ -103,6 +106,7 @@ _ENV = {
     "zstd_level": "HINDSIGHT_ZSTD_LEVEL",
     "request_timeout": "HINDSIGHT_REQUEST_TIMEOUT",
     "profiles": "HINDSIGHT_PROFILES",
+    "profile_interval": "HINDSIGHT_PROFILE_INTERVAL",
     "code_frames": "HINDSIGHT_CODE_FRAMES",
 }
 
@@ -134,7 +138,8 @@ def _valid(name: str, value: Any) -> bool:
         return 0 <= value <= 64
     if name == "zstd_level":
         return 1 <= value <= 22
-    if name in ("flush_interval", "close_timeout", "sample_interval", "request_timeout"):
+    if name in ("flush_interval", "close_timeout", "sample_interval", "request_timeout",
+                "profile_interval"):  # fmt: skip
         return value > 0
     if name == "encoding":
         return value in ("zstd", "gzip", "identity")

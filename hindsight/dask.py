@@ -683,7 +683,7 @@ class WorkerAgentPlugin(WorkerPlugin):
         await asyncio.get_running_loop().run_in_executor(None, agent.close)
 
     def _start_profiles(self, worker: Any, agent: Agent) -> None:
-        shipper = ProfileShipper(worker, agent)
+        shipper = ProfileShipper(worker, agent, self.settings.profile_interval)
 
         def poll() -> None:
             try:
@@ -691,8 +691,7 @@ class WorkerAgentPlugin(WorkerPlugin):
             except Exception:
                 logger.debug("hindsight: profile shipping failed", exc_info=True)
 
-        # Once per profile cycle: each poll finds at most a cycle or two to queue.
-        pc = PeriodicCallback(poll, max(shipper.cycle, 0.1) * 1000)
+        pc = PeriodicCallback(poll, max(shipper.every, 0.1) * 1000)
         worker.periodic_callbacks["hindsight-profiles"] = pc
         pc.start()
         self._runtime["profiles"] = shipper

