@@ -46,7 +46,7 @@ from typing import Any
 
 import msgspec
 import zstandard
-from sqlalchemy import bindparam, func, or_, select, tuple_, update
+from sqlalchemy import Integer, String, and_, bindparam, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from hindsight.schema import (
@@ -79,6 +79,9 @@ RAW_PREFIX = "ray/v1"
 DERIVED_PREFIX = "ray/derived/v1"
 AGENT = "ray"  # the agent name of derived batches
 STORE_LEVEL = 3
+# Raw exporter bodies: level 1 was both faster (1.4 vs 2.3 ms a 1,000-event body) and
+# smaller (48 vs 51 bytes an event) than 3 on Ray's JSON.
+RAW_LEVEL = 1
 _RAW_RE = re.compile(
     r"^ray/v1/(?P<tenant>[^/]+)/(?P<cluster>[^/]+)/(?P<session>[^/]+)/(?P<sha>[0-9a-f]{64})\.json\.zst$"
 )
@@ -121,7 +124,7 @@ def prepare(body: bytes, elements: list[msgspec.Raw] | None = None) -> list[Stor
     elements = split_array(body) if elements is None else elements
     parts = parse(body, elements)
     out = []
-    cctx = zstandard.ZstdCompressor(level=STORE_LEVEL)
+    cctx = zstandard.ZstdCompressor(level=RAW_LEVEL)
     for part in parts.values():
         raw = body if len(parts) == 1 else b"[" + b",".join(bytes(r) for r in part.raw) + b"]"
         out.append(StoredPart(part, hashlib.sha256(raw).hexdigest(), cctx.compress(raw)))
@@ -158,9 +161,25 @@ def _statements(dialect: str) -> SimpleNamespace:
     st = SimpleNamespace(dialect=dialect, insert=insert)
 
     def upsert(model: Any, keys: list[str], first: Iterable[str] = (), low: Iterable[str] = (),
-               high: Iterable[str] = (), ored: Iterable[str] = (), returning: Any = None) -> Any:  # fmt: skip
+               high: Iterable[str] = (), ored: Iterable[str] = (), returning: Any = None,
+               bulk: bool = False) -> Any:  # fmt: skip
         t = model.__table__
         ins = insert(t)
+        if bulk:
+            # Postgres: the rows as one array per column, unnested server-side. A 666-row
+            # VALUES list (16,000 parameters) cost ~3x as much to send, parse and plan.
+            from sqlalchemy.dialects.postgresql import ARRAY
+
+            cols = [c for c in t.c]
+            ins = ins.from_select(
+                [c.name for c in cols],
+                select(
+                    *(
+                        func.unnest(bindparam(c.name, type_=ARRAY(c.type))).label(c.name)
+                        for c in cols
+                    )
+                ),
+            )
         ex = ins.excluded
         sets: dict[str, Any] = {}
         sets.update({c: func.coalesce(t.c[c], ex[c]) for c in first})
@@ -208,7 +227,29 @@ def _statements(dialect: str) -> SimpleNamespace:
                      low=("pending_at", "submitted_at", "running_at", "finished_at", "failed_at",
                           "first_seen", "end_seen"),
                      ored=("defined",))  # fmt: skip
-    keys = tuple_(T.c.task_id, T.c.attempt).in_(bindparam("p_keys", expanding=True))
+    st.task_bulk = None
+    if dialect == "postgresql":
+        st.task_bulk = upsert(
+            m.RayTask, ["session_id", "task_id", "attempt"],
+            first=("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id",
+                   "node_id", "worker_id", "pid", "error_type", "error_message"),
+            low=("pending_at", "submitted_at", "running_at", "finished_at", "failed_at",
+                 "first_seen", "end_seen"),
+            ored=("defined",), bulk=True,
+        )  # fmt: skip
+    if dialect == "postgresql":
+        # A list of (task, attempt) keys as a join against unnest(): one index lookup per
+        # key. ``(task_id, attempt) IN ((..), ..)`` made Postgres scan every row of the
+        # session and test each against the list (30 ms a body at 4,000 rows, growing).
+        from sqlalchemy.dialects.postgresql import ARRAY
+
+        k = select(
+            func.unnest(bindparam("p_ids", type_=ARRAY(String()))).label("task_id"),
+            func.unnest(bindparam("p_attempts", type_=ARRAY(Integer()))).label("attempt"),
+        ).subquery("k")
+        keys = and_(T.c.task_id == k.c.task_id, T.c.attempt == k.c.attempt)
+    else:
+        keys = tuple_(T.c.task_id, T.c.attempt).in_(bindparam("p_keys", expanding=True))
     # Complete: defined, RUNNING and ended, on a node whose IP is known (the worker label
     # needs it; a node's definition may arrive after its tasks' events).
     node_known = (
@@ -242,6 +283,13 @@ def _statements(dialect: str) -> SimpleNamespace:
         .returning(*T.c)
     )
     return st
+
+
+def _keys(st: SimpleNamespace, keys: list[tuple[str, int]]) -> dict[str, Any]:
+    """Bind a list of (task, attempt) keys the way the dialect's statements take them."""
+    if st.dialect == "postgresql":
+        return {"p_ids": [k[0] for k in keys], "p_attempts": [k[1] for k in keys]}
+    return {"p_keys": keys}
 
 
 def _stmts(db: Session) -> SimpleNamespace:
@@ -604,7 +652,7 @@ def merge_part(
             "closed_by": None,
         }).all()  # fmt: skip
     if part.tasks:
-        db.execute(st.task, [
+        rows = [
             {"session_id": sid, "task_id": k[0], "attempt": k[1], "job_id": t.job,
              "defined": t.defined, "name": t.name, "func": t.func, "module": t.module,
              "task_type": t.task_type, "parent_id": t.parent, "actor_id": t.actor,
@@ -615,7 +663,11 @@ def merge_part(
              "end_seen": now if t.finished_at is not None or t.failed_at is not None else None,
              "emitted": False}
             for k, t in sorted(part.tasks.items())
-        ])  # fmt: skip
+        ]  # fmt: skip
+        if st.task_bulk is not None:
+            db.execute(st.task_bulk, {c: [r[c] for r in rows] for c in rows[0]})
+        else:
+            db.execute(st.task, rows)
     counts = [
         {"session_id": sid, "kind": kind, "event_type": etype, "count": n}
         for kind, d in (("received", part.received), ("skipped", part.skipped))
@@ -658,7 +710,7 @@ def index_part(
     derived = Derived()
     rows: list[Any] = []
     for chunk in _chunks(touched):
-        rows += db.execute(st.emit_complete, {"p_session": sid, "p_keys": chunk}).all()
+        rows += db.execute(st.emit_complete, {"p_session": sid, **_keys(st, chunk)}).all()
     known = [n for n, patch in part.nodes.items() if patch.ip]
     if known:
         # Tasks that were complete but for their node's IP (rows held by a concurrent
@@ -739,7 +791,7 @@ def _emit_locked(db: Session, session_id: int, where: list[Any]) -> list[Any]:
     rows: list[Any] = []
     st = _stmts(db)
     for chunk in _chunks(keys):
-        rows += db.execute(st.emit_keys, {"p_session": session_id, "p_keys": chunk}).all()
+        rows += db.execute(st.emit_keys, {"p_session": session_id, **_keys(st, chunk)}).all()
     return rows
 
 

@@ -39,6 +39,7 @@ INDEXED_TYPES = (
     "ACTOR_DEFINITION_EVENT",
     "ACTOR_LIFECYCLE_EVENT",
 )
+_KNOWN = frozenset(INDEXED_TYPES)
 MAX_TEXT = 65536
 MAX_LABEL = 1024
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -407,19 +408,26 @@ def parse(body: bytes, elements: list[msgspec.Raw] | None = None) -> dict[str, S
             except (msgspec.ValidationError, msgspec.DecodeError):
                 events.append(None)
     parts: dict[str, SessionPart] = {}
+    last_session, part = None, None  # consecutive events nearly always share a session
     for raw, ev in zip(elements, events, strict=True):
         session = ev.session_name if ev is not None else ""
-        if not session or not valid_name(session):
-            session = NO_SESSION
-        part = parts.get(session)
-        if part is None:
-            part = parts[session] = SessionPart(session)
+        if session != last_session:
+            last_session = session
+            if not session or not valid_name(session):
+                session = NO_SESSION
+            part = parts.get(session)
+            if part is None:
+                part = parts[session] = SessionPart(session)
+        assert part is not None
+        session = part.session
         part.raw.append(raw)
         if ev is None:
             _count(part.received, "malformed")
             _count(part.skipped, "malformed")
             continue
-        etype = clean(ev.event_type, 128) or "EVENT_TYPE_UNSPECIFIED"
+        etype = ev.event_type
+        if etype not in _KNOWN:
+            etype = clean(etype, 128) or "EVENT_TYPE_UNSPECIFIED"
         _count(part.received, etype)
         if session == NO_SESSION:
             _count(part.skipped, etype)
