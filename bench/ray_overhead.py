@@ -8,7 +8,10 @@ workers serialising events), the collector's CPU, and checks every task of every
 job was recorded. Both nodes and the collector share this machine's 2 cores, so the
 collector's work competes with Ray's here; on a real deployment it runs elsewhere.
 
-    .venv/bin/python bench/ray_overhead.py [--pairs 5] [--tasks 2000]
+    .venv/bin/python bench/ray_overhead.py [--pairs 5] [--tasks 1000] [--task-ms 20]
+
+The ratio depends on task size: exporting costs Ray a fixed amount of CPU per task (reported
+as ray_export_cpu_ms_per_task), so the finer the tasks, the larger its share.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def children(pid: int) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--tasks", type=int, default=2000)
+    ap.add_argument("--tasks", type=int, default=1000)
+    ap.add_argument("--task-ms", type=float, default=20.0, help="CPU milliseconds per task")
     ap.add_argument(
         "--database-url",
         default=os.environ.get(
@@ -99,8 +103,8 @@ def main() -> int:
         heads += [on, off]
         for h in heads:
             h.start()
-        on.driver(JOB, "200")  # warm both: worker processes up, imports cached
-        off.driver(JOB, "200")
+        on.driver(JOB, "100", "1")  # warm both: worker processes up, imports cached
+        off.driver(JOB, "100", "1")
         collector = [gunicorn.pid, *children(gunicorn.pid)]
 
         walls: dict[str, list[float]] = {"on": [], "off": []}
@@ -112,7 +116,7 @@ def main() -> int:
                 head = on if name == "on" else off
                 c0 = cpu_seconds(head.pids())
                 k0 = cpu_seconds(collector)
-                out = head.driver(JOB, str(args.tasks))
+                out = head.driver(JOB, str(args.tasks), str(args.task_ms))
                 # Ray's CPU for the job (every process of the node; the driver is ours).
                 ray_cpu[name].append(cpu_seconds(head.pids()) - c0)
                 if name == "on":
@@ -159,6 +163,7 @@ def main() -> int:
             ),
             "collector_cpu_ms_per_task": round(statistics.median(collector_cpu) / tasks * 1000, 3),
             "tasks_per_job": tasks,
+            "task_ms": args.task_ms,
             "pairs": args.pairs,
             "every_job_recorded": complete,
             "load_average": os.getloadavg()[0],

@@ -1,5 +1,8 @@
-"""The Ray job of bench/ray_overhead.py (a driver script, not a bench): TASKS small tasks (some nested, some failing), a
-few actor calls; prints the wall time from the first submission to the last result."""
+"""The Ray job of bench/ray_overhead.py (a driver script, not a bench): TASKS tasks of
+TASK_MS milliseconds of CPU each (some nested, 1% failing), a few actor calls; prints the
+wall time from the first submission to the last result.
+
+    python ray_overhead_job.py TASKS TASK_MS"""
 
 import json
 import sys
@@ -8,11 +11,12 @@ import time
 import ray
 
 TASKS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+TASK_S = float(sys.argv[2]) / 1000 if len(sys.argv) > 2 else 0.02
 
 
 @ray.remote
 def work(i):
-    end = time.perf_counter() + 0.002  # 2 ms of CPU
+    end = time.perf_counter() + TASK_S  # busy: CPU, like real work
     while time.perf_counter() < end:
         pass
     if i % 100 == 99:
