@@ -309,7 +309,7 @@ def history_page() -> Any:
                                   since=since, until=until)  # fmt: skip
         what = " of ".join(x for x in (prefix and f"prefix {prefix}", job and f"job {job}") if x)
         activity_plot = why_plots.activity_history_chart(
-            points, f"Seconds per run by activity, {what}, per {bucket}"
+            points, f"Seconds per run by activity, {what}, per {bucket}", activity.BUCKETS[bucket]
         )
     return render_template(
         "history.html",

@@ -285,14 +285,20 @@ def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> di
     return json_item(fig, name)
 
 
-def activity_history_chart(points: list[dict[str, Any]], title: str) -> dict[str, Any] | None:
+def activity_history_chart(
+    points: list[dict[str, Any]], title: str, bucket_s: float = 86400
+) -> dict[str, Any] | None:
     """Mean seconds per run by activity, per time bucket: one line per activity."""
+    from bokeh.models import DataRange1d
+
     if not points:
         return None
     activities = sorted({a for p in points for a in p["activity"]})
     fig = figure(
         title=title, x_axis_type="datetime", height=300, sizing_mode="stretch_width",
         tools="xpan,xwheel_zoom,reset,save", name="activity-history",
+        # at least three buckets wide, so a single bucket is not drawn on a microsecond axis
+        x_range=DataRange1d(min_interval=3 * bucket_s * 1000, name="activity-history-x"),
     )  # fmt: skip
     for i, act in enumerate(activities):
         mine = [p for p in points if act in p["activity"]]
