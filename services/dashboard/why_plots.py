@@ -101,8 +101,19 @@ def flame_graph(p: Profile, title: str, name: str) -> dict[str, Any] | None:
         return None
     prune(p, MAX_FRAMES)
     rows, total = _layout(p)
-    depth = max((r[0] for r in rows), default=0) + 1
-    src = ColumnDataSource(_quads(rows, p.interval, total), name=f"{name}-source")
+    tooltips = [("function", "@name"), ("where", "@where"), ("line", "@line"),
+                ("samples", "@samples (@pct)"), ("seconds", "@seconds")]  # fmt: skip
+    fig = _frames_figure(_quads(rows, p.interval, total), title, name, tooltips)
+    return json_item(fig, name)
+
+
+def _frames_figure(
+    cols: dict[str, list[Any]], title: str, name: str, tooltips: list[tuple[str, str]]
+) -> Any:
+    """A flame-graph figure of frame rectangles (x in [0, 1], a row per depth): hover
+    tooltips, click a frame to zoom to it, names on the frames wide enough."""
+    depth = max(cols["bottom"], default=0) + 1
+    src = ColumnDataSource(cols, name=f"{name}-source")
     x_range = Range1d(0, 1, bounds=(0, 1), name=f"{name}-x")
     fig = figure(
         title=title, x_range=x_range, y_range=Range1d(0, depth + 0.2),
@@ -111,18 +122,15 @@ def flame_graph(p: Profile, title: str, name: str) -> dict[str, Any] | None:
     )  # fmt: skip
     r = fig.quad("left", "right", "top", "bottom", source=src, fill_color="colour",
                  line_color="white", line_width=0.5, hover_fill_alpha=0.7)  # fmt: skip
-    fig.add_tools(HoverTool(renderers=[r], tooltips=[
-        ("function", "@name"), ("where", "@where"), ("line", "@line"),
-        ("samples", "@samples (@pct)"), ("seconds", "@seconds"),
-    ]))  # fmt: skip
+    fig.add_tools(HoverTool(renderers=[r], tooltips=tooltips))
     fig.add_tools(
         TapTool(renderers=[r], callback=CustomJS(args={"src": src, "xr": x_range}, code=_ZOOM))
     )
-    _labels(fig, src.data, name)
+    _labels(fig, cols, name)
     fig.axis.visible = False
     fig.grid.visible = False
     fig.toolbar.logo = None
-    return json_item(fig, name)
+    return fig
 
 
 #: Characters of a frame's name that fit across the whole plot's width (8pt text).
@@ -209,27 +217,9 @@ def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | 
                 continue
             stack.append((child, x, x + w, depth + 1))
             x += w
-    depth = max(cols["bottom"], default=0) + 1
-    src = ColumnDataSource(cols, name=f"{name}-source")
-    x_range = Range1d(0, 1, bounds=(0, 1), name=f"{name}-x")
-    fig = figure(
-        title=title, x_range=x_range, y_range=Range1d(0, depth + 0.2),
-        height=min(900, 60 + 18 * depth), sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,reset,save", active_scroll="xwheel_zoom", name=name,
-    )  # fmt: skip
-    r = fig.quad("left", "right", "top", "bottom", source=src, fill_color="colour",
-                 line_color="white", line_width=0.5)  # fmt: skip
-    fig.add_tools(HoverTool(renderers=[r], tooltips=[
-        ("function", "@name"), ("where", "@where"), ("share in a", "@a"), ("share in b", "@b"),
-        ("change", "@delta"),
-    ]))  # fmt: skip
-    fig.add_tools(
-        TapTool(renderers=[r], callback=CustomJS(args={"src": src, "xr": x_range}, code=_ZOOM))
-    )
-    _labels(fig, cols, name)
-    fig.axis.visible = False
-    fig.grid.visible = False
-    fig.toolbar.logo = None
+    tooltips = [("function", "@name"), ("where", "@where"), ("share in a", "@a"),
+                ("share in b", "@b"), ("change", "@delta")]  # fmt: skip
+    fig = _frames_figure(cols, title, name, tooltips)
     return json_item(fig, name)
 
 

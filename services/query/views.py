@@ -232,14 +232,18 @@ def run_trace(run_id: str) -> Any:
     )
 
 
-@bp.get("/v1/compare")
-def compare() -> Any:
+def _two_runs() -> tuple[Any, Any]:
+    """Runs ``a`` and ``b`` of a comparison (both required)."""
     a_id, b_id = arg("a"), arg("b")
     if a_id is None or b_id is None:
         require("read")
         raise bad("a" if a_id is None else "b", "required: a run id")
-    a, _, _ = _run_or_404(a_id)
-    b, _, _ = _run_or_404(b_id)
+    return _run_or_404(a_id)[0], _run_or_404(b_id)[0]
+
+
+@bp.get("/v1/compare")
+def compare() -> Any:
+    a, b = _two_runs()
     return analysis.compare(db(), a, b, label_arg("action", 64) or "compute")
 
 
@@ -346,12 +350,7 @@ def profiles_across_runs() -> Any:
 @bp.get("/v1/compare/profile")
 def compare_profile() -> Any:
     """What is new in the hot path: run b's profile against run a's."""
-    a_id, b_id = arg("a"), arg("b")
-    if a_id is None or b_id is None:
-        require("read")
-        raise bad("a" if a_id is None else "b", "required: a run id")
-    a, _, _ = _run_or_404(a_id)
-    b, _, _ = _run_or_404(b_id)
+    a, b = _two_runs()
     prefix = label_arg("prefix", 1024)
     fmt = choice_arg("format", ("json", "collapsed")) or "json"
     pa = profiles.load(db(), store().blobs, a, prefix=prefix)
