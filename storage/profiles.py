@@ -292,10 +292,7 @@ def frame_ids(
     """The tenant's ids of ``frames`` (identity -> display line), adding the new ones."""
     F = m.ProfileFrame.__table__
     digests = {_digest(k): k for k in frames}
-    if db.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
+    insert = _insert(db)
     out: dict[FrameKey, int] = {}
     ordered = sorted(digests)  # one order for every writer: no lock cycles
     for i in range(0, len(ordered), 1000):
@@ -460,13 +457,16 @@ def build(tasks: Any, events: Iterable[Any]) -> list[Row]:
 
 
 def store(db: Session, run: m.Run, new_rows: list[Row], tag: str) -> None:
-    """Replace a run's stored profile (the caller owns the transaction)."""
+    """Replace a run's stored profile (the caller owns the transaction).
+
+    Upserts, then removes rows of other builds: a finisher and a first read building the
+    same run at once both succeed (whichever commits last wins, and a stale tag is
+    rebuilt on the next read) instead of one failing on the primary key."""
     frames: dict[FrameKey, tuple[int, str]] = {}
     for r in new_rows:
         for fid in r.tree.frame_ids():
             frames.setdefault(r.tree.keys[fid], r.tree.lines[fid])
     ids = frame_ids(db, run.tenant_id, frames)
-    db.execute(delete(m.RunProfile).where(m.RunProfile.run_id == run.id))
     values = []
     for r in new_rows:
         global_ids = {fid: ids[key] for fid, key in r.tree.keys.items() if key in ids}
@@ -475,8 +475,25 @@ def store(db: Session, run: m.Run, new_rows: list[Row], tag: str) -> None:
              "nodes": r.tree.size(), "interval": r.tree.interval, "tag": tag,
              "data": encode(r.tree, global_ids)}
         )  # fmt: skip
+    P = m.RunProfile.__table__
     if values:
-        db.execute(m.RunProfile.__table__.insert(), values)
+        ins = _insert(db)(P)
+        db.execute(
+            ins.on_conflict_do_update(
+                index_elements=["run_id", "prefix", "worker"],
+                set_={c: ins.excluded[c] for c in ("samples", "nodes", "interval", "tag", "data")},
+            ),
+            sorted(values, key=lambda v: (v["prefix"], v["worker"])),
+        )
+    db.execute(delete(P).where(P.c.run_id == run.id, P.c.tag != tag))
+
+
+def _insert(db: Session) -> Any:
+    if db.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert
 
 
 def finish(fr: Any) -> None:

@@ -185,4 +185,12 @@ def test_stored_trees_share_frames_and_merge_across_runs(index_url):
         assert newest.runs == 1 and newest.truncated
         assert across_runs(db, tid, prefix="spin", since=101.0).runs == 1
         assert across_runs(db, tid + 10**6, prefix="spin").runs == 0  # another tenant's: none
+    # A rebuild from newer inputs replaces the run's rows, including ones it no longer has.
+    with sessions.begin() as db:
+        store(db, runs[0], [Row("", "", trees[0])], "t2")
+    with sessions() as db:
+        left = db.execute(
+            select(m.RunProfile.prefix, m.RunProfile.tag).where(m.RunProfile.run_id == runs[0].id)
+        ).all()
+        assert [tuple(r) for r in left] == [("", "t2")]
     engine.dispose()
