@@ -21,30 +21,25 @@ import argparse
 import base64
 import json
 import os
-import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import boto3
 import requests
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.ingest import component_pids, cpu_seconds, free_port, tree_rss, wait_ready  # noqa: E402
+from bench.ingest import component_pids, cpu_seconds, tree_rss  # noqa: E402
 from bench.lib_ray import RaySim, b64, job_bytes  # noqa: E402
-from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from bench.lib_stack import DEFAULT_DB, Stack, full_stack  # noqa: E402
+from storage.db import make_sessionmaker  # noqa: E402
 from storage.tokens import create_token  # noqa: E402
 
 TARGETS = {"events_per_s": 50_000}
-BIN = Path(sys.executable).parent
 TASKS_PER_BODY = 333  # x3 events: ~1,000 events a body, Ray's largest
 T0 = 1795383780.0
 # Task ids of the template start with these 3 bytes (4 base64 characters); each body
@@ -96,186 +91,135 @@ def main() -> int:
     ap.add_argument("--senders", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
-        ),
-    )
+    ap.add_argument("--database-url", default=DEFAULT_DB)
     args = ap.parse_args()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
-    procs: list[subprocess.Popen] = []
-    admin_url = make_url(args.database_url)
-    dbname = f"hindsight_raybench_{secrets.token_hex(4)}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    try:
-        templates = [Template(n) for n in range(args.senders)]  # one Ray session, a node each
-        moto_port = free_port()
-        procs.append(subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-        s3_url = f"http://127.0.0.1:{moto_port}"
-        wait_ready(s3_url + "/moto-api/", procs[-1])
-        boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1", aws_access_key_id="bench",
-                     aws_secret_access_key="bench").create_bucket(Bucket="bench")  # fmt: skip
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{dbname}"'))
-        db_url = admin_url.set(database=dbname).render_as_string(hide_password=False)
-        engine = make_engine(db_url)
-        upgrade(engine)
-        with make_sessionmaker(engine).begin() as s:
-            token = create_token(s, "bench", "ray")
-        port = free_port()
-        genv = {**env, "HINDSIGHT_DATABASE_URL": db_url, "HINDSIGHT_BLOB_URL": "s3://bench/hindsight",
-                "HINDSIGHT_S3_ENDPOINT_URL": s3_url, "HINDSIGHT_AUTH": "required",
-                "HINDSIGHT_AUTO_UPGRADE": "false", "HINDSIGHT_LOG_LEVEL": "WARNING",
-                "HINDSIGHT_ACCESS_LOG": "false", "HINDSIGHT_RAY_SETTLE_SECONDS": "2"}  # fmt: skip
-        gunicorn = subprocess.Popen(
-            [str(BIN / "gunicorn"), "--config", "python:services.gunicorn_conf", "--workers", str(args.workers),
-             "--worker-class", "gthread", "--threads", str(args.threads), "--bind", f"127.0.0.1:{port}",
-             "--log-level", "warning", "collector.app:create_app()"],
-            env=genv, cwd=ROOT,
-        )  # fmt: skip
-        procs.append(gunicorn)
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url + "/readyz", gunicorn)
-        post_url = f"{url}/v1/ray/events?cluster=bench-ray&token={token}"
-        hdr = {"Content-Type": "application/json"}
-        start_events = templates[0].sim.node_events(T0) + templates[0].sim.worker_events(T0)
-        start_events += templates[0].sim.job_start(1, T0 + 0.5, "python bench.py")
-        for t in templates[1:]:
-            start_events += t.sim.node_events(T0) + t.sim.worker_events(T0)
-        assert requests.post(post_url, data=json.dumps(start_events), headers=hdr, timeout=60).ok
+    templates = [Template(n) for n in range(args.senders)]  # one Ray session, a node each
+    with full_stack(workers=args.workers, threads=args.threads, database_url=args.database_url,
+                    env={"HINDSIGHT_RAY_SETTLE_SECONDS": "2"}) as stack:  # fmt: skip
+        return run(args, stack, templates)
 
-        latencies: list[float] = []
-        counts = {"events": 0, "bytes": 0, "tasks": 0}
-        failures: dict[str, int] = {}
-        lock = threading.Lock()
-        stop_at = time.monotonic() + args.duration
-        peak_rss = [tree_rss(gunicorn.pid)]
-        groups = [0] * args.senders
 
-        def send(http: requests.Session, data: bytes, events: int) -> bool:
-            t0 = time.perf_counter()
-            try:
-                resp = http.post(post_url, data=data, headers=hdr, timeout=120)
-            except requests.RequestException as exc:
-                with lock:
-                    failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
-                return False
-            dt = time.perf_counter() - t0
+def run(args: argparse.Namespace, stack: Stack, templates: list[Template]) -> int:
+    engine, gunicorn, url = stack.engine, stack.gunicorn, stack.url
+    with make_sessionmaker(engine).begin() as s:
+        token = create_token(s, "bench", "ray")
+    post_url = f"{url}/v1/ray/events?cluster=bench-ray&token={token}"
+    hdr = {"Content-Type": "application/json"}
+    start_events = templates[0].sim.node_events(T0) + templates[0].sim.worker_events(T0)
+    start_events += templates[0].sim.job_start(1, T0 + 0.5, "python bench.py")
+    for t in templates[1:]:
+        start_events += t.sim.node_events(T0) + t.sim.worker_events(T0)
+    assert requests.post(post_url, data=json.dumps(start_events), headers=hdr, timeout=60).ok
+
+    latencies: list[float] = []
+    counts = {"events": 0, "bytes": 0, "tasks": 0}
+    failures: dict[str, int] = {}
+    lock = threading.Lock()
+    stop_at = time.monotonic() + args.duration
+    peak_rss = [tree_rss(gunicorn.pid)]
+    groups = [0] * args.senders
+
+    def send(http: requests.Session, data: bytes, events: int) -> bool:
+        t0 = time.perf_counter()
+        try:
+            resp = http.post(post_url, data=data, headers=hdr, timeout=120)
+        except requests.RequestException as exc:
             with lock:
-                if resp.status_code == 200:
-                    latencies.append(dt)
-                    counts["events"] += events
-                    counts["bytes"] += len(data)
-                    return True
-                failures[str(resp.status_code)] = failures.get(str(resp.status_code), 0) + 1
+                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
             return False
+        dt = time.perf_counter() - t0
+        with lock:
+            if resp.status_code == 200:
+                latencies.append(dt)
+                counts["events"] += events
+                counts["bytes"] += len(data)
+                return True
+            failures[str(resp.status_code)] = failures.get(str(resp.status_code), 0) + 1
+        return False
 
-        def sender(node: int) -> None:
-            tpl = templates[node]
-            with requests.Session() as http:
-                while time.monotonic() < stop_at:
-                    g = groups[node]
-                    events = 2 * TASKS_PER_BODY + (TASKS_PER_BODY if g else 0)
-                    if send(http, tpl.make(node, g), events):  # a refused body is sent again
-                        groups[node] = g + 1
-                while not send(http, tpl.last(node, groups[node] - 1), TASKS_PER_BODY):
-                    pass
-
-        def sample_rss() -> None:
+    def sender(node: int) -> None:
+        tpl = templates[node]
+        with requests.Session() as http:
             while time.monotonic() < stop_at:
-                peak_rss[0] = max(peak_rss[0], tree_rss(gunicorn.pid))
-                time.sleep(0.5)
+                g = groups[node]
+                events = 2 * TASKS_PER_BODY + (TASKS_PER_BODY if g else 0)
+                if send(http, tpl.make(node, g), events):  # a refused body is sent again
+                    groups[node] = g + 1
+            while not send(http, tpl.last(node, groups[node] - 1), TASKS_PER_BODY):
+                pass
 
-        pids = component_pids(gunicorn.pid, procs[0].pid)
-        cpu_before = {k: cpu_seconds(v) for k, v in pids.items()}
-        print(
-            f"sending for {args.duration:.0f} s from {args.senders} simulated nodes ...", flush=True
-        )
-        threads = [threading.Thread(target=sender, args=(n,)) for n in range(args.senders)]
-        threads.append(threading.Thread(target=sample_rss))
-        t_start = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        sent = time.monotonic() - t_start
-        tasks = sum(groups) * TASKS_PER_BODY
-        end = json.dumps(templates[0].sim.job_end(1, T0 + 100))
-        assert requests.post(post_url, data=end, headers=hdr, timeout=60).ok
+    def sample_rss() -> None:
+        while time.monotonic() < stop_at:
+            peak_rss[0] = max(peak_rss[0], tree_rss(gunicorn.pid))
+            time.sleep(0.5)
 
-        # End to end: until the job's run is finished with every task written (read from
-        # the index: the collector serves no query routes).
-        run = None
-        deadline = time.monotonic() + 600
-        with engine.connect() as conn:
-            while time.monotonic() < deadline:
-                run = conn.execute(text("SELECT status, task_count, error_count FROM runs")).first()
-                if run is not None and run[0] == "finished" and run[1] >= tasks:
-                    break
-                time.sleep(0.2)
-            done = time.monotonic() - t_start
-            distinct = conn.execute(
-                text("SELECT count(*), count(*) FILTER (WHERE emitted) FROM ray_tasks")
-            ).one()
-        cpu_share = {k: round((cpu_seconds(v) - cpu_before[k]) / done, 2) for k, v in pids.items()}
-        s3 = boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1", aws_access_key_id="bench",
-                          aws_secret_access_key="bench")  # fmt: skip
-        stored = {"raw": 0, "derived": 0}
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bench"):
-            for obj in page.get("Contents", []):
-                stored["derived" if "/derived/" in obj["Key"] else "raw"] += obj["Size"]
-        engine.dispose()
-        lat = sorted(latencies)
-        total_events = counts["events"] + len(start_events) + 2
-        figures = {
-            "events_per_s": round(counts["events"] / sent),
-            "indexed_events_per_s": round(total_events / done),
-            "ack_p50_ms": round(statistics.median(lat) * 1000, 1),
-            "ack_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 1),
-            "wire_bytes_per_event": round(counts["bytes"] / counts["events"], 1),
-            "raw_bytes_at_rest_per_event": round(stored["raw"] / total_events, 1),
-            "derived_bytes_per_task": round(stored["derived"] / max(1, tasks), 1),
-            "tasks": tasks,
-            "bodies": len(lat),
-            "seconds_sending": round(sent, 1),
-            "seconds_until_indexed": round(done, 1),
-            "collector_rss_mb": round(peak_rss[0] / 2**20, 1),
-            "failures": failures,
-            "cores_used": cpu_share,
-            "load_average": os.getloadavg()[0],
-        }
-        ok = (
-            run is not None
-            and run[0] == "finished"
-            and run[1] == tasks
-            and distinct == (tasks, tasks)
-        )
-        figures["every_task_once"] = ok
-        print(f"{counts['events']:,} events in {len(lat)} bodies over {sent:.1f} s; "
-              f"{tasks:,} tasks indexed after {done:.1f} s; run {run}")  # fmt: skip
-        for k, v in figures.items():
-            print(f"  {k:30s} {v}")
-        met = (
-            ok
-            and figures["events_per_s"] >= TARGETS["events_per_s"]
-            and (figures["indexed_events_per_s"] >= TARGETS["events_per_s"])
-        )
-        print(
-            json.dumps({"bench": "ray_ingest", "figures": figures, "targets": TARGETS, "met": met})
-        )
-        return 0
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
+    pids = component_pids(gunicorn.pid, stack.moto.pid)
+    cpu_before = {k: cpu_seconds(v) for k, v in pids.items()}
+    print(f"sending for {args.duration:.0f} s from {args.senders} simulated nodes ...", flush=True)
+    threads = [threading.Thread(target=sender, args=(n,)) for n in range(args.senders)]
+    threads.append(threading.Thread(target=sample_rss))
+    t_start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sent = time.monotonic() - t_start
+    tasks = sum(groups) * TASKS_PER_BODY
+    end = json.dumps(templates[0].sim.job_end(1, T0 + 100))
+    assert requests.post(post_url, data=end, headers=hdr, timeout=60).ok
+
+    # End to end: until the job's run is finished with every task written (read from
+    # the index: the collector serves no query routes).
+    run = None
+    deadline = time.monotonic() + 600
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            run = conn.execute(text("SELECT status, task_count, error_count FROM runs")).first()
+            if run is not None and run[0] == "finished" and run[1] >= tasks:
+                break
+            time.sleep(0.2)
+        done = time.monotonic() - t_start
+        distinct = conn.execute(
+            text("SELECT count(*), count(*) FILTER (WHERE emitted) FROM ray_tasks")
+        ).one()
+    cpu_share = {k: round((cpu_seconds(v) - cpu_before[k]) / done, 2) for k, v in pids.items()}
+    s3 = stack.s3()
+    stored = {"raw": 0, "derived": 0}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bench"):
+        for obj in page.get("Contents", []):
+            stored["derived" if "/derived/" in obj["Key"] else "raw"] += obj["Size"]
+    lat = sorted(latencies)
+    total_events = counts["events"] + len(start_events) + 2
+    figures = {
+        "events_per_s": round(counts["events"] / sent),
+        "indexed_events_per_s": round(total_events / done),
+        "ack_p50_ms": round(statistics.median(lat) * 1000, 1),
+        "ack_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 1),
+        "wire_bytes_per_event": round(counts["bytes"] / counts["events"], 1),
+        "raw_bytes_at_rest_per_event": round(stored["raw"] / total_events, 1),
+        "derived_bytes_per_task": round(stored["derived"] / max(1, tasks), 1),
+        "tasks": tasks,
+        "bodies": len(lat),
+        "seconds_sending": round(sent, 1),
+        "seconds_until_indexed": round(done, 1),
+        "collector_rss_mb": round(peak_rss[0] / 2**20, 1),
+        "failures": failures,
+        "cores_used": cpu_share,
+        "load_average": os.getloadavg()[0],
+    }
+    ok = run is not None and run[0] == "finished" and run[1] == tasks and distinct == (tasks, tasks)
+    figures["every_task_once"] = ok
+    print(f"{counts['events']:,} events in {len(lat)} bodies over {sent:.1f} s; "
+          f"{tasks:,} tasks indexed after {done:.1f} s; run {run}")  # fmt: skip
+    for k, v in figures.items():
+        print(f"  {k:30s} {v}")
+    met = (
+        ok
+        and figures["events_per_s"] >= TARGETS["events_per_s"]
+        and (figures["indexed_events_per_s"] >= TARGETS["events_per_s"])
+    )
+    print(json.dumps({"bench": "ray_ingest", "figures": figures, "targets": TARGETS, "met": met}))
+    return 0
 
 
 if __name__ == "__main__":

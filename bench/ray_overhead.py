@@ -19,27 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import boto3
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.ingest import cpu_seconds, free_port, wait_ready  # noqa: E402
+from bench.ingest import cpu_seconds  # noqa: E402
 from bench.lib_ray import RayHead  # noqa: E402
-from storage.db import make_engine, upgrade  # noqa: E402
+from bench.lib_stack import DEFAULT_DB, Stack, full_stack  # noqa: E402
 
 TARGETS = {"wall_ratio": 1.05}
-BIN = Path(sys.executable).parent
 JOB = str(ROOT / "bench" / "jobs" / "ray_overhead_job.py")
 
 
@@ -55,139 +49,92 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--tasks", type=int, default=1000)
     ap.add_argument("--task-ms", type=float, default=20.0, help="CPU milliseconds per task")
-    ap.add_argument(
-        "--database-url",
-        default=os.environ.get(
-            "TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
-        ),
-    )
+    ap.add_argument("--database-url", default=DEFAULT_DB)
     args = ap.parse_args()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
-    procs: list[subprocess.Popen] = []
     heads: list[RayHead] = []
-    admin_url = make_url(args.database_url)
-    dbname = f"hindsight_rayoverhead_{secrets.token_hex(4)}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    try:
-        moto_port = free_port()
-        procs.append(subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-        s3_url = f"http://127.0.0.1:{moto_port}"
-        wait_ready(s3_url + "/moto-api/", procs[-1])
-        boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1", aws_access_key_id="bench",
-                     aws_secret_access_key="bench").create_bucket(Bucket="bench")  # fmt: skip
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{dbname}"'))
-        db_url = admin_url.set(database=dbname).render_as_string(hide_password=False)
-        engine = make_engine(db_url)
-        upgrade(engine)
-        port = free_port()
-        # Auth disabled: the collector listens on loopback only, for this bench.
-        genv = {**env, "HINDSIGHT_DATABASE_URL": db_url, "HINDSIGHT_BLOB_URL": "s3://bench/hindsight",
-                "HINDSIGHT_S3_ENDPOINT_URL": s3_url, "HINDSIGHT_AUTH": "disabled",
-                "HINDSIGHT_AUTO_UPGRADE": "false", "HINDSIGHT_LOG_LEVEL": "WARNING",
-                "HINDSIGHT_ACCESS_LOG": "false", "HINDSIGHT_RAY_SETTLE_SECONDS": "2"}  # fmt: skip
-        gunicorn = subprocess.Popen(
-            [str(BIN / "gunicorn"), "--config", "python:services.gunicorn_conf", "--workers", "2",
-             "--worker-class", "gthread", "--threads", "4", "--bind", f"127.0.0.1:{port}",
-             "--log-level", "warning", "collector.app:create_app()"],
-            env=genv, cwd=ROOT,
-        )  # fmt: skip
-        procs.append(gunicorn)
-        wait_ready(f"http://127.0.0.1:{port}/readyz", gunicorn)
+    # Auth disabled: the collector listens on loopback only, for this bench.
+    with full_stack(database_url=args.database_url,
+                    env={"HINDSIGHT_AUTH": "disabled", "HINDSIGHT_RAY_SETTLE_SECONDS": "2"}) as stack:  # fmt: skip
+        try:
+            return run(args, stack, heads)
+        finally:
+            for h in heads:
+                h.stop()
 
-        print("starting two Ray nodes (exporter on / off) ...", flush=True)
-        on = RayHead(f"http://127.0.0.1:{port}/v1/ray/events?cluster=overhead")
-        off = RayHead(None)
-        heads += [on, off]
-        for h in heads:
-            h.start()
-        on.driver(JOB, "100", "1")  # warm both: worker processes up, imports cached
-        off.driver(JOB, "100", "1")
-        collector = [gunicorn.pid, *children(gunicorn.pid)]
 
-        walls: dict[str, list[float]] = {"on": [], "off": []}
-        ray_cpu: dict[str, list[float]] = {"on": [], "off": []}
-        collector_cpu: list[float] = []
-        jobs: list[tuple[str, int]] = []
-        for i in range(args.pairs):
-            for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
-                head = on if name == "on" else off
-                c0 = cpu_seconds(head.pids())
-                k0 = cpu_seconds(collector)
-                out = head.driver(JOB, str(args.tasks), str(args.task_ms))
-                # Ray's CPU for the job (every process of the node; the driver is ours).
-                ray_cpu[name].append(cpu_seconds(head.pids()) - c0)
-                if name == "on":
-                    collector_cpu.append(cpu_seconds(collector) - k0)
-                    jobs.append((out["job"], out["tasks"]))
-                walls[name].append(out["wall"])
-                print(
-                    f"  pair {i + 1} {name:3s}: {out['wall']:.3f} s wall, {ray_cpu[name][-1]:.2f} s Ray CPU",
-                    flush=True,
-                )
+def run(args: argparse.Namespace, stack: Stack, heads: list[RayHead]) -> int:
+    engine, gunicorn, port = stack.engine, stack.gunicorn, stack.url.rsplit(":", 1)[1]
+    print("starting two Ray nodes (exporter on / off) ...", flush=True)
+    on = RayHead(f"http://127.0.0.1:{port}/v1/ray/events?cluster=overhead")
+    off = RayHead(None)
+    heads += [on, off]
+    for h in heads:
+        h.start()
+    on.driver(JOB, "100", "1")  # warm both: worker processes up, imports cached
+    off.driver(JOB, "100", "1")
+    collector = [gunicorn.pid, *children(gunicorn.pid)]
 
-        # Every exported job recorded, every task once (the collector settles, then closes).
-        deadline = time.monotonic() + 300
-        recorded: dict[str, int] = {}
-        with engine.connect() as conn:
-            while time.monotonic() < deadline:
-                recorded = dict(
-                    conn.execute(
-                        text("SELECT run_key, task_count FROM runs WHERE status = 'finished'")
-                    ).all()
-                )
-                if all(recorded.get(j, 0) >= n for j, n in jobs):
-                    break
-                time.sleep(0.5)
-        engine.dispose()
-        complete = all(recorded.get(j) == n for j, n in jobs)
-
-        ratios = [a / b for a, b in zip(walls["on"], walls["off"], strict=True)]
-        tasks = jobs[0][1]
-        figures = {
-            "wall_on_s": round(statistics.median(walls["on"]), 3),
-            "wall_off_s": round(statistics.median(walls["off"]), 3),
-            "wall_ratio": round(
-                statistics.median(walls["on"]) / statistics.median(walls["off"]), 3
-            ),
-            "pair_ratios": [round(r, 3) for r in ratios],
-            "ray_cpu_on_s": round(statistics.median(ray_cpu["on"]), 2),
-            "ray_cpu_off_s": round(statistics.median(ray_cpu["off"]), 2),
-            "ray_export_cpu_ms_per_task": round(
-                (statistics.median(ray_cpu["on"]) - statistics.median(ray_cpu["off"]))
-                / tasks
-                * 1000,
-                3,
-            ),
-            "collector_cpu_ms_per_task": round(statistics.median(collector_cpu) / tasks * 1000, 3),
-            "tasks_per_job": tasks,
-            "task_ms": args.task_ms,
-            "pairs": args.pairs,
-            "every_job_recorded": complete,
-            "load_average": os.getloadavg()[0],
-        }
-        for k, v in figures.items():
-            print(f"  {k:30s} {v}")
-        met = complete and figures["wall_ratio"] <= TARGETS["wall_ratio"]
-        print(
-            json.dumps(
-                {"bench": "ray_overhead", "figures": figures, "targets": TARGETS, "met": met}
+    walls: dict[str, list[float]] = {"on": [], "off": []}
+    ray_cpu: dict[str, list[float]] = {"on": [], "off": []}
+    collector_cpu: list[float] = []
+    jobs: list[tuple[str, int]] = []
+    for i in range(args.pairs):
+        for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            head = on if name == "on" else off
+            c0 = cpu_seconds(head.pids())
+            k0 = cpu_seconds(collector)
+            out = head.driver(JOB, str(args.tasks), str(args.task_ms))
+            # Ray's CPU for the job (every process of the node; the driver is ours).
+            ray_cpu[name].append(cpu_seconds(head.pids()) - c0)
+            if name == "on":
+                collector_cpu.append(cpu_seconds(collector) - k0)
+                jobs.append((out["job"], out["tasks"]))
+            walls[name].append(out["wall"])
+            print(
+                f"  pair {i + 1} {name:3s}: {out['wall']:.3f} s wall, {ray_cpu[name][-1]:.2f} s Ray CPU",
+                flush=True,
             )
-        )
-        return 0
-    finally:
-        for h in heads:
-            h.stop()
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
+
+    # Every exported job recorded, every task once (the collector settles, then closes).
+    deadline = time.monotonic() + 300
+    recorded: dict[str, int] = {}
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            recorded = dict(
+                conn.execute(
+                    text("SELECT run_key, task_count FROM runs WHERE status = 'finished'")
+                ).all()
+            )
+            if all(recorded.get(j, 0) >= n for j, n in jobs):
+                break
+            time.sleep(0.5)
+    complete = all(recorded.get(j) == n for j, n in jobs)
+
+    ratios = [a / b for a, b in zip(walls["on"], walls["off"], strict=True)]
+    tasks = jobs[0][1]
+    figures = {
+        "wall_on_s": round(statistics.median(walls["on"]), 3),
+        "wall_off_s": round(statistics.median(walls["off"]), 3),
+        "wall_ratio": round(statistics.median(walls["on"]) / statistics.median(walls["off"]), 3),
+        "pair_ratios": [round(r, 3) for r in ratios],
+        "ray_cpu_on_s": round(statistics.median(ray_cpu["on"]), 2),
+        "ray_cpu_off_s": round(statistics.median(ray_cpu["off"]), 2),
+        "ray_export_cpu_ms_per_task": round(
+            (statistics.median(ray_cpu["on"]) - statistics.median(ray_cpu["off"])) / tasks * 1000,
+            3,
+        ),
+        "collector_cpu_ms_per_task": round(statistics.median(collector_cpu) / tasks * 1000, 3),
+        "tasks_per_job": tasks,
+        "task_ms": args.task_ms,
+        "pairs": args.pairs,
+        "every_job_recorded": complete,
+        "load_average": os.getloadavg()[0],
+    }
+    for k, v in figures.items():
+        print(f"  {k:30s} {v}")
+    met = complete and figures["wall_ratio"] <= TARGETS["wall_ratio"]
+    print(json.dumps({"bench": "ray_overhead", "figures": figures, "targets": TARGETS, "met": met}))
+    return 0
 
 
 if __name__ == "__main__":

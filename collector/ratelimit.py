@@ -38,3 +38,17 @@ class RateLimiter:
     @staticmethod
     def retry_after(wait: float) -> str:
         return str(max(1, math.ceil(wait)))
+
+
+def enforce(limiter: RateLimiter, tenant: str, events: int) -> None:
+    """429 with ``Retry-After`` if ``tenant`` may not send ``events`` events now."""
+    from services.common.web import ApiError
+
+    wait = limiter.take(tenant, events)
+    if wait:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"tenant {tenant!r} is over its rate limit of {limiter.rate:g} events/s",
+            {"Retry-After": limiter.retry_after(wait)},
+        )

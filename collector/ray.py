@@ -25,7 +25,7 @@ from typing import Any
 from flask import Blueprint, Flask, current_app, g, request
 
 from collector.body import decompress, normalise_encoding
-from collector.ratelimit import RateLimiter
+from collector.ratelimit import enforce
 from hindsight.schema import valid_name
 from services.common.ops import BLOB_SECONDS, INDEX_SECONDS, timed
 from services.common.store import Store
@@ -101,15 +101,7 @@ def post_ray_events() -> Any:
             400, "not_an_array", "a Ray exporter body is a JSON array of events"
         ) from None
 
-    limiter: RateLimiter = current_app.extensions["hindsight.ratelimit"]
-    wait = limiter.take(principal.tenant, len(elements))
-    if wait:
-        raise ApiError(
-            429,
-            "rate_limited",
-            f"tenant {principal.tenant!r} is over its rate limit of {limiter.rate:g} events/s",
-            {"Retry-After": limiter.retry_after(wait)},
-        )
+    enforce(current_app.extensions["hindsight.ratelimit"], principal.tenant, len(elements))
 
     st = store()
     parts = ray.prepare(body, elements)

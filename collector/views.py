@@ -11,7 +11,7 @@ import zstandard
 from flask import Blueprint, current_app, request
 
 from collector.body import decompress, normalise_encoding
-from collector.ratelimit import RateLimiter
+from collector.ratelimit import enforce
 from hindsight.schema import Batch, SchemaError, decode_batch
 from services.common.ops import BATCHES, BLOB_SECONDS, BYTES, EVENTS, INDEX_SECONDS, timed
 from services.common.web import ApiError, db, require, store
@@ -69,15 +69,7 @@ def post_batch() -> Any:
     body = decompress(raw, encoding, settings.max_batch_bytes)
     batch = decode_body(body)
 
-    limiter: RateLimiter = current_app.extensions["hindsight.ratelimit"]
-    wait = limiter.take(principal.tenant, len(batch.events))
-    if wait:
-        raise ApiError(
-            429,
-            "rate_limited",
-            f"tenant {principal.tenant!r} is over its rate limit of {limiter.rate:g} events/s",
-            {"Retry-After": limiter.retry_after(wait)},
-        )
+    enforce(current_app.extensions["hindsight.ratelimit"], principal.tenant, len(batch.events))
 
     # zstd bodies are stored as received (already compressed); others are compressed here.
     stored = (

@@ -442,40 +442,36 @@ class _Lookups:
     """Node IPs and worker pids of a session, for worker labels (cached per process: a
     node's IP and a worker's pid never change)."""
 
-    _ips: dict[tuple[int, str], str] = {}
-    _pids: dict[tuple[int, str], int] = {}
+    _cache: dict[tuple[str, int, str], Any] = {}
+
+    @classmethod
+    def _get(cls, db: Session, session_id: int, ids: Iterable[str | None], key: Any, value: Any) -> dict[str, Any]:  # fmt: skip
+        table = key.class_.__tablename__
+        want = {i for i in ids if i}
+        out = {
+            i: cls._cache[(table, session_id, i)]
+            for i in want
+            if (table, session_id, i) in cls._cache
+        }
+        missing = want - set(out)
+        if missing:
+            rows = db.execute(
+                select(key, value).where(key.class_.session_id == session_id, key.in_(missing), value.is_not(None))
+            )  # fmt: skip
+            for i, v in rows:
+                out[i] = v
+                if len(cls._cache) > 200_000:
+                    cls._cache.clear()
+                cls._cache[(table, session_id, i)] = v
+        return out
 
     @classmethod
     def ips(cls, db: Session, session_id: int, nodes: Iterable[str | None]) -> dict[str, str]:
-        want = {n for n in nodes if n}
-        out = {n: cls._ips[(session_id, n)] for n in want if (session_id, n) in cls._ips}
-        missing = want - set(out)
-        if missing:
-            N = m.RayNode
-            for node, ip in db.execute(
-                select(N.node_id, N.ip).where(N.session_id == session_id, N.node_id.in_(missing), N.ip.is_not(None))
-            ):  # fmt: skip
-                out[node] = ip
-                if len(cls._ips) > 100_000:
-                    cls._ips.clear()
-                cls._ips[(session_id, node)] = ip
-        return out
+        return cls._get(db, session_id, nodes, m.RayNode.node_id, m.RayNode.ip)
 
     @classmethod
     def pids(cls, db: Session, session_id: int, workers: Iterable[str | None]) -> dict[str, int]:
-        want = {w for w in workers if w}
-        out = {w: cls._pids[(session_id, w)] for w in want if (session_id, w) in cls._pids}
-        missing = want - set(out)
-        if missing:
-            W = m.RayWorker
-            for worker, pid in db.execute(
-                select(W.worker_id, W.pid).where(W.session_id == session_id, W.worker_id.in_(missing), W.pid.is_not(None))
-            ):  # fmt: skip
-                out[worker] = pid
-                if len(cls._pids) > 100_000:
-                    cls._pids.clear()
-                cls._pids[(session_id, worker)] = pid
-        return out
+        return cls._get(db, session_id, workers, m.RayWorker.worker_id, m.RayWorker.pid)
 
 
 def tasks_as_events(db: Session, session_id: int, rows: list[Any]) -> list[TaskEvent]:
