@@ -209,3 +209,58 @@ def test_the_run_page_of_a_ray_job(jobs, ray_server, page):
     assert page.locator("tr.error-group").count() == len(groups)
     shoot(page, "ray-run")
     assert page.errors == []
+
+
+def test_every_read_route_answers_for_ray_runs(jobs, ray_server, tmp_path):
+    """What Hindsight does for Dask runs, on the Ray runs: filters, paging, NDJSON, Parquet,
+    quantiles, errors, compare, regressions, histories per function, the Perfetto trace
+    and the pages."""
+    import pyarrow.parquet as pq
+
+    run, short = jobs["tasks"]["run"], jobs["short"]["run"]
+    rid, total = run["id"], run["task_count"]
+    get = ray_server.get
+    assert [r["id"] for r in get("/v1/runs", cluster=RAY_CLUSTER, has_errors="true")["runs"]] == [
+        rid
+    ]
+    named = get("/v1/runs", name=run["name"].split(" ")[0] + "*", cluster=RAY_CLUSTER)["runs"]
+    assert rid in {r["id"] for r in named}
+    pages, cursor = [], None
+    while True:
+        page = get(f"/v1/runs/{rid}/tasks", limit=10, **({"cursor": cursor} if cursor else {}))
+        pages += page["tasks"]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert len(pages) == total and len({(t["key"], t["attrs"]["attempt"]) for t in pages}) == total
+    erred = get(f"/v1/runs/{rid}/tasks", status="erred", prefix="flaky")["tasks"]
+    assert sorted(t["attrs"]["attempt"] for t in erred) == [0, 1, 2]
+    lines = requests.get(
+        f"{ray_server.url}/v1/runs/{rid}/tasks/stream", timeout=30
+    ).text.splitlines()
+    assert len(lines) == total and "attrs" in json.loads(lines[0])
+    parquet = tmp_path / "tasks.parquet"
+    parquet.write_bytes(
+        requests.get(f"{ray_server.url}/v1/runs/{rid}/tasks.parquet", timeout=30).content
+    )
+    table = pq.read_table(parquet)
+    assert table.num_rows == total and "attrs" in table.column_names
+    (square,) = [p for p in get(f"/v1/runs/{rid}/summary")["prefixes"] if p["prefix"] == "square"]
+    stats = square["actions"]["compute"]
+    assert stats["count"] == 44 and stats["min"] <= stats["p50"] <= stats["p99"] <= stats["max"]
+    compared = get("/v1/compare", a=short["id"], b=rid)
+    assert compared["b"] == rid and compared["tasks"]["b"] == total
+    assert "square" in compared["new_prefixes"] and "add" in compared["missing_prefixes"]
+    assert get(f"/v1/runs/{rid}/regressions") is not None
+    points = get("/v1/history/prefixes", prefix="square", bucket="day", cluster=RAY_CLUSTER)[
+        "points"
+    ]
+    assert sum(p["count"] for p in points) == 44
+    trace = requests.get(f"{ray_server.url}/v1/runs/{rid}/trace", timeout=30).json()["traceEvents"]
+    processes = {e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert processes == {t["worker"] for t in pages}
+    assert sum(e["ph"] == "X" for e in trace) == sum(len(t["startstops"]) for t in pages)
+    for page_url in (f"/compare?a={short['id']}&b={rid}", "/history?prefix=square",
+                     f"/?cluster={RAY_CLUSTER}"):  # fmt: skip
+        resp = requests.get(ray_server.url + page_url, timeout=60)
+        assert resp.status_code == 200 and "error" not in resp.url, page_url
