@@ -138,6 +138,24 @@ def read_stored(data: bytes) -> bytes:
 # ------------------------------------------------------------------ statements
 
 
+def _array_type() -> Any:
+    from sqlalchemy.dialects.postgresql import ARRAY
+
+    class Array(ARRAY):  # type: ignore[misc]
+        """A Postgres array bound as psycopg2 adapts a list (no per-element processing in
+        Python: ARRAY(Boolean) walked 26,000 values a body through SQLAlchemy)."""
+
+        cache_ok = True
+
+        def bind_processor(self, dialect: Any) -> None:
+            return None
+
+    return Array
+
+
+_Array = _array_type()
+
+
 @functools.cache
 def _statements(dialect: str) -> SimpleNamespace:
     """The merge statements, built once per dialect (see ``storage.ingest._statements``)."""
@@ -168,14 +186,12 @@ def _statements(dialect: str) -> SimpleNamespace:
         if bulk:
             # Postgres: the rows as one array per column, unnested server-side. A 666-row
             # VALUES list (16,000 parameters) cost ~3x as much to send, parse and plan.
-            from sqlalchemy.dialects.postgresql import ARRAY
-
             cols = [c for c in t.c]
             ins = ins.from_select(
                 [c.name for c in cols],
                 select(
                     *(
-                        func.unnest(bindparam(c.name, type_=ARRAY(c.type))).label(c.name)
+                        func.unnest(bindparam(c.name, type_=_Array(c.type))).label(c.name)
                         for c in cols
                     )
                 ),
@@ -583,6 +599,17 @@ def _chunks(items: list[Any], n: int = _CHUNK) -> Iterable[list[Any]]:
         yield items[i : i + n]
 
 
+# ray_tasks column <- TaskPatch attribute, for the merged values of a body.
+_TASK_COLUMNS = (
+    ("job_id", "job"), ("defined", "defined"), ("name", "name"), ("func", "func"),
+    ("module", "module"), ("task_type", "task_type"), ("parent_id", "parent"),
+    ("actor_id", "actor"), ("node_id", "node"), ("worker_id", "worker"), ("pid", "pid"),
+    ("pending_at", "pending_at"), ("submitted_at", "submitted_at"), ("running_at", "running_at"),
+    ("finished_at", "finished_at"), ("failed_at", "failed_at"), ("error_type", "error_type"),
+    ("error_message", "error_message"),
+)  # fmt: skip
+
+
 def merge_part(
     db: Session,
     *,
@@ -648,22 +675,26 @@ def merge_part(
             "closed_by": None,
         }).all()  # fmt: skip
     if part.tasks:
-        rows = [
-            {"session_id": sid, "task_id": k[0], "attempt": k[1], "job_id": t.job,
-             "defined": t.defined, "name": t.name, "func": t.func, "module": t.module,
-             "task_type": t.task_type, "parent_id": t.parent, "actor_id": t.actor,
-             "node_id": t.node, "worker_id": t.worker, "pid": t.pid, "pending_at": t.pending_at,
-             "submitted_at": t.submitted_at, "running_at": t.running_at,
-             "finished_at": t.finished_at, "failed_at": t.failed_at, "error_type": t.error_type,
-             "error_message": t.error_message, "first_seen": now,
-             "end_seen": now if t.finished_at is not None or t.failed_at is not None else None,
-             "emitted": False}
-            for k, t in sorted(part.tasks.items())
-        ]  # fmt: skip
+        items = sorted(part.tasks.items())
+        cols: dict[str, list[Any]] = {
+            "task_id": [k[0] for k, _ in items], "attempt": [k[1] for k, _ in items],
+            **{c: [getattr(t, a) for _, t in items] for c, a in _TASK_COLUMNS},
+        }  # fmt: skip
+        n = len(items)
+        cols["session_id"] = [sid] * n
+        cols["first_seen"] = [now] * n
+        cols["end_seen"] = [
+            now if t.finished_at is not None or t.failed_at is not None else None for _, t in items
+        ]
+        cols["emitted"] = [False] * n
         if st.task_bulk is not None:
-            db.execute(st.task_bulk, {c: [r[c] for r in rows] for c in rows[0]})
+            db.execute(st.task_bulk, cols)
         else:
-            db.execute(st.task, rows)
+            names = list(cols)
+            db.execute(
+                st.task,
+                [dict(zip(names, row, strict=True)) for row in zip(*cols.values(), strict=True)],
+            )
     counts = [
         {"session_id": sid, "kind": kind, "event_type": etype, "count": n}
         for kind, d in (("received", part.received), ("skipped", part.skipped))
