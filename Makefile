@@ -10,7 +10,7 @@ PORT   ?= 8700
 DATA_DIR ?= ./hindsight-data
 PYTEST_ARGS ?=
 
-.PHONY: install browser run test test-slow lint format schema bench clean
+.PHONY: install browser run test test-slow test-compose lint format schema bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,16 @@ test: install lint browser
 ## test-slow: the long fault, flood and scale runs
 test-slow: install
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+## test-compose: the full stack under docker compose for real (slow; root on Debian): installs
+## docker.io, docker-compose and debootstrap where missing, starts dockerd, builds the images
+## locally when no registry answers (docker/prepare.sh), then tests/compose/ brings the stack up
+## from docker-compose.yml with the README's commands, records real Dask runs through it, kills
+## the collector and Postgres under a live run, scales the collector, and prints its figures
+COMPOSE_ENV ?= test-artifacts/compose/images.env
+test-compose: install browser
+	./docker/prepare.sh $(COMPOSE_ENV)
+	HINDSIGHT_COMPOSE_ENV=$(COMPOSE_ENV) $(BIN)/python -m pytest -m compose tests/compose $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff format --check .

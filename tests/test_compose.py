@@ -100,6 +100,24 @@ def test_services_present(services: dict[str, Any]) -> None:
     assert set(LONG_RUNNING + ONE_SHOT) <= set(services)
 
 
+def test_valid_for_compose_v1_and_v2(raw: dict[str, Any]) -> None:
+    # docker-compose 1.29 (Debian's) rejects a top-level `name:` and anything but these; the
+    # project name comes from -p or COMPOSE_PROJECT_NAME (.env.example) instead.
+    allowed = {"version", "services", "networks", "volumes", "secrets", "configs"}
+    assert [k for k in raw if k not in allowed and not k.startswith("x-")] == []
+
+
+@pytest.mark.parametrize(
+    "override", sorted(ROOT.glob("docker/compose.*.yml")), ids=lambda p: p.name
+)
+def test_test_overrides_only_touch_services_of_the_compose_file(
+    services: dict[str, Any], override: Path
+) -> None:
+    extra = yaml.safe_load(override.read_text())
+    assert set(extra) == {"services"}
+    assert set(extra["services"]) <= set(services), override.name
+
+
 @pytest.mark.parametrize(("name", "port"), sorted(HTTP_SERVICES.items()))
 def test_service_port_published(services: dict[str, Any], name: str, port: int) -> None:
     published = {str(spec).rsplit(":", 1)[-1] for spec in services[name].get("ports", [])}
@@ -275,7 +293,8 @@ def test_env_example_documents_every_variable(raw: dict[str, Any]) -> None:
             example[key.strip()] = value.strip()
     references = _references(raw)
     assert sorted(set(references) - set(example)) == []
-    assert sorted(set(example) - set(references)) == []
+    # COMPOSE_PROJECT_NAME is Compose's own (the project name, for v1 and v2 alike).
+    assert sorted(set(example) - set(references) - {"COMPOSE_PROJECT_NAME"}) == []
     differing = {var: (example[var], references[var]) for var in references}
     assert {var: pair for var, pair in differing.items() if pair[0] != pair[1]} == {}
 

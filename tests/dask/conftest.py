@@ -34,16 +34,51 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = 
         time.sleep(0.05)
 
 
-class EmbeddedServer:
+class Api:
+    """The read API at ``url`` (a token if it needs one), as the tests read it."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        self.url = url
+        self.http = requests.Session()
+        if token:
+            self.http.headers["Authorization"] = f"Bearer {token}"
+
+    def get(self, path: str, **params: Any) -> Any:
+        resp = self.http.get(f"{self.url}{path}", params=params, timeout=30)
+        resp.raise_for_status()
+        return resp.json()
+
+    def runs(self, cluster: str) -> list[dict[str, Any]]:
+        return self.get("/v1/runs", cluster=cluster, limit=1000)["runs"]
+
+    def run_named(self, cluster: str, name: str) -> dict[str, Any] | None:
+        found = [r for r in self.runs(cluster) if r.get("name") == name]
+        assert len(found) <= 1, found
+        return found[0] if found else None
+
+    def tasks(self, run_id: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            params: dict[str, Any] = {"limit": 10000}
+            if cursor:
+                params["cursor"] = cursor
+            page = self.get(f"/v1/runs/{run_id}/tasks", **params)
+            out.extend(page["tasks"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return out
+
+
+class EmbeddedServer(Api):
     """``hindsight serve`` on a fixed loopback port; can be stopped and started again."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.env = env or {}
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(f"http://127.0.0.1:{self.port}")
         self.proc: subprocess.Popen[bytes] | None = None
-        self.http = requests.Session()
 
     def start(self) -> None:
         self.launch()
@@ -76,32 +111,6 @@ class EmbeddedServer:
             self.proc.wait(30)
             self.proc = None
         self.http.close()
-
-    def get(self, path: str, **params: Any) -> Any:
-        resp = self.http.get(f"{self.url}{path}", params=params, timeout=30)
-        resp.raise_for_status()
-        return resp.json()
-
-    def runs(self, cluster: str) -> list[dict[str, Any]]:
-        return self.get("/v1/runs", cluster=cluster, limit=1000)["runs"]
-
-    def run_named(self, cluster: str, name: str) -> dict[str, Any] | None:
-        found = [r for r in self.runs(cluster) if r.get("name") == name]
-        assert len(found) <= 1, found
-        return found[0] if found else None
-
-    def tasks(self, run_id: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        cursor = None
-        while True:
-            params: dict[str, Any] = {"limit": 10000}
-            if cursor:
-                params["cursor"] = cursor
-            page = self.get(f"/v1/runs/{run_id}/tasks", **params)
-            out.extend(page["tasks"])
-            cursor = page.get("next_cursor")
-            if not cursor:
-                return out
 
 
 @pytest.fixture(scope="session")
@@ -151,7 +160,12 @@ def recorded_view(tasks: list[dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
 
 
 def wait_for_run(
-    server: EmbeddedServer, cluster: str, name: str, tasks: int, status: str = "finished"
+    server: Api,
+    cluster: str,
+    name: str,
+    tasks: int,
+    status: str = "finished",
+    timeout: float = 60,
 ) -> dict[str, Any]:
     """Poll the read API until run ``name`` has ``tasks`` task records and ``status``."""
 
@@ -162,6 +176,6 @@ def wait_for_run(
         return None
 
     try:
-        return wait_until(ready, 60, f"run {name!r} with {tasks} tasks, {status}")
+        return wait_until(ready, timeout, f"run {name!r} with {tasks} tasks, {status}")
     except AssertionError:
         raise AssertionError(f"run never got there: {server.runs(cluster)}") from None
