@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,32 @@ def test_two_agents_starting_at_once_deliver_an_orphan_once(collector, tmp_path)
         _end(procs, readers)
     assert_delivered_once_in_order(collector, 50)
     assert not orphan.exists()
+
+
+def test_close_does_not_wait_for_an_adoption_in_progress(collector, tmp_path):
+    orphan = make_orphan(collector, tmp_path)
+    stuck, release = threading.Event(), threading.Event()
+
+    def slow(batch: Any) -> None:  # the collector hangs on the orphan's first batch
+        if batch.agent.startswith("gone-"):
+            stuck.set()
+            release.wait(60)
+
+    collector.rule = slow
+    agent = adopter(collector, tmp_path)
+    try:
+        assert stuck.wait(30)
+        start = time.monotonic()
+        agent.close(timeout=1.0)
+        assert time.monotonic() - start < 5, "close() waited for the adoption"
+        assert not agent.adoption.finished.is_set()
+    finally:
+        release.set()
+    assert agent.adoption.finished.wait(30)  # it stopped after the request in flight
+    assert len(list(orphan.glob("*.hsb"))) == 5  # the rest waits for the next agent
+    lock = try_lock(str(orphan))
+    assert lock is not None
+    lock.release()
 
 
 def test_a_forked_child_does_not_keep_its_parents_spool_owned(collector, tmp_path):
