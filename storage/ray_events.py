@@ -285,16 +285,21 @@ def error_summary(message: str | None, error_type: str | None) -> tuple[str | No
 
 @dataclass(slots=True)
 class TaskPatch:
-    job: str | None = None
+    """What a body says about one task attempt. Field names are ``ray_tasks`` columns: the
+    patches are encoded as they are (msgspec) for Postgres to read as a record set."""
+
+    task_id: str
+    attempt: int
+    job_id: str | None = None
     defined: bool = False
     name: str | None = None
     func: str | None = None
     module: str | None = None
     task_type: str | None = None
-    parent: str | None = None
-    actor: str | None = None
-    node: str | None = None
-    worker: str | None = None
+    parent_id: str | None = None
+    actor_id: str | None = None
+    node_id: str | None = None
+    worker_id: str | None = None
     pid: int | None = None
     pending_at: float | None = None
     submitted_at: float | None = None
@@ -387,7 +392,7 @@ class SessionPart:
         key = (task_id, attempt)
         t = self.tasks.get(key)
         if t is None:
-            t = self.tasks[key] = TaskPatch()
+            t = self.tasks[key] = TaskPatch(task_id, attempt)
         return t
 
 
@@ -485,12 +490,12 @@ def _apply(part: SessionPart, ev: Any, etype: str) -> bool:
         t = part.task(tid, d.task_attempt)
         func, module = _func_name(d.task_func)
         t.defined = True
-        t.job = t.job or job
+        t.job_id = t.job_id or job
         t.name = t.name or clean(d.task_name) or func
         t.func = t.func or func
         t.module = t.module or module
         t.task_type = t.task_type or clean(d.task_type, 32)
-        t.parent = t.parent or _hex(d.parent_task_id)
+        t.parent_id = t.parent_id or _hex(d.parent_task_id)
     elif etype == "ACTOR_TASK_DEFINITION_EVENT" and ev.actor_task_definition_event is not None:
         d = ev.actor_task_definition_event
         tid = _hex(d.task_id)
@@ -499,13 +504,13 @@ def _apply(part: SessionPart, ev: Any, etype: str) -> bool:
         t = part.task(tid, d.task_attempt)
         func, module = _func_name(d.actor_func)
         t.defined = True
-        t.job = t.job or _hex(d.job_id)
+        t.job_id = t.job_id or _hex(d.job_id)
         t.name = t.name or clean(d.actor_task_name) or func
         t.func = t.func or func
         t.module = t.module or module
         t.task_type = t.task_type or "ACTOR_TASK"
-        t.parent = t.parent or _hex(d.parent_task_id)
-        t.actor = t.actor or _hex(d.actor_id)
+        t.parent_id = t.parent_id or _hex(d.parent_task_id)
+        t.actor_id = t.actor_id or _hex(d.actor_id)
     elif etype == "DRIVER_JOB_DEFINITION_EVENT" and ev.driver_job_definition_event is not None:
         d = ev.driver_job_definition_event
         job = _hex(d.job_id)
@@ -627,19 +632,19 @@ def _task_lifecycle(part: SessionPart, ev: Any, d: Any) -> None:
     key = (tid, d.task_attempt)
     t = part.tasks.get(key)
     if t is None:
-        t = part.tasks[key] = TaskPatch()
-    if t.job is None:
-        t.job = job
+        t = part.tasks[key] = TaskPatch(tid, key[1])
+    if t.job_id is None:
+        t.job_id = job
     pid = d.worker_pid
     if type(pid) is not int or not 0 < pid < 2**53:
         pid = _int(pid)
     if pid:
         # Sent by the worker that runs the task: its node is the event's own node.
         t.pid = t.pid or pid
-        t.node = t.node or _hex(d.node_id) or _hex(ev.node_id)
+        t.node_id = t.node_id or _hex(d.node_id) or _hex(ev.node_id)
     else:
-        t.node = t.node or _hex(d.node_id)
-    t.worker = t.worker or _hex(d.worker_id)
+        t.node_id = t.node_id or _hex(d.node_id)
+    t.worker_id = t.worker_id or _hex(d.worker_id)
     for s in d.state_transitions:
         if s.timestamp is None:
             continue
