@@ -39,8 +39,8 @@ from bench.lib_workload import task_events  # noqa: E402
 from hindsight.schema import decode_batch  # noqa: E402
 from hindsight.sender import ZSTD_LEVEL as AGENT_ZSTD_LEVEL  # noqa: E402
 from hindsight.sender import Sender  # noqa: E402
+from storage.aggregate import aggregate  # noqa: E402
 from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from storage.ingest import summarize  # noqa: E402
 from storage.tokens import create_token  # noqa: E402
 
 EVENTS_PER_BATCH = 5000
@@ -159,7 +159,7 @@ def decode_limit(frames: Frames, rounds: int = 3) -> tuple[float, float]:
             decode_batch(decompress(b, "zstd", 1 << 26))
         t1 = time.process_time()
         for b in bodies:
-            summarize(decode_batch(decompress(b, "zstd", 1 << 26)))
+            aggregate(decode_batch(decompress(b, "zstd", 1 << 26)))
         t2 = time.process_time()
         n = len(bodies) * EVENTS_PER_BATCH
         best, best_sum = max(best, n / (t1 - t0)), max(best_sum, n / (t2 - t1))

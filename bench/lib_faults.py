@@ -358,8 +358,8 @@ def audit(db_url: str, blobs: Any, tenant: str, sent: dict[str, Any]) -> dict[st
     """
     from sqlalchemy import text
 
+    from storage.batches import decode_stored, parse_blob_key
     from storage.db import make_engine
-    from storage.ingest import decode_stored, parse_blob_key
 
     blob_events: Counter[str] = Counter()
     blob_batches: Counter[str] = Counter()
@@ -368,9 +368,9 @@ def audit(db_url: str, blobs: Any, tenant: str, sent: dict[str, Any]) -> dict[st
         ident = parse_blob_key(key)
         assert ident is not None, key
         batch = decode_stored(blobs.get(key))
-        blob_events[ident["agent"]] += len(batch.events)
-        blob_batches[ident["agent"]] += 1
-        seqs.setdefault(ident["agent"], set()).add(ident["seq"])
+        blob_events[ident.agent] += len(batch.events)
+        blob_batches[ident.agent] += 1
+        seqs.setdefault(ident.agent, set()).add(ident.seq)
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:

@@ -50,8 +50,9 @@ sys.path.insert(0, str(ROOT))
 from bench.lib_workload import NAMES, task_events  # noqa: E402
 from hindsight.schema import decode_batch  # noqa: E402
 from storage import sketch  # noqa: E402
+from storage.batches import run_public_id  # noqa: E402
 from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from storage.ingest import index_batch, run_public_id  # noqa: E402
+from storage.ingest import index_batch  # noqa: E402
 from storage.tokens import create_token  # noqa: E402
 
 TARGETS = {"run_list_p95_ms": 50, "run_tasks_cold_s": 1.5, "run_tasks_page_ms": 300,

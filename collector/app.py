@@ -13,6 +13,7 @@ from collector.ray import init_ray
 from collector.views import bp
 from services.common.web import make_app
 from storage.config import Settings
+from storage.finish import FinishWorker
 
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
@@ -27,3 +28,6 @@ def init_collector(app: Flask) -> None:
     s = app.config["SETTINGS"]
     app.extensions["hindsight.ratelimit"] = RateLimiter(s.rate_limit_events, s.rate_limit_burst)
     init_ray(app)
+    if s.finish_worker:
+        st = app.extensions["hindsight"]
+        FinishWorker.register(app, st.sessions, st.blobs)

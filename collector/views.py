@@ -15,7 +15,9 @@ from collector.ratelimit import enforce
 from hindsight.schema import Batch, SchemaError, decode_batch
 from services.common.ops import BATCHES, BLOB_SECONDS, BYTES, EVENTS, INDEX_SECONDS, timed
 from services.common.web import ApiError, db, require, store
-from storage.ingest import blob_key, decode_stored, index_batch, summarize
+from storage.aggregate import aggregate
+from storage.batches import blob_key, decode_stored
+from storage.ingest import index_batch
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +98,9 @@ def post_batch() -> Any:
         blob_key=key,
         size=len(stored),
         now=time.time(),
-        summary=summarize(batch),
+        agg=aggregate(batch),
         cache=st.ids,
+        settle=settings.finish_settle_seconds,
     )
     session.commit()
     INDEX_SECONDS.observe(time.perf_counter() - t0)

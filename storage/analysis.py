@@ -4,7 +4,6 @@ a :class:`~storage.runfile.RunData`, scope by tenant, and never commit."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -17,7 +16,8 @@ from sqlalchemy.orm import Session
 
 from storage import models as m
 from storage import sketch
-from storage.ingest import DEFAULT_RUN
+from storage.batches import DEFAULT_RUN
+from storage.runfacts import fingerprint, makespan
 from storage.runfile import RunData
 
 logger = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     per_worker: dict[str, dict[str, float]] = {}
     tot = {"capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0, "other": 0.0}
     for w, start, stop, nthreads in rows:
-        span = (stop - start) if start is not None and stop is not None else 0.0
+        span = makespan(start, stop) or 0.0
         cap = span * (nthreads or 1)
         d = per_worker.setdefault(
             w.worker, {k: 0.0 for k in tot} | {"tasks": 0, "nthreads": nthreads}
@@ -377,17 +377,9 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
 # ---------------------------------------------------------------- fingerprints, compare, regressions
 
 
-def fingerprint(run: m.Run, prefixes: list[str]) -> str:
-    """A stable identity of "the same job": its name when it has one, else its set of
-    task prefixes. 16 hex digits of sha256."""
-    name = run.name or (None if run.run_key == DEFAULT_RUN else run.run_key)
-    basis = f"name:{name}" if name else "prefixes:" + ",".join(sorted(set(prefixes)))
-    return hashlib.sha256(basis.encode()).hexdigest()[:16]
-
-
 def run_fingerprint(db: Session, run: m.Run) -> str:
     prefixes = db.execute(select(m.RunPrefix.prefix).where(m.RunPrefix.run_id == run.id)).scalars()
-    return fingerprint(run, list(prefixes))
+    return fingerprint(run.name, run.run_key, prefixes)
 
 
 def _prefix_stats(db: Session, run_ids: list[int], action: str) -> dict[str, dict[str, Any]]:
@@ -414,12 +406,6 @@ def _prefix_stats(db: Session, run_ids: list[int], action: str) -> dict[str, dic
     return out
 
 
-def _makespan(run: m.Run) -> float | None:
-    if run.task_start is None or run.task_stop is None:
-        return None
-    return run.task_stop - run.task_start
-
-
 def _delta(a: float | None, b: float | None) -> dict[str, Any]:
     if a is None or b is None:
         return {"a": a, "b": b, "delta": None, "ratio": None}
@@ -444,7 +430,9 @@ def compare(db: Session, a: m.Run, b: m.Run, action: str = "compute") -> dict[st
         "a": a.public_id,
         "b": b.public_id,
         "action": action,
-        "makespan": _delta(_makespan(a), _makespan(b)),
+        "makespan": _delta(
+            makespan(a.task_start, a.task_stop), makespan(b.task_start, b.task_stop)
+        ),
         "tasks": _delta(a.task_count, b.task_count),
         "errors": _delta(a.error_count, b.error_count),
         "prefixes": prefixes,
@@ -471,7 +459,7 @@ def previous_runs(db: Session, run: m.Run, n: int, scan: int = 1000) -> list[m.R
         )
     ):
         prefixes[rid].append(p)
-    return [c for c in candidates if fingerprint(c, prefixes[c.id]) == fp][:n]
+    return [c for c in candidates if fingerprint(c.name, c.run_key, prefixes[c.id]) == fp][:n]
 
 
 def regressions(

@@ -36,6 +36,8 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_RAY_SETTLE_SECONDS": ("ray_settle_seconds", float, 5.0),
     "HINDSIGHT_RAY_IDLE_CLOSE_SECONDS": ("ray_idle_close_seconds", float, 900.0),
     "HINDSIGHT_RAY_SWEEPER": ("ray_sweeper", bool, True),
+    "HINDSIGHT_FINISH_WORKER": ("finish_worker", bool, True),
+    "HINDSIGHT_FINISH_SETTLE_SECONDS": ("finish_settle_seconds", float, 5.0),
 }
 
 
@@ -66,6 +68,8 @@ class Settings:
     ray_settle_seconds: float
     ray_idle_close_seconds: float
     ray_sweeper: bool
+    finish_worker: bool
+    finish_settle_seconds: float
 
     @property
     def auth_required(self) -> bool:
@@ -126,6 +130,8 @@ def load_settings(
         )
     if values["max_in_flight"] < 0 or values["max_in_flight_bytes"] < 0:
         raise ConfigError("HINDSIGHT_MAX_IN_FLIGHT and ..._BYTES must not be negative (0: no cap)")
+    if values["finish_settle_seconds"] < 0:
+        raise ConfigError("HINDSIGHT_FINISH_SETTLE_SECONDS must not be negative")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
     if values["ray_settle_seconds"] < 0 or values["ray_idle_close_seconds"] <= 0:

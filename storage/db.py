@@ -60,6 +60,17 @@ def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
         command.upgrade(cfg, revision)
 
 
+def head_revisions() -> list[str]:
+    """The head revision(s) of the migrations shipped with this code (one, unless two
+    branches of migrations were merged without a merge revision)."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return list(ScriptDirectory.from_config(cfg).get_heads())
+
+
 def current_revision(engine: Engine) -> str | None:
     from alembic.runtime.migration import MigrationContext
 

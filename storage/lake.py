@@ -28,11 +28,11 @@ from hindsight import lake as layout
 from hindsight.lake import Manifest
 from hindsight.schema import CustomEvent
 from storage import models as m
-from storage.analysis import fingerprint
+from storage.batches import DEFAULT_RUN
 from storage.blobs import BlobStore
-from storage.ingest import DEFAULT_RUN
 from storage.lakewrite import TARGET_ROWS, Partition, RunRows, commit, read_manifest, schemas
 from storage.queries import run_summary
+from storage.runfacts import fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def build_tables(
                 "disk_write_seconds": total("disk_write"),
                 "workers": pc.count_distinct(data.tasks["worker"]).as_py(),
                 "prefixes": prefixes,
-                "fingerprint": fingerprint(run, prefixes),
+                "fingerprint": fingerprint(run.name, run.run_key, prefixes),
                 "span": [str(s) for s in run.span or []],
                 "client": run.client,
             }

@@ -152,6 +152,8 @@ class Run(Base):
     nbytes: Mapped[int] = mapped_column(BigInteger, default=0)
     first_seen: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float)
+    # When the finishers (storage.finish) last completed for this run's data; None before.
+    finished_work_at: Mapped[float | None] = mapped_column(Float)
 
 
 class RunStatusCount(Base):
@@ -215,15 +217,17 @@ class RunPrefixHist(Base):
     ``buckets`` maps a bucket number (as a string) to a count.
 
     Counts add, so histograms of several batches, runs or clusters merge by summing, and
-    quantiles over any set of runs come from the index without reading a task record.
-    One row per (run, prefix, action), merged under a row lock, rather than a row per
-    bucket: a 5,000-task batch touches ~20 rows instead of ~500.
+    quantiles over any set of runs come from the index alone. Ingest appends a row per
+    batch (``batch_id``) without reading or locking anything; readers sum the rows; when
+    the run has finished, ``storage.rollups.fold`` sums them into the row with
+    ``batch_id`` 0.
     """
 
     __tablename__ = "run_prefix_hist"
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
     action: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, default=0)
     buckets: Mapped[dict[str, Any]] = mapped_column(JSON(none_as_null=True))
 
 
@@ -244,28 +248,11 @@ class RunWorker(Base):
     last_stop: Mapped[float | None] = mapped_column(Float)
 
 
-class PrefixHour(Base):
-    """Not written since migration 0003: prefix histories merge the runs' histograms
-    (``run_prefix_hist``), which costs ingest far fewer rows. Kept until retention stops
-    naming it; drop it then."""
-
-    __tablename__ = "prefix_hours"
-    __table_args__ = (Index("ix_prefix_hours_prefix_hour", "prefix", "action", "hour"),)
-    cluster_id: Mapped[int] = mapped_column(
-        ForeignKey("clusters.id", ondelete="CASCADE"), primary_key=True
-    )
-    prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
-    action: Mapped[str] = mapped_column(String(64), primary_key=True)
-    hour: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
-    count: Mapped[int] = mapped_column(BigInteger)
-    total: Mapped[float] = mapped_column(Float)
-
-
 class PrefixDay(Base):
-    """Duration histogram per cluster, prefix, action and day (of the task's first start):
-    the rollup behind day-bucketed prefix histories, so a history over thousands of runs
-    reads one row per cluster and day. Merged under a row lock like ``run_prefix_hist``."""
+    """Duration histogram per cluster, prefix, action and day (of each phase's start): the
+    rollup behind day-bucketed prefix histories, so a history over thousands of runs reads
+    about one row per cluster and day. Appended per batch and folded like
+    ``run_prefix_hist``."""
 
     __tablename__ = "prefix_days"
     __table_args__ = (Index("ix_prefix_days_prefix_day", "prefix", "action", "day"),)
@@ -275,6 +262,7 @@ class PrefixDay(Base):
     prefix: Mapped[str] = mapped_column(String(1024), primary_key=True)
     action: Mapped[str] = mapped_column(String(64), primary_key=True)
     day: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    batch_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, default=0)
     count: Mapped[int] = mapped_column(BigInteger)
     total: Mapped[float] = mapped_column(Float)
     max: Mapped[float] = mapped_column(Float)
@@ -282,13 +270,15 @@ class PrefixDay(Base):
 
 
 class ClusterHour(Base):
-    """Per-cluster per-hour task totals (by the task's first start): tasks, errors, seconds."""
+    """Per-cluster per-hour task totals (by the task's first start): tasks, errors, seconds.
+    Appended per batch and folded like ``run_prefix_hist``."""
 
     __tablename__ = "cluster_hours"
     cluster_id: Mapped[int] = mapped_column(
         ForeignKey("clusters.id", ondelete="CASCADE"), primary_key=True
     )
     hour: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    batch_id: Mapped[int] = mapped_column(BigInteger, primary_key=True, default=0)
     tasks: Mapped[int] = mapped_column(BigInteger)
     errors: Mapped[int] = mapped_column(BigInteger)
     compute: Mapped[float] = mapped_column(Float)
@@ -546,3 +536,20 @@ class ProfileFrame(Base):
     first_line: Mapped[int] = mapped_column(BigInteger)
     line_number: Mapped[int] = mapped_column(BigInteger)
     line: Mapped[str] = mapped_column(String(1024))
+
+
+class FinishJob(Base):
+    """A run whose finished-run work (``storage.finish``) is due: queued when a batch
+    leaves the run finished or erred, due once no batch has touched it for a while.
+
+    A worker claims a job by setting ``claimed_until`` (a lease, so a crashed worker's job
+    comes back), runs the finishers, and deletes the job only if ``due_at`` is unchanged:
+    a batch that arrived meanwhile moved ``due_at`` and the run is finished again."""
+
+    __tablename__ = "finish_jobs"
+    __table_args__ = (Index("ix_finish_jobs_due_at", "due_at"),)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    due_at: Mapped[float] = mapped_column(Float)
+    claimed_until: Mapped[float | None] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text)

@@ -33,8 +33,8 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import ProfileEvent
 from storage import models as m
+from storage.batches import decode_stored
 from storage.blobs import BlobStore
-from storage.ingest import decode_stored
 
 logger = logging.getLogger(__name__)
 

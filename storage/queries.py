@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 from hindsight.schema import TaskEvent
 from storage import models as m
 from storage import ray_read
-from storage.analysis import fingerprint
+from storage.batches import DEFAULT_RUN, decode_stored
 from storage.blobs import BlobStore
-from storage.ingest import DEFAULT_RUN, decode_stored
+from storage.runfacts import display_name, fingerprint, makespan, makespan_column, seconds_by_action
 
 RUN_STATUSES = ("running", "finished", "erred")
 TASK_FIELDS = (
@@ -100,21 +100,16 @@ def _run_select(tenant_id: int) -> Select[Any]:
 
 
 def run_summary(run: m.Run, cluster: str, session: str) -> dict[str, Any]:
-    makespan = (
-        run.task_stop - run.task_start
-        if run.task_start is not None and run.task_stop is not None
-        else None
-    )
     return {
         "id": run.public_id,
-        "name": run.name or (None if run.run_key == DEFAULT_RUN else run.run_key),
+        "name": display_name(run.name, run.run_key),
         "cluster": cluster,
         "session": session,
         "run_key": run.run_key,
         "status": run.status,
         "started_at": run.started_at,
         "finished_at": run.finished_at,
-        "makespan": makespan,
+        "makespan": makespan(run.task_start, run.task_stop),
         "task_count": run.task_count,
         "error_count": run.error_count,
         "nbytes": run.nbytes,
@@ -143,7 +138,7 @@ def _sort_column(sort: str) -> Any:
     col = sort.lstrip("-")
     if col == "makespan":
         # Runs without task times sort as makespan -1 (last when descending).
-        return func.coalesce(m.Run.task_stop - m.Run.task_start, -1.0)
+        return func.coalesce(makespan_column(), -1.0)
     return {"started_at": m.Run.started_at, "task_count": m.Run.task_count,
             "error_count": m.Run.error_count}[col]  # fmt: skip
 
@@ -174,7 +169,7 @@ def list_runs(
         else:
             q = q.where(m.Run.name == filters.name)
     if filters.min_duration is not None:
-        q = q.where(m.Run.task_stop - m.Run.task_start >= filters.min_duration)
+        q = q.where(makespan_column() >= filters.min_duration)
     if filters.has_errors is not None:
         q = q.where(m.Run.error_count > 0 if filters.has_errors else m.Run.error_count == 0)
     col = _sort_column(sort)
@@ -241,6 +236,13 @@ def completeness(db: Session, session_id: int) -> dict[str, Any]:
     }
 
 
+def finished_work(db: Session, run: m.Run) -> dict[str, Any]:
+    """Whether the run's finished-run work (``storage.finish``: compacted copy, ...) is
+    done for its current data (``done_at``) or still queued (``pending``)."""
+    pending = db.execute(select(m.FinishJob.run_id).where(m.FinishJob.run_id == run.id)).first()
+    return {"pending": pending is not None, "done_at": run.finished_work_at}
+
+
 def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str, Any]:
     detail = run_summary(run, cluster, session)
     statuses = db.execute(
@@ -271,15 +273,10 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
             "min": a.min,
             "max": a.max,
         }
-    seconds: dict[str, float] = {
-        "compute": 0.0,
-        "transfer": 0.0,
-        "disk-read": 0.0,
-        "disk-write": 0.0,
-    }
+    totals: dict[str, float] = {}
     for entry in prefixes.values():
         for action, a in entry["actions"].items():
-            seconds[action] = seconds.get(action, 0.0) + a["total"]
+            totals[action] = totals.get(action, 0.0) + a["total"]
     workers = [
         {"worker": w.worker, "tasks": w.tasks, "errors": w.errors, "compute": w.compute,
          "transfer": w.transfer, "disk_read": w.disk_read, "disk_write": w.disk_write,
@@ -291,12 +288,13 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
     detail.update(
         tasks_by_status={s: c for s, c in sorted(statuses)},
         graph_count=run.graph_count,
-        seconds_by_action=seconds,
+        seconds_by_action=seconds_by_action(totals),
         workers_used=len(workers),
         workers=workers,
-        fingerprint=fingerprint(run, list(prefixes)),
+        fingerprint=fingerprint(run.name, run.run_key, prefixes),
         prefixes=list(prefixes.values()),
         completeness=completeness(db, run.session_id),
+        finished_work=finished_work(db, run),
         first_seen=run.first_seen,
         last_seen=run.last_seen,
     )

@@ -80,7 +80,8 @@ from hindsight.schema import (
 )
 from storage import models as m
 from storage.blobs import BlobStore
-from storage.ingest import IdCache, ensure_tenant, index_batch
+from storage.idcache import IdCache
+from storage.ingest import index_batch
 from storage.ray_events import (
     NO_SESSION,
     SessionPart,
@@ -89,6 +90,7 @@ from storage.ray_events import (
     parse,
     split_array,
 )
+from storage.tokens import ensure_tenant
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,11 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import ray
+from storage.batches import decode_stored, parse_blob_key
 from storage.blobs import BlobStore
-from storage.ingest import decode_stored, ensure_tenant, index_batch, parse_blob_key
+from storage.finish import queue_finished
+from storage.ingest import index_batch
+from storage.tokens import ensure_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +25,10 @@ def reindex(
     prefix: str = "v1/",
     on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, int]:
-    """Index every stored batch not yet in the index, then Ray's stored exporter bodies.
-    Safe to run on a live index and to repeat: the manifests make each batch and body count
-    once. Returns counts."""
+    """Index every stored batch not yet in the index, then Ray's stored exporter bodies,
+    and queue every finished run's finished-run work (``storage.finish``: whatever it
+    writes is rebuilt too). Safe to run on a live index and to repeat: the manifests make
+    each batch and body count once. Returns counts."""
     counts = {"blobs": 0, "indexed": 0, "already": 0, "skipped": 0}
     tenants: dict[str, int] = {}
     for key in blobs.list(prefix):
@@ -41,13 +45,16 @@ def reindex(
             counts["skipped"] += 1
             continue
         if (batch.cluster, batch.session, batch.agent, batch.seq) != (
-            ident["cluster"], ident["session"], ident["agent"], ident["seq"]
-        ):  # fmt: skip
+            ident.cluster,
+            ident.session,
+            ident.agent,
+            ident.seq,
+        ):
             logger.error("skipping blob %s: its content names another batch", key)
             counts["skipped"] += 1
             continue
         with sessions.begin() as db:
-            tenant = ident["tenant"]
+            tenant = ident.tenant
             if tenant not in tenants:
                 tenants[tenant] = ensure_tenant(db, tenant, time.time())
             done = index_batch(
@@ -67,4 +74,6 @@ def reindex(
         ray_counts = ray.reindex(blobs, sessions)
         if ray_counts["ray_bodies"]:
             counts.update(ray_counts)
+    with sessions.begin() as db:
+        queue_finished(db)
     return counts

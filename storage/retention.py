@@ -191,7 +191,7 @@ def apply(
         with sessions.begin() as db:
             clusters = select(m.Cluster.id).join(m.Tenant, m.Tenant.id == m.Cluster.tenant_id)
             clusters = clusters.where(m.Tenant.name == tenant)
-            for table in (m.PrefixHour, m.ClusterHour):
+            for table in (m.ClusterHour,):
                 db.execute(
                     delete(table).where(
                         table.cluster_id.in_(clusters), table.hour < result.hour_cutoff

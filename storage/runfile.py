@@ -17,7 +17,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from sqlalchemy import func, select
@@ -25,8 +25,12 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import GraphEvent, MetricEvent, TaskEvent
 from storage import models as m
+from storage.batches import DEFAULT_RUN, decode_stored
 from storage.blobs import BlobStore
-from storage.ingest import DEFAULT_RUN, decode_stored
+
+if TYPE_CHECKING:
+    from storage.finish import FinishedRun
+from storage.runfacts import ACTION_COLUMNS, phases_of
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +96,10 @@ def compact_prefix(db: Session, run: m.Run) -> str:
     return f"compact/v1/{tenant}/{cluster}/{session}/{run.public_id}"
 
 
-def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
-    """Decode the run's raw batches into Arrow tables."""
-    import pyarrow as pa
-
-    tasks_schema, graph_schema, metrics_schema = _schemas()
+def batch_keys(db: Session, run: m.Run) -> list[tuple[int, str, bool]]:
+    """The batches that hold the run's records (``True``) and the session's other batches
+    received around the run (``False``: metrics and worker-side events carry no run), as
+    (batch id, blob key, the run's own), in batch order."""
     rows = db.execute(
         select(m.Batch.id, m.Batch.blob_key)
         .join(m.RunBatch, m.RunBatch.batch_id == m.Batch.id)
@@ -116,69 +119,37 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
         )
         .order_by(m.Batch.id)
     ).all()
-    keys = sorted({*rows, *((i, k) for i, k in others if i not in run_ids)})
+    return sorted(
+        [(i, k, True) for i, k in rows] + [(i, k, False) for i, k in others if i not in run_ids]
+    )
+
+
+def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
+    """Decode the run's raw batches into Arrow tables."""
+    import pyarrow as pa
+
+    tasks_schema, graph_schema, metrics_schema = _schemas()
     cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
     g_key: list[str] = []
     g_prefix: list[str] = []
     g_deps: list[list[str]] = []
     metrics: list[tuple[str, float, dict[str, float]]] = []
-    enc = msgspec.json.Encoder()
     run_key = run.run_key
-    # Bound appends and locals: this loop runs once per task of the run (100k+), and the
-    # per-task tuple of (column, value) pairs and dict of action seconds cost ~2x.
-    (a_key, a_prefix, a_group, a_worker, a_thread, a_status, a_nbytes, a_typename, a_exc, a_tb,
-     a_start, a_stop, a_cstart, a_cstop, a_compute, a_transfer, a_dread, a_dwrite,
-     a_ss, a_attrs) = (cols[c].append for c in TASK_COLUMNS)  # fmt: skip
-    for batch_id, key in keys:
+    for _, key, mine in batch_keys(db, run):
         batch = decode_stored(blobs.get(key))
-        mine = batch_id in run_ids
+        tasks: list[TaskEvent] = []
         for ev in batch.events:
             t = type(ev)
             if t is TaskEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
-                compute = transfer = dread = dwrite = 0.0
-                start = stop = cstart = cstop = None
-                for ss in ev.startstops:
-                    action, s0, s1 = ss.action, ss.start, ss.stop
-                    if action == "compute":
-                        compute += s1 - s0
-                        if cstart is None:
-                            cstart, cstop = s0, s1
-                    elif action == "transfer":
-                        transfer += s1 - s0
-                    elif action == "disk-read":
-                        dread += s1 - s0
-                    elif action == "disk-write":
-                        dwrite += s1 - s0
-                    if start is None or s0 < start:
-                        start = s0
-                    if stop is None or s1 > stop:
-                        stop = s1
-                a_key(ev.key)
-                a_prefix(ev.prefix)
-                a_group(ev.group)
-                a_worker(ev.worker)
-                a_thread(ev.thread)
-                a_status(ev.status)
-                a_nbytes(ev.nbytes)
-                a_typename(ev.typename)
-                a_exc(ev.exception)
-                a_tb(ev.traceback)
-                a_start(start)
-                a_stop(stop)
-                a_cstart(cstart)
-                a_cstop(cstop)
-                a_compute(compute)
-                a_transfer(transfer)
-                a_dread(dread)
-                a_dwrite(dwrite)
-                a_ss(enc.encode(ev.startstops).decode())
-                a_attrs(enc.encode(ev.attrs).decode() if ev.attrs else None)
+                tasks.append(ev)
             elif t is GraphEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
                 g_key.append(ev.key)
                 g_prefix.append(ev.prefix)
                 g_deps.append(list(ev.dependencies))
             elif t is MetricEvent:
                 metrics.append((ev.worker, ev.time, ev.values))
+        if tasks:
+            _task_columns(tasks, cols)
     tasks = pa.table(cols, schema=tasks_schema)
     graph = pa.table(
         {"key": g_key, "prefix": g_prefix, "dependencies": g_deps}, schema=graph_schema
@@ -205,6 +176,40 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     return tasks, graph, metrics_t
 
 
+def _task_columns(tasks: list[TaskEvent], cols: dict[str, list[Any]]) -> None:
+    """Append a batch's tasks of the run to the task columns."""
+    for name in (
+        "key",
+        "prefix",
+        "group",
+        "worker",
+        "thread",
+        "status",
+        "nbytes",
+        "typename",
+        "exception",
+        "traceback",
+    ):
+        cols[name].extend([getattr(e, name) for e in tasks])
+    ph = phases_of(tasks)
+    for name, values in (
+        ("start", ph.start),
+        ("stop", ph.stop),
+        ("compute_start", ph.compute_start),
+        ("compute_stop", ph.compute_stop),
+    ):
+        cols[name].extend(None if v != v else v for v in values.tolist())  # NaN -> null
+    for i, name in enumerate(ACTION_COLUMNS[:4]):
+        cols[name].extend(ph.seconds[:, i].tolist())
+    enc = _encode
+    cols["startstops"].extend([enc(e.startstops).decode() for e in tasks])
+    # a scheduler's own facts about a task (e.g. Ray's attempt), as JSON
+    cols["attrs"].extend([enc(e.attrs).decode() if e.attrs else None for e in tasks])
+
+
+_encode = msgspec.json.Encoder().encode
+
+
 def _parquet(table: Any) -> bytes:
     import pyarrow.parquet as pq
 
@@ -213,9 +218,12 @@ def _parquet(table: Any) -> bytes:
     return buf.getvalue()
 
 
-def load_run(db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True) -> RunData:
+def load_run(
+    db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True, cache: bool = True
+) -> RunData:
     """The run's tasks, graph and metrics: from the process cache, the compacted copy, or
-    the raw batches (then compacted, if the run has ended and ``write``)."""
+    the raw batches (then compacted, if the run has ended and ``write``). ``cache``: keep
+    the tables in this process's cache of recent runs."""
     import pyarrow.parquet as pq
 
     tag = run_tag(db, run)
@@ -238,12 +246,17 @@ def load_run(db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True) -
             for n, table in (("graph", graph), ("metrics", metrics), ("tasks", tasks)):
                 blobs.put(f"{cache_key}/{n}.parquet", _parquet(table), if_absent=True)
             logger.info("compacted run %s (%d tasks) at %s", run.public_id, len(tasks), cache_key)
-    if data.source == "compact" or run.status != "running":
+    if cache and (data.source == "compact" or run.status != "running"):
         with _cache_lock:
             _cache[cache_key] = data
             while len(_cache) > _CACHE_SIZE:
                 _cache.popitem(last=False)
     return data
+
+
+def finish(fr: FinishedRun) -> None:
+    """Finisher: write the compacted copy when the run finishes, so no view waits for it."""
+    fr.data()
 
 
 def compacted_tasks_key(db: Session, blobs: BlobStore, run: m.Run) -> str | None:

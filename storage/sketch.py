@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 SUBDIV = 8
 ZERO = -(2**20)  # below every real bucket (2**(-2**17) s)
@@ -23,6 +24,16 @@ def bucket(d: float) -> int:
     if d <= 0.0:
         return ZERO
     return math.floor(_LOG2(d) * SUBDIV)
+
+
+def buckets(d: Any) -> Any:
+    """:func:`bucket` of every duration in a NumPy array, as an int64 array."""
+    import numpy as np
+
+    out = np.full(d.shape, ZERO, dtype=np.int64)
+    pos = d > 0.0
+    out[pos] = np.floor(np.log2(d[pos]) * SUBDIV)
+    return out
 
 
 def value(b: int) -> float:

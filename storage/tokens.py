@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import valid_name
 from storage import models as m
-from storage.ingest import ensure_tenant
+from storage.statements import statements
 
 # "ray": may only POST Ray exporter bodies (a token that rides in a URL: docs/ray.md).
 SCOPES = ("ingest", "read", "admin", "ray")
@@ -31,6 +31,12 @@ class Principal:
     tenant_id: int
     tenant: str
     scopes: frozenset[str]
+
+
+def ensure_tenant(db: Session, name: str, now: float) -> int:
+    """The id of tenant ``name``, created if new."""
+    st = statements(db.get_bind().dialect.name)
+    return st.tenant.id(db, {"name": name}, {"created_at": now})
 
 
 def hash_token(token: str) -> str:

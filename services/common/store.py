@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage.blobs import BlobStore, blob_store_for
 from storage.config import Settings
 from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.ingest import IdCache, ensure_tenant
-from storage.tokens import SCOPES, Principal, verify_token
+from storage.idcache import IdCache
+from storage.tokens import SCOPES, Principal, ensure_tenant, verify_token
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from services.dashboard import plots, why_plots
 from storage import activity, analysis, flame, profiles, queries, runcode, runfile
 from storage import models as m
 from storage.queries import BadCursor, RunFilters
+from storage.runfacts import display_name, makespan_column
 from storage.tokens import Principal
 
 bp = Blueprint(
@@ -138,7 +139,7 @@ def name_trends(tenant_id: int, names: set[str]) -> dict[str, list[tuple[str, fl
         return {}
     ranked = (
         select(
-            m.Run.name, m.Run.public_id, m.Run.started_at, (m.Run.task_stop - m.Run.task_start).label("makespan"),
+            m.Run.name, m.Run.public_id, m.Run.started_at, makespan_column().label("makespan"),
             func.row_number().over(partition_by=m.Run.name, order_by=m.Run.started_at.desc()).label("n"),
         )
         .where(m.Run.tenant_id == tenant_id, m.Run.name.in_(sorted(names)))
@@ -273,8 +274,8 @@ def compare_page() -> Any:
     streams, stream_data = plots.side_by_side(
         runfile.load_run(db(), store().blobs, a).tasks,
         runfile.load_run(db(), store().blobs, b).tasks,
-        a.name or a.run_key,
-        b.name or b.run_key,
+        display_name(a.name, a.run_key) or a.run_key,
+        display_name(b.name, b.run_key) or b.run_key,
     )
     diff = flame.diff(profiles.load(db(), store().blobs, a), profiles.load(db(), store().blobs, b))
     title = "Profile of B against A: widths are B's samples; red where B spends a larger share, blue smaller"

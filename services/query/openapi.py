@@ -129,7 +129,7 @@ PATHS = {
     ),
     "/v1/runs/{run_id}": _get(
         "One run: status, times, counts, seconds by action, workers used, fingerprint, "
-        "per-prefix rollups, completeness",
+        "per-prefix rollups, completeness, finished-run work (compacted copy: pending or done)",
         [_run_id],
         _run,
         _not_found,

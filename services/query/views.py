@@ -26,6 +26,7 @@ from services.common.params import (
 from services.common.web import ApiError, db, require, store
 from storage import activity, analysis, flame, profiles, queries, runcode, runfile
 from storage.queries import BadCursor, RunFilters
+from storage.runfacts import display_name
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,9 @@ def run_regressions(run_id: str) -> Any:
 def run_trace(run_id: str) -> Any:
     """Chrome trace-event JSON; open it in Perfetto (ui.perfetto.dev) or chrome://tracing."""
     run, _c, _s = _run_or_404(run_id)
-    trace = analysis.chrome_trace(_run_data(run), run.name or run.run_key)
+    trace = analysis.chrome_trace(
+        _run_data(run), display_name(run.name, run.run_key) or run.run_key
+    )
     return Response(
         msgspec.json.encode(trace),
         mimetype="application/json",

@@ -35,7 +35,7 @@ class FinishedRunStandIn:
         return runfile.load_run(self.db, self.blobs, self.run)
 
     def batches(self) -> Iterator[Any]:
-        from storage.ingest import decode_stored
+        from storage.batches import decode_stored
         from storage.runfile import METRIC_SLACK_S
 
         run = self.run

@@ -115,7 +115,7 @@ def test_another_tenants_partitions_are_never_read(stack, storage, make_token, l
     """Tenant B has the same cluster names and days; A's answers and plans never include
     B's files, B's files are spoiled and A's answers stand, and A cannot name B's files."""
     from storage import models as m
-    from storage.ingest import ensure_tenant
+    from storage.tokens import ensure_tenant
     from tests.conftest import new_tenant
 
     h = lake_app
@@ -224,7 +224,7 @@ def test_top_k_reads_only_the_files_that_can_hold_the_answer(stack, storage, mak
     import pyarrow as pa
 
     from storage import models as m
-    from storage.ingest import ensure_tenant
+    from storage.tokens import ensure_tenant
     from tests.conftest import new_tenant
 
     tenant = new_tenant()

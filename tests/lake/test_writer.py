@@ -158,7 +158,7 @@ def pa_table(cols: dict[str, list[Any]], schema: Any) -> Any:
 @pytest.fixture
 def partition(storage):
     """A partition of a fresh tenant's cluster for a day, ``T0``'s."""
-    from storage.ingest import ensure_tenant
+    from storage.tokens import ensure_tenant
     from tests.conftest import new_tenant
 
     tenant = new_tenant()

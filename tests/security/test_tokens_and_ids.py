@@ -16,9 +16,9 @@ from sqlalchemy import inspect, select, text
 
 from hindsight.schema import valid_name
 from storage import models as m
+from storage.batches import blob_key
 from storage.blobs import LocalBlobStore, open_blob_store
 from storage.db import make_engine, make_sessionmaker
-from storage.ingest import blob_key
 from storage.tokens import hash_token, verify_token
 from tests.helpers import auth, example, post
 from tests.query.test_runs import run_batch

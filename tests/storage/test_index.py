@@ -11,9 +11,11 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import Batch, RunEvent, StartStop, TaskEvent, WorkerEvent
 from storage import queries
+from storage.batches import blob_key
 from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.ingest import blob_key, ensure_tenant, index_batch
+from storage.ingest import index_batch
 from storage.queries import RunFilters
+from storage.tokens import ensure_tenant
 from tests.conftest import new_tenant
 
 NOW = 1_800_000_000.0
@@ -168,7 +170,7 @@ def test_cached_ids_from_a_rebuilt_index_never_misattribute_a_batch(index_url, t
     from sqlalchemy import select
 
     from storage import models as m
-    from storage.ingest import IdCache
+    from storage.idcache import IdCache
 
     cache = IdCache()
     first = make_engine(f"sqlite:///{tmp_path / 'old.db'}")

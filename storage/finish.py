@@ -1,0 +1,248 @@
+"""Finished-run work: what is done once per run after it has finished and settled.
+
+When a batch leaves a run finished or erred, ingest queues the run in ``finish_jobs``, due
+a few seconds later (``HINDSIGHT_FINISH_SETTLE_SECONDS``: workers' batches may still be on
+their way); every later batch that touches the run pushes the due time back. A worker
+thread in each collector process (and the embedded server) runs due jobs: it claims a
+job with a lease (``claimed_until``; Postgres ``SKIP LOCKED`` so processes never take the
+same job), calls the :data:`FINISHERS` in order, and deletes the job only if its due time
+did not move meanwhile; a batch that arrived during the work makes the run due again.
+A crashed worker's lease runs out and another process takes the job. ``reindex`` queues
+every finished run, so whatever finishers write is rebuilt with the index.
+
+Finishers are idempotent, may run in any process, and must not assume they run once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import and_, delete, literal, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from hindsight.schema import Batch
+from storage import models as m
+from storage.batches import decode_stored
+from storage.blobs import BlobStore
+from storage.statements import dialect_functions
+
+if TYPE_CHECKING:
+    from storage.runfile import RunData
+
+logger = logging.getLogger(__name__)
+
+#: ``module:function`` of each finisher, called in this order with a :class:`FinishedRun`.
+FINISHERS = (
+    "storage.rollups:finish",  # fold the run's appended histogram rows
+    "storage.runfile:finish",  # the compacted per-run copy
+    "storage.profiles:finish",  # the run's statistical profile, per prefix and worker
+)
+#: A claimed job is another process's to take after this long (a crashed worker).
+LEASE_SECONDS = 600.0
+#: A failed job is retried after this many seconds times its attempts so far.
+RETRY_SECONDS = 30.0
+POLL_SECONDS = 1.0
+#: Appended day and hour rows of every cluster are folded this often.
+FOLD_CLUSTERS_SECONDS = 60.0
+
+
+@dataclass
+class FinishedRun:
+    """A finished run, handed to each finisher. The caller owns the transaction."""
+
+    db: Session
+    blobs: BlobStore
+    run: m.Run
+    tenant: str
+    cluster: str
+    session: str
+    _data: RunData | None = field(default=None, repr=False)
+
+    def data(self) -> RunData:
+        """The run's Arrow tables (tasks, graph, metrics), read or built once, and written
+        as the run's compacted copy if it had none."""
+        if self._data is None:
+            from storage import runfile
+
+            self._data = runfile.load_run(self.db, self.blobs, self.run, cache=False)
+        return self._data
+
+    def batches(self) -> Iterator[Batch]:
+        """The decoded raw batches around the run: its own, and the session's batches
+        received near it (metrics and worker-side events carry no run)."""
+        from storage import runfile
+
+        for _, key, _mine in runfile.batch_keys(self.db, self.run):
+            yield decode_stored(self.blobs.get(key))
+
+
+def _finisher(name: str) -> Callable[[FinishedRun], None]:
+    module, func = name.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _claim(db: Session, now: float, limit: int) -> list[tuple[int, float]]:
+    F = m.FinishJob
+    due = (
+        select(F.run_id, F.due_at)
+        .where(F.due_at <= now, or_(F.claimed_until.is_(None), F.claimed_until < now))
+        .order_by(F.due_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    jobs = [(r, d) for r, d in db.execute(due)]
+    if jobs:
+        db.execute(
+            update(F)
+            .where(F.run_id.in_([r for r, _ in jobs]))
+            .values(claimed_until=now + LEASE_SECONDS, attempts=F.attempts + 1)
+        )
+    return jobs
+
+
+def finish_run(db: Session, blobs: BlobStore, run_id: int) -> list[str]:
+    """Run every finisher for one run, each in its own transaction; returns the errors."""
+    row = db.execute(
+        select(m.Run, m.Tenant.name, m.Cluster.name, m.Session.name)
+        .join(m.Tenant, m.Tenant.id == m.Run.tenant_id)
+        .join(m.Cluster, m.Cluster.id == m.Run.cluster_id)
+        .join(m.Session, m.Session.id == m.Run.session_id)
+        .where(m.Run.id == run_id)
+    ).first()
+    db.commit()
+    if row is None:
+        return []
+    fr = FinishedRun(db, blobs, *row)
+    errors = []
+    for name in FINISHERS:
+        try:
+            _finisher(name)(fr)
+            db.commit()
+        except Exception as exc:  # one finisher's failure must not stop the others
+            db.rollback()
+            logger.exception("finisher %s failed for run %s", name, fr.run.public_id)
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    return errors
+
+
+def run_due(
+    sessions: sessionmaker[Session], blobs: BlobStore, *, now: float | None = None, limit: int = 8
+) -> int:
+    """Run the finishers of up to ``limit`` due jobs; returns how many were done."""
+    F = m.FinishJob
+    now = time.time() if now is None else now
+    with sessions.begin() as db:
+        jobs = _claim(db, now, limit)
+    done = 0
+    for run_id, due_at in jobs:
+        with sessions() as db:
+            errors = finish_run(db, blobs, run_id)
+            same = and_(F.run_id == run_id, F.due_at == due_at)
+            if errors:
+                attempts = db.execute(select(F.attempts).where(F.run_id == run_id)).scalar() or 1
+                db.execute(
+                    update(F)
+                    .where(same)
+                    .values(
+                        due_at=time.time() + RETRY_SECONDS * attempts,
+                        claimed_until=None,
+                        error="; ".join(errors)[:4000],
+                    )
+                )
+            else:
+                db.execute(delete(F).where(same))
+                db.execute(update(F).where(F.run_id == run_id).values(claimed_until=None))
+                db.execute(
+                    update(m.Run).where(m.Run.id == run_id).values(finished_work_at=time.time())
+                )
+                done += 1
+            db.commit()
+    return done
+
+
+def fold_clusters(sessions: sessionmaker[Session]) -> int:
+    """Fold the appended day and hour rows of every cluster that has some."""
+    from storage import rollups
+
+    with sessions() as db:
+        clusters = rollups.clusters_to_fold(db)
+    folded = 0
+    for cluster_id in clusters:
+        with sessions.begin() as db:
+            folded += rollups.fold_cluster(db, cluster_id)
+    return folded
+
+
+def queue_finished(db: Session) -> None:
+    """Queue the finished-run work of every finished run, due now."""
+    insert, _, _ = dialect_functions(db.get_bind().dialect.name)
+    F = m.FinishJob.__table__
+    db.execute(
+        insert(F)
+        .from_select(
+            ["run_id", "due_at", "attempts"],
+            select(m.Run.id, literal(0.0), literal(0)).where(m.Run.status != "running"),
+        )
+        .on_conflict_do_nothing(index_elements=["run_id"])
+    )
+
+
+def drain(sessions: sessionmaker[Session], blobs: BlobStore) -> int:
+    """Run every queued job now, whatever its due time (``reindex``, tests, operators)."""
+    total = 0
+    while True:
+        n = run_due(sessions, blobs, now=float("inf"), limit=64)
+        if n == 0:
+            break
+        total += n
+    fold_clusters(sessions)
+    return total
+
+
+class FinishWorker:
+    """One daemon thread per process running due jobs for every open store in it."""
+
+    _instance: FinishWorker | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._targets: weakref.WeakKeyDictionary[Any, tuple[sessionmaker[Session], BlobStore]]
+        self._targets = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hindsight-finish", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def register(cls, owner: Any, sessions: sessionmaker[Session], blobs: BlobStore) -> None:
+        """Run ``owner``'s due jobs in this process's worker thread while ``owner`` lives."""
+        with cls._instance_lock:
+            if cls._instance is None or not cls._instance._thread.is_alive():
+                cls._instance = cls()
+            worker = cls._instance
+        with worker._lock:
+            worker._targets[owner] = (sessions, blobs)
+
+    def _loop(self) -> None:
+        last_fold = time.monotonic()
+        while not self._stop.wait(POLL_SECONDS):
+            with self._lock:
+                targets = list(self._targets.values())
+            fold = time.monotonic() - last_fold > FOLD_CLUSTERS_SECONDS
+            for sessions, blobs in targets:
+                try:
+                    while run_due(sessions, blobs) > 0:
+                        pass
+                    if fold:
+                        fold_clusters(sessions)
+                except Exception:  # the index is down, say: log, and try again later
+                    logger.warning("finished-run work failed; will retry", exc_info=True)
+            if fold:
+                last_fold = time.monotonic()

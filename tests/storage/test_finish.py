@@ -1,0 +1,231 @@
+"""Finished-run work: queued when a run finishes, done once it settles (by the collector
+itself), done again after a late batch, retried after a failure; folding the appended
+rollup rows changes no answer and counts every row once. On both stacks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from storage import finish, rollups
+from storage import models as m
+from tests.conftest import new_tenant
+from tests.helpers import auth, post
+from tests.query.test_runs import T0, run_batch
+
+
+@pytest.fixture
+def apps(stack):
+    from collector.app import create_app as collector_app
+    from services.query.app import create_app as query_app
+
+    config = {**stack, "finish_worker": False, "finish_settle_seconds": 0}
+    collector = collector_app(config)
+    return collector.test_client(), query_app(config).test_client(), collector
+
+
+def store_of(app: Any) -> Any:
+    return app.extensions["hindsight"]
+
+
+def detail(query: Any, token: str, run_id: str) -> dict[str, Any]:
+    resp = query.get(f"/v1/runs/{run_id}", headers=auth(token))
+    assert resp.status_code == 200, resp.json
+    return resp.json
+
+
+def compacted(app: Any, run_id: str) -> list[str]:
+    return sorted(k for k in store_of(app).blobs.list("compact/") if f"/{run_id}/" in k)
+
+
+def appended_rows(app: Any, tenant: str) -> int:
+    """The tenant's rollup rows not folded yet (tests share one Postgres database)."""
+    with store_of(app).sessions() as db:
+        clusters = select(m.Cluster.id).join(m.Tenant).where(m.Tenant.name == tenant)
+        runs = select(m.Run.id).where(m.Run.cluster_id.in_(clusters))
+        return sum(
+            db.execute(
+                select(func.count()).select_from(t).where(t.batch_id != 0, where)
+            ).scalar_one()
+            for t, where in (
+                (m.RunPrefixHist, m.RunPrefixHist.run_id.in_(runs)),
+                (m.PrefixDay, m.PrefixDay.cluster_id.in_(clusters)),
+                (m.ClusterHour, m.ClusterHour.cluster_id.in_(clusters)),
+            )
+        )
+
+
+def job_of(app: Any, run_id: str) -> m.FinishJob | None:
+    with store_of(app).sessions() as db:
+        return db.execute(
+            select(m.FinishJob).join(m.Run).where(m.Run.public_id == run_id)
+        ).scalar_one_or_none()
+
+
+def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token):
+    collector, query, app = apps
+    token = make_token()
+    assert post(collector, run_batch("c", "s", "r", 0, n_tasks=5), token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    assert detail(query, token, run["id"])["finished_work"] == {"pending": True, "done_at": None}
+    assert compacted(app, run["id"]) == []
+
+    st = store_of(app)
+    assert finish.run_due(st.sessions, st.blobs) >= 1
+    work = detail(query, token, run["id"])["finished_work"]
+    assert work["pending"] is False and work["done_at"] is not None
+    assert [k.rsplit("/", 1)[1] for k in compacted(app, run["id"])] == [
+        "graph.parquet",
+        "metrics.parquet",
+        "tasks.parquet",
+    ]
+    assert job_of(app, run["id"]) is None  # nothing left to do
+
+
+def test_a_late_batch_finishes_the_run_again(apps, make_token):
+    collector, query, app = apps
+    token = make_token()
+    st = store_of(app)
+    assert post(collector, run_batch("c", "s", "r", 0, n_tasks=5), token=token).status_code == 202
+    finish.drain(st.sessions, st.blobs)
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    first = compacted(app, run["id"])
+
+    late = run_batch("c", "s", "r", 1, n_tasks=4, status=None)
+    assert post(collector, late, token=token).status_code == 202
+    assert detail(query, token, run["id"])["finished_work"]["pending"] is True
+    finish.drain(st.sessions, st.blobs)
+    again = compacted(app, run["id"])
+    assert len(again) == 2 * len(first) and set(first) < set(again)  # a copy of the new data
+    assert query.get(f"/v1/runs/{run['id']}/tasks", headers=auth(token)).json["total"] == 9
+
+
+def _failing(fr: finish.FinishedRun) -> None:
+    raise RuntimeError("disk on fire")
+
+
+def test_a_failing_finisher_is_retried_and_does_not_stop_the_others(apps, make_token, monkeypatch):
+    collector, query, app = apps
+    token = make_token()
+    st = store_of(app)
+    monkeypatch.setattr(finish, "FINISHERS", (f"{__name__}:_failing", *finish.FINISHERS))
+    assert post(collector, run_batch("c", "s", "r", 0), token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    before = time.time()
+    finish.run_due(st.sessions, st.blobs, limit=1000)
+    assert len(compacted(app, run["id"])) == 3  # the finishers after the failing one ran
+    job = job_of(app, run["id"])
+    assert "disk on fire" in job.error and job.due_at >= before + finish.RETRY_SECONDS
+    assert detail(query, token, run["id"])["finished_work"]["pending"] is True
+
+    monkeypatch.setattr(finish, "FINISHERS", finish.FINISHERS[1:])
+    finish.run_due(st.sessions, st.blobs, now=job.due_at, limit=1000)
+    assert detail(query, token, run["id"])["finished_work"]["pending"] is False
+
+
+ANSWERS = (
+    "/v1/runs/{a}",
+    "/v1/runs/{a}/summary",
+    "/v1/runs/{b}/summary",
+    "/v1/compare?a={a}&b={b}",
+    "/v1/history/clusters?bucket=hour",
+    "/v1/history/clusters?bucket=day",
+    "/v1/history/prefixes?prefix=inc&bucket=day",
+    "/v1/history/prefixes?prefix=inc&bucket=hour",
+)
+
+
+def test_folding_the_appended_rows_changes_no_answer(apps, make_token):
+    collector, query, app = apps
+    tenant = new_tenant()
+    token = make_token(tenant)
+    st = store_of(app)
+    seqs = iter(range(100))
+    for run, start in (("a", T0), ("b", T0 + 86_000)):  # b's tasks cross a day boundary
+        for part in range(3):
+            body = run_batch(
+                "c",
+                "s",
+                run,
+                part,
+                n_tasks=40,
+                t=start + 900 * part,
+                status="finished" if part == 2 else None,
+            )
+            body["seq"] = next(seqs)
+            assert post(collector, body, token=token).status_code == 202
+    runs = {r["name"]: r["id"] for r in query.get("/v1/runs", headers=auth(token)).json["runs"]}
+    urls = [u.format(a=runs["job-a"], b=runs["job-b"]) for u in ANSWERS]
+
+    def answers() -> list[Any]:
+        out = [query.get(u, headers=auth(token)) for u in urls]
+        assert all(r.status_code == 200 for r in out), [
+            (u, r.json) for u, r in zip(urls, out, strict=True)
+        ]
+        return [r.json for r in out]
+
+    before = answers()
+    assert appended_rows(app, tenant) > 0
+    finish.drain(st.sessions, st.blobs)
+    assert appended_rows(app, tenant) == 0
+    after = answers()
+    for url, b, a in zip(urls, before, after, strict=True):
+        if url.startswith(f"/v1/runs/{runs['job-a']}") and "summary" not in url:
+            a.pop("finished_work"), b.pop("finished_work")
+        assert a == b, url
+
+
+@pytest.mark.parametrize("stack", ["full"], indirect=True)
+def test_concurrent_folds_count_every_row_once(apps, make_token):
+    collector, query, app = apps
+    tenant = new_tenant()
+    token = make_token(tenant)
+    st = store_of(app)
+    for seq in range(6):
+        body = run_batch("c", "s", "r", seq, n_tasks=30, t=T0 + 600 * seq, status=None)
+        assert post(collector, body, token=token).status_code == 202
+    hist = "/v1/history/clusters?bucket=hour"
+    want = query.get(hist, headers=auth(token)).json
+    with st.sessions() as db:
+        run_id, cluster_id = db.execute(
+            select(m.Run.id, m.Run.cluster_id).join(m.Tenant).where(m.Tenant.name == tenant)
+        ).one()
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def fold() -> None:
+        try:
+            start.wait(timeout=30)
+            with st.sessions.begin() as db:
+                rollups.fold_cluster(db, cluster_id)
+                rollups.fold_run(db, run_id)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fold) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert appended_rows(app, tenant) == 0
+    assert query.get(hist, headers=auth(token)).json == want
+
+
+def test_the_collector_does_the_work_by_itself(stack, make_token):
+    from collector.app import create_app as collector_app
+    from services.query.app import create_app as query_app
+
+    config = {**stack, "finish_worker": True, "finish_settle_seconds": 0}
+    collector, query = collector_app(config).test_client(), query_app(config).test_client()
+    token = make_token()
+    assert post(collector, run_batch("c", "s", "r", 0), token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    deadline = time.monotonic() + 60
+    while detail(query, token, run["id"])["finished_work"]["done_at"] is None:
+        assert time.monotonic() < deadline, "the collector's finish worker did not run"
+        time.sleep(0.05)
