@@ -11,7 +11,7 @@ import zlib
 
 import zstandard
 
-from services.common.web import ApiError
+from services.common.errors import ApiError
 
 ENCODINGS = ("zstd", "gzip", "identity")
 _CHUNK = 1 << 20

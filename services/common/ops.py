@@ -30,6 +30,8 @@ from prometheus_client import (
 )
 from prometheus_client import multiprocess as prom_multiprocess
 
+from services.common.errors import error_response, unavailable
+
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("hindsight.access")
 
@@ -167,8 +169,6 @@ _EXEMPT = ("/healthz", "/readyz", "/metrics")
 
 def install(app: Flask, service: str) -> None:
     """Metrics, access log and admission control around every request of ``app``."""
-    from services.common.web import error_response, unavailable
-
     settings = app.config["SETTINGS"]
     admission = Admission(settings.max_in_flight, settings.max_in_flight_bytes)
     app.extensions["hindsight.admission"] = admission

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from flask import request
 
 from hindsight.schema import valid_name
-from services.common.web import ApiError
+from services.common.errors import ApiError
 
 MAX_PARAM = 256
 

@@ -7,47 +7,19 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from flask import Blueprint, Flask, current_app, g, jsonify, request
+from flask import Blueprint, Flask, current_app, g, request
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 from werkzeug.exceptions import HTTPException
 
 from services.common import ops
+from services.common.errors import ApiError, error_response, unavailable
 from services.common.store import Store
 from storage.config import Settings, load_settings
 from storage.tokens import Principal
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {"code", "message"}}`` with ``status``."""
-
-    def __init__(
-        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.headers = headers or {}
-
-
-def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
-) -> Any:
-    resp = jsonify({"error": {"code": code, "message": message}})
-    resp.status_code = status
-    for k, v in (headers or {}).items():
-        resp.headers[k] = v
-    return resp
-
-
-def unavailable(message: str) -> ApiError:
-    """503 with Retry-After: the caller should come back later."""
-    retry = str(current_app.config["SETTINGS"].retry_after)
-    return ApiError(503, "unavailable", message, {"Retry-After": retry})
 
 
 def _register_errors(app: Flask) -> None:

@@ -1,0 +1,273 @@
+"""The server's admin commands of ``hindsight``: serve, db, tokens, reindex, retention.
+
+They live with the server, not in the SDK (``hindsight/``, installed into every Dask
+worker): ``hindsight.cli`` finds them through the ``hindsight.commands`` entry points
+declared in pyproject.toml and loads one only when it is run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import ipaddress
+import os
+import socket
+import sys
+from collections.abc import Iterator
+
+import click
+from sqlalchemy import Engine, func, select
+
+from hindsight.schema import valid_name
+from storage import finish
+from storage.blobs import blob_store_for
+from storage.config import ConfigError, Settings, load_settings
+from storage.db import current_revision, make_engine, make_sessionmaker
+from storage.db import upgrade as do_upgrade
+from storage.models import Token
+from storage.reindex import reindex as do_reindex
+from storage.retention import apply
+from storage.tokens import create_token
+
+
+def _settings(**overrides: object) -> Settings:
+    try:
+        return load_settings({k: v for k, v in overrides.items() if v is not None})
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _index(
+    data_dir: str | None, *, upgrade: bool | None = True
+) -> Iterator[tuple[Settings, Engine]]:
+    """(settings, engine) for a command, the index migrated to head first (``upgrade=None``:
+    as ``HINDSIGHT_AUTO_UPGRADE`` says)."""
+    settings = _settings(data_dir=data_dir)
+    engine = make_engine(settings.database_url)
+    try:
+        if upgrade or (upgrade is None and settings.auto_upgrade):
+            do_upgrade(engine)
+        yield settings, engine
+    finally:
+        engine.dispose()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+@click.command()
+@click.option(
+    "--data-dir", type=click.Path(file_okay=False), help="Where the SQLite index and blobs live."
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8700, show_default=True, type=int)
+def serve(data_dir: str | None, host: str, port: int) -> None:
+    """Run collector and query service in one process (embedded mode)."""
+    # The web stack is loaded only to serve, not for every admin command.
+    from werkzeug.serving import make_server
+
+    from services.embedded import create_app
+
+    loopback = _is_loopback(host)
+    auth = os.environ.get("HINDSIGHT_AUTH") or ("disabled" if loopback else "required")
+    if not loopback and auth != "required":
+        raise click.ClickException(
+            f"refusing to serve on {host} without auth: unset HINDSIGHT_AUTH=disabled"
+        )
+    settings = _settings(data_dir=data_dir, auth=auth)
+    app = create_app(settings=settings)
+    if auth == "required":
+        engine = make_engine(settings.database_url)
+        with engine.connect() as conn:
+            tokens = conn.execute(select(func.count()).select_from(Token)).scalar_one()
+        engine.dispose()
+        if not tokens and not loopback:
+            raise click.ClickException(
+                f"refusing to serve on {host}: no tokens exist. Create one first:\n"
+                f"  hindsight tokens create --tenant NAME --scopes ingest,read"
+                + (f" --data-dir {data_dir}" if data_dir else "")
+            )
+    server = make_server(host, port, app, threaded=True)
+    gc.collect()
+    gc.freeze()  # long-lived start-up objects out of the collector's reach (services/gunicorn_conf.py)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{server.port}"
+    click.echo(f"Hindsight embedded server (collector + query) on {url}")
+    click.echo(f"  data:       {settings.data_dir}")
+    click.echo(f"  index:      {settings.database_url}")
+    click.echo(f"  blob store: {settings.blob_url}")
+    click.echo(f"  collector:  {url}/v1/batches   (point workers here: HINDSIGHT_URL={url})")
+    click.echo(f"  runs:       {url}/v1/runs")
+    click.echo(f"  API:        {url}/v1/openapi.json")
+    if auth == "disabled":
+        click.echo("  auth:       DISABLED (loopback only; every request acts as tenant 'default')")
+    else:
+        click.echo("  auth:       bearer tokens required (hindsight tokens create ...)")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@click.group()
+def db() -> None:
+    """Index database commands."""
+
+
+@db.command()
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def upgrade(data_dir: str | None) -> None:
+    """Apply the index migrations (services also do this on start)."""
+    with _index(data_dir) as (_, engine):
+        click.echo(f"index at revision {current_revision(engine)}")
+
+
+@click.group()
+def tokens() -> None:
+    """API token commands."""
+
+
+@tokens.command("create")
+@click.option("--tenant", required=True)
+@click.option(
+    "--scopes",
+    default=None,
+    help="Comma-separated: ingest, read, admin, ray.  [default: ingest,read; ray with --for ray]",
+)
+@click.option(
+    "--for",
+    "for_",
+    type=click.Choice(["ray"]),
+    default=None,
+    help="ray: a token for Ray's event exporter (scope ray only); prints the export URL.",
+)
+@click.option(
+    "--url",
+    default="http://127.0.0.1:8700",
+    show_default=True,
+    help="With --for ray: the collector's URL as Ray's nodes reach it.",
+)
+@click.option(
+    "--cluster",
+    default="ray",
+    show_default=True,
+    help="With --for ray: the cluster name the runs are filed under.",
+)
+@click.option("--name", default=None, help="A label to recognise the token by.")
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def tokens_create(
+    tenant: str,
+    scopes: str | None,
+    for_: str | None,
+    url: str,
+    cluster: str,
+    name: str | None,
+    data_dir: str | None,
+) -> None:
+    """Create a token and print it (it is stored hashed and cannot be shown again). With
+    ``--for ray``, print the URL to give Ray's event exporter instead (docs/ray.md)."""
+    if for_ == "ray" and scopes not in (None, "ray"):
+        raise click.UsageError("--for ray makes a token with the ray scope only")
+    if for_ == "ray" and not valid_name(cluster):
+        raise click.UsageError(f"invalid cluster name {cluster!r}")
+    scopes = scopes or ("ray" if for_ == "ray" else "ingest,read")
+    with _index(data_dir, upgrade=None) as (_, engine):
+        try:
+            with make_sessionmaker(engine).begin() as session:
+                token = create_token(session, tenant, scopes, name)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+    if for_ == "ray":
+        click.echo(f"{url.rstrip('/')}/v1/ray/events?cluster={cluster}&token={token}")
+    else:
+        click.echo(token)
+
+
+@click.command()
+@click.option("--data-dir", type=click.Path(file_okay=False))
+@click.option(
+    "--skip-finish",
+    is_flag=True,
+    help="Only index; leave finished-run work (compacted copies...) to the collectors.",
+)
+def reindex(data_dir: str | None, skip_finish: bool) -> None:
+    """Rebuild the index from the blob store (idempotent; safe on a live index), then the
+    finished-run work of every finished run (compacted copies and the like)."""
+    with _index(data_dir) as (settings, engine):
+        blobs = blob_store_for(settings)
+        click.echo(f"listing {settings.blob_url} ...", err=True)
+        total = sum(1 for _ in blobs.list("v1/"))
+        with click.progressbar(length=total, label="reindexing", file=sys.stderr) as bar:
+            sessions = make_sessionmaker(engine)
+            counts = do_reindex(blobs, sessions, on_progress=bar.update)
+        click.echo(
+            f"{counts['blobs']} blobs: {counts['indexed']} indexed, {counts['already']} already "
+            f"indexed, {counts['skipped']} skipped"
+        )
+        if counts.get("ray_bodies"):
+            click.echo(
+                f"{counts['ray_bodies']} Ray exporter bodies: {counts['ray_merged']} merged, "
+                f"{counts['ray_already']} already merged, {counts['ray_skipped']} skipped"
+            )
+        if not skip_finish:
+            click.echo("finishing finished runs ...", err=True)
+            click.echo(f"{finish.drain(sessions, blobs)} finished runs done")
+
+
+@click.group()
+def retention() -> None:
+    """Retention: remove old history (blobs and index rows) per tenant."""
+
+
+@retention.command("apply")
+@click.option("--tenant", required=True)
+@click.option(
+    "--max-age-days",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Remove sessions nothing arrived for in this many days.",
+)
+@click.option(
+    "--max-runs",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Keep the sessions of the tenant's newest N runs; remove the others.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; change nothing.")
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def retention_apply(
+    tenant: str,
+    max_age_days: float | None,
+    max_runs: int | None,
+    dry_run: bool,
+    data_dir: str | None,
+) -> None:
+    """Remove a tenant's sessions past retention: blobs first, then index rows (a crash in
+    between is finished by the next run; reindex cannot resurrect what is removed)."""  # fmt: skip
+    if max_age_days is None and max_runs is None:
+        raise click.UsageError("give --max-age-days, --max-runs, or both")
+    with _index(data_dir) as (settings, engine):
+        done = apply(
+            blob_store_for(settings),
+            make_sessionmaker(engine),
+            tenant,
+            max_age=None if max_age_days is None else max_age_days * 86400,
+            max_runs=max_runs,
+            dry_run=dry_run,
+        )
+    verb = "would remove" if dry_run else "removed"
+    for s in done.sessions:
+        click.echo(f"  {s.prefix.rstrip('/')}: {s.runs} runs, {s.batches} batches, {s.bytes} bytes")
+    click.echo(
+        f"{verb} {len(done.sessions)} sessions of tenant {tenant!r}: {done.runs} runs, "
+        f"{done.batches} batches, {done.bytes} bytes"
+        + ("" if dry_run else f" ({done.blobs_deleted} blobs deleted)")
+    )
