@@ -64,6 +64,12 @@ def s3_url(moto_endpoint: str) -> str:
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     """A fresh Postgres database for this test run, migrated to head."""
+    yield from fresh_pg_database()
+
+
+def fresh_pg_database() -> Iterator[str]:
+    """Create a Postgres database migrated to head, yield its URL, drop it (skip the test
+    if the server cannot be reached)."""
     global _pg_skip_reason
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
@@ -128,6 +134,9 @@ def stack(request: pytest.FixtureRequest, tmp_path: Any, moto_endpoint: str) -> 
         "blob_url": blob_url,
         "s3_endpoint_url": moto_endpoint,
         "auth": "required",
+        # Tests share one Postgres database (isolated by tenant) but not one bucket: a
+        # finish thread would take other tests' jobs. Tests of finished-run work turn it on.
+        "finish_worker": False,
     }
 
 

@@ -168,7 +168,7 @@ def test_no_rejected_request_writes_anything(tmp_path):
     from collector.app import create_app
     from services.query.app import create_app as query_app
 
-    cfg = {"data_dir": str(tmp_path), "auth": "disabled"}
+    cfg = {"data_dir": str(tmp_path), "auth": "disabled", "finish_worker": False}
     client = create_app(cfg).test_client()
     seen: dict[int, int] = {}
 

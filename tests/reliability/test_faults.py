@@ -32,6 +32,7 @@ def in_process_collector(serve: Any, **settings: Any) -> str:
     from collector.app import create_app
 
     return serve(create_app({"auth": "required", "retry_after": 1, "access_log": False,
+                             "finish_worker": False,
                              **settings}))  # fmt: skip
 
 
