@@ -41,6 +41,7 @@ from typing import Any
 
 import msgspec
 
+from hindsight.agent.kinds import UNKNOWN_KIND, decompress, kind_of
 from hindsight.agent.spool import SUFFIX, Spool, SpooledBatch
 from hindsight.agent.transport import Transport, retry_delay
 from hindsight.config import Settings
@@ -253,22 +254,18 @@ class Delivery:
 
 
 def _unknown_later_kind(message: str) -> str | None:
-    from hindsight.agent.core import _UNKNOWN_KIND  # core imports this module
-
-    match = _UNKNOWN_KIND.search(message or "")
+    match = UNKNOWN_KIND.search(message or "")
     return match.group(1) if match and match.group(1) in LATER_KINDS else None
 
 
 def _without(batch: SpooledBatch, kinds: set[str], before: int) -> tuple[SpooledBatch, int] | None:
     """``batch`` re-encoded without events of ``kinds``, same identity and ``seq``; the drop
     count stays cumulative (``before`` were left out of earlier batches)."""
-    from hindsight.agent.core import _decompress, _kind
-
     try:
-        decoded = decode_batch(_decompress(batch.body, batch.encoding))
+        decoded = decode_batch(decompress(batch.body, batch.encoding))
     except Exception:
         return None
-    kept = [e for e in decoded.events if _kind(e) not in kinds]
+    kept = [e for e in decoded.events if kind_of(e) not in kinds]
     removed = len(decoded.events) - len(kept)
     dropped = dict(decoded.dropped)
     dropped["unsupported_kind"] = dropped.get("unsupported_kind", 0) + before + removed

@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ import msgspec
 
 from hindsight.agent.adopt import Adoption, DirLock, agent_meta, create_owned
 from hindsight.agent.buffer import EventBuffer, Item
+from hindsight.agent.kinds import UNKNOWN_KIND, decompress, kind_of
 from hindsight.agent.spool import Spool, SpooledBatch
 from hindsight.agent.transport import Outcome, Transport, retry_delay
 from hindsight.config import Settings
@@ -42,13 +42,6 @@ WARN_EVERY = 60.0
 
 _encoder = msgspec.json.Encoder()
 # How a collector that predates an event kind names it in its 400 answer.
-_UNKNOWN_KIND = re.compile(r"Invalid value '([^']+)' - at `\$\.events\[\d+\]\.kind`")
-
-
-def _kind(event: Any) -> Any:
-    return type(event).__struct_config__.tag
-
-
 _agents: weakref.WeakSet[Agent] = weakref.WeakSet()
 
 
@@ -418,7 +411,7 @@ class Agent:
             )
 
     def _without_unsupported(self, events: list[Any]) -> list[Any]:
-        kept = [e for e in events if _kind(e) not in self._unsupported]
+        kept = [e for e in events if kind_of(e) not in self._unsupported]
         if len(kept) < len(events):
             self._dropped["unsupported_kind"] += len(events) - len(kept)
         return kept
@@ -428,7 +421,7 @@ class Agent:
     ) -> bool:
         """An older collector refused a kind added to the protocol later: send the batch
         again, same ``seq``, without events of that kind, and stop sending it."""
-        match = _UNKNOWN_KIND.search(message or "")
+        match = UNKNOWN_KIND.search(message or "")
         if match is None or match.group(1) not in LATER_KINDS:
             return False
         kind = match.group(1)
@@ -442,7 +435,7 @@ class Agent:
             kind,
         )
         try:
-            decoded = decode_batch(_decompress(batch.body, batch.encoding))
+            decoded = decode_batch(decompress(batch.body, batch.encoding))
         except Exception:
             return False
         events = self._without_unsupported(decoded.events)
@@ -477,7 +470,7 @@ class Agent:
     def _split(self, batch: SpooledBatch, spooled: bool) -> None:
         """Re-send a batch the collector found too large as two halves."""
         try:
-            decoded = decode_batch(_decompress(batch.body, batch.encoding))
+            decoded = decode_batch(decompress(batch.body, batch.encoding))
         except Exception:
             self._dropped["too_large"] += batch.events
             logger.warning("hindsight: cannot split batch %s/%s", self.name, batch.seq)
@@ -521,18 +514,6 @@ class Agent:
             logger.warning(msg, *args)
         else:
             logger.debug(msg, *args)
-
-
-def _decompress(body: bytes, encoding: str) -> bytes:
-    if encoding == "zstd":
-        import zstandard
-
-        return zstandard.ZstdDecompressor().decompressobj().decompress(body)
-    if encoding == "gzip":
-        import gzip
-
-        return gzip.decompress(body)
-    return body
 
 
 def _reinit_after_fork() -> None:
