@@ -43,6 +43,7 @@ FINISHERS = (
     "storage.rollups:finish",  # fold the run's appended histogram rows
     "storage.runfile:finish",  # the compacted per-run copy
     "storage.profiles:finish",  # the run's statistical profile, per prefix and worker
+    "storage.lake:finish",  # the run's rows in the history lake (docs/lake.md)
 )
 #: A claimed job is another process's to take after this long (a crashed worker).
 LEASE_SECONDS = 600.0

@@ -38,7 +38,8 @@ from tests.dask.test_faults import CLUSTER_KW, run_map
 
 TASKS = 500
 #: Differ by arrival time alone: when the index first and last heard of the run.
-ARRIVAL_FIELDS = ("first_seen", "last_seen")
+# when the server saw and finished it, not facts of the run
+ARRIVAL_FIELDS = ("first_seen", "last_seen", "finished_work")
 
 
 class SpoolMirror:
