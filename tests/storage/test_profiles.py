@@ -144,7 +144,7 @@ def test_stored_trees_share_frames_and_merge_across_runs(index_url):
 
     from storage import models as m
     from storage.db import make_engine, make_sessionmaker, upgrade
-    from storage.ingest import ensure_tenant
+    from storage.tokens import ensure_tenant
     from storage.profiles import Row, across_runs, decode, store
     from tests.conftest import new_tenant
 
