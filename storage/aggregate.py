@@ -22,6 +22,7 @@ from hindsight.schema import (
     Batch,
     CodeEvent,
     GraphEvent,
+    ProfileEvent,
     RunEvent,
     SessionEvent,
     TaskEvent,
@@ -120,6 +121,9 @@ class BatchAggregate:
     session: SessionEvent | None = None
     # Dask's fine performance metrics and the submitting code (``storage.perf_index``)
     perf: list[ActivityEvent | CodeEvent] = field(default_factory=list)
+    # the earliest and latest event time in the batch (None: no timed event)
+    t_min: float | None = None
+    t_max: float | None = None
 
 
 def _segments(*keys: Any) -> tuple[Any, Any]:
@@ -220,11 +224,19 @@ def aggregate(batch: Batch) -> BatchAggregate:
     out = BatchAggregate()
     runs = out.runs
     tasks: list[TaskEvent] = []
+    times: list[float] = []
     for ev in batch.events:
         t = type(ev)
         if t is TaskEvent:
             tasks.append(ev)
-        elif t is GraphEvent:
+            continue
+        if t is ProfileEvent:
+            times += (ev.start, ev.stop)
+        elif t is not GraphEvent:
+            time = getattr(ev, "time", None)
+            if time is not None:
+                times.append(time)
+        if t is GraphEvent:
             rs = runs.get(ev.run or DEFAULT_RUN)
             if rs is None:
                 rs = runs[ev.run or DEFAULT_RUN] = RunAggregate()
@@ -242,8 +254,14 @@ def aggregate(batch: Batch) -> BatchAggregate:
             out.perf.append(ev)
             if ev.run not in runs:
                 runs[ev.run] = RunAggregate()
+    if times:
+        out.t_min, out.t_max = min(times), max(times)
     if tasks:
         c = _columns(tasks)
+        if len(c.start):
+            lo, hi = float(c.start.min()), float((c.start + c.d).max())
+            out.t_min = lo if out.t_min is None else min(out.t_min, lo)
+            out.t_max = hi if out.t_max is None else max(out.t_max, hi)
         for rk in c.run_names:
             if rk not in runs:
                 runs[rk] = RunAggregate()

@@ -63,7 +63,8 @@ def index_batch(
     batch identity was already indexed. The caller owns the transaction. A run this batch
     leaves finished or erred gets its finished-run work queued, due ``settle`` seconds on."""
     st = statements(db.get_bind().dialect.name)
-    ids = _manifest(db, st, tenant_id, batch, blob_key, size, now, cache)
+    agg = agg or aggregate(batch)
+    ids = _manifest(db, st, tenant_id, batch, agg, blob_key, size, now, cache)
     if ids is None:
         return False
     if cache is None or cache.due("clusters", ids.cluster, now):
@@ -81,7 +82,6 @@ def index_batch(
             "p_dropped": dict(batch.dropped) if batch.dropped else None,
         },
     )
-    agg = agg or aggregate(batch)
     run_ids: dict[str, int] = {}
     ended: list[int] = []
     for run_key in sorted(agg.runs):
@@ -128,6 +128,7 @@ def _manifest(
     st: Statements,
     tenant_id: int,
     batch: Batch,
+    agg: BatchAggregate,
     blob_key: str,
     size: int,
     now: float,
@@ -140,6 +141,8 @@ def _manifest(
         "events": len(batch.events),
         "bytes": size,
         "received_at": now,
+        "t_min": agg.t_min,
+        "t_max": agg.t_max,
     }
     key = (tenant_id, batch.cluster, batch.session, batch.agent)
     cached = cache.get(key) if cache else None

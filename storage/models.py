@@ -115,6 +115,11 @@ class Batch(Base):
     events: Mapped[int] = mapped_column(Integer)
     bytes: Mapped[int] = mapped_column(BigInteger)
     received_at: Mapped[float] = mapped_column(Float)
+    # The earliest and latest event time the batch holds (None: no timed event), so the
+    # batches of a session around a run are found by what they describe, not by when they
+    # arrived (a reindex receives everything again).
+    t_min: Mapped[float | None] = mapped_column(Float)
+    t_max: Mapped[float | None] = mapped_column(Float)
 
 
 class Run(Base):

@@ -427,18 +427,10 @@ def rows(built: RunProfiles) -> list[Row]:
 
 def _worker_batches(db: Session, run: m.Run) -> list[tuple[int, str]]:
     """(id, blob key) of the session's worker batches received in the run's window."""
-    return list(
-        db.execute(
-            select(m.Batch.id, m.Batch.blob_key)
-            .join(m.Agent, m.Agent.id == m.Batch.agent_id)
-            .where(
-                m.Agent.session_id == run.session_id,
-                m.Agent.name.like("worker-%"),
-                m.Batch.received_at >= run.first_seen - WINDOW_SLACK_S,
-                m.Batch.received_at <= run.last_seen + WINDOW_SLACK_S,
-            )
-            .order_by(m.Batch.id)
-        )
+    from storage import runfile
+
+    return runfile.session_batches_around(
+        db, run, WINDOW_SLACK_S, agents=m.Agent.name.like("worker-%")
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from hindsight.schema import GraphEvent, MetricEvent, TaskEvent
@@ -96,6 +96,37 @@ def compact_prefix(db: Session, run: m.Run) -> str:
     return f"compact/v1/{tenant}/{cluster}/{session}/{run.public_id}"
 
 
+def session_batches_around(
+    db: Session, run: m.Run, slack: float, agents: Any = None
+) -> list[tuple[int, str]]:
+    """(id, blob key) of the session's batches holding events within ``slack`` seconds of
+    the run, by event time (``batches.t_min``/``t_max``), so a reindex, which receives
+    everything again, finds the same batches. Batches indexed before event times were
+    recorded are taken by arrival time. ``agents``: a filter on ``Agent`` (e.g. workers)."""
+    times = [t for t in (run.started_at, run.task_start) if t is not None]
+    lo = min(times) - slack if times else None
+    ends = [t for t in (run.finished_at, run.task_stop) if t is not None]
+    hi = max(ends) + slack if ends and run.status != "running" else None
+    B = m.Batch
+    by_time = B.t_min.is_not(None)
+    if lo is not None:
+        by_time &= B.t_max >= lo
+    if hi is not None:
+        by_time &= B.t_min <= hi
+    by_arrival = B.t_min.is_(None) & B.received_at.between(
+        run.first_seen - slack, run.last_seen + slack
+    )
+    q = (
+        select(B.id, B.blob_key)
+        .join(m.Agent, m.Agent.id == B.agent_id)
+        .where(m.Agent.session_id == run.session_id, or_(by_time, by_arrival))
+        .order_by(B.id)
+    )
+    if agents is not None:
+        q = q.where(agents)
+    return [(i, k) for i, k in db.execute(q)]
+
+
 def batch_keys(db: Session, run: m.Run) -> list[tuple[int, str, bool]]:
     """The batches that hold the run's records (``True``) and the session's other batches
     received around the run (``False``: metrics and worker-side events carry no run), as
@@ -107,18 +138,7 @@ def batch_keys(db: Session, run: m.Run) -> list[tuple[int, str, bool]]:
         .order_by(m.Batch.id)
     ).all()
     run_ids = {i for i, _ in rows}
-    window_lo = run.first_seen - METRIC_SLACK_S
-    window_hi = run.last_seen + METRIC_SLACK_S
-    others = db.execute(
-        select(m.Batch.id, m.Batch.blob_key)
-        .join(m.Agent, m.Agent.id == m.Batch.agent_id)
-        .where(
-            m.Agent.session_id == run.session_id,
-            m.Batch.received_at >= window_lo,
-            m.Batch.received_at <= window_hi,
-        )
-        .order_by(m.Batch.id)
-    ).all()
+    others = session_batches_around(db, run, METRIC_SLACK_S)
     return sorted(
         [(i, k, True) for i, k in rows] + [(i, k, False) for i, k in others if i not in run_ids]
     )

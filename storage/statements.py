@@ -99,7 +99,7 @@ def statements(dialect: str) -> Statements:
         sel = select(table.c.id).where(*(table.c[k] == bindparam(k) for k in keys))
         return GetOrCreate(ins, sel)
 
-    batch_cols = ("agent_id", "seq", "blob_key", "events", "bytes", "received_at")
+    batch_cols = ("agent_id", "seq", "blob_key", "events", "bytes", "received_at", "t_min", "t_max")
     agent_id = bindparam("agent_id", type_=B.c.agent_id.type)
     guard = (
         select(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
 from storage.blobs import open_blob_store
@@ -30,12 +30,14 @@ def answers(query: Any, token: str) -> dict[str, Any]:
         return obj
 
     runs = query.get("/v1/runs", headers=h).json["runs"]
-    return strip({
-        "clusters": query.get("/v1/clusters", headers=h).json,
-        "runs": runs,
-        "details": [query.get(f"/v1/runs/{r['id']}", headers=h).json for r in runs],
-        "tasks": [query.get(f"/v1/runs/{r['id']}/tasks", headers=h).json for r in runs],
-    })  # fmt: skip
+    return strip(
+        {
+            "clusters": query.get("/v1/clusters", headers=h).json,
+            "runs": runs,
+            "details": [query.get(f"/v1/runs/{r['id']}", headers=h).json for r in runs],
+            "tasks": [query.get(f"/v1/runs/{r['id']}/tasks", headers=h).json for r in runs],
+        }
+    )
 
 
 def fresh_index(stack: dict[str, Any], tmp_path: Any) -> str:
@@ -80,3 +82,86 @@ def test_rebuilt_index_answers_the_same(stack, tmp_path):
         token2 = create_token(db, tenant, "read")
     engine.dispose()
     assert answers(query_app(rebuilt).test_client(), token2) == before
+
+
+def test_a_rebuild_years_later_still_finds_a_runs_metrics(stack, tmp_path):
+    """A run's metric samples sit in the session's other batches; they are found by the
+    times they describe, not when they arrived: a worker's batch delivered an hour late
+    (from its spool) still counts, and so does everything after a rebuild years later."""
+    import zstandard
+
+    from hindsight.schema import Batch, MetricEvent, RunEvent, StartStop, TaskEvent, encode_batch
+    from storage import models as m
+    from storage import runfile
+    from storage.batches import blob_key, decode_stored
+    from storage.blobs import blob_store_for
+    from storage.config import load_settings
+    from storage.ingest import index_batch
+    from storage.tokens import ensure_tenant
+
+    t0 = 1_700_000_000.0  # events of 2023, indexed "then" and rebuilt now
+    tenant = new_tenant()
+    blobs = blob_store_for(load_settings(stack))
+    scheduler = Batch(
+        1,
+        "c",
+        "s",
+        "scheduler-1",
+        0,
+        [
+            RunEvent("started", "r", t0),
+            *(
+                TaskEvent(
+                    key=f"k{i}",
+                    prefix="inc",
+                    status="memory",
+                    run="r",
+                    worker="tcp://w:1",
+                    startstops=[StartStop("compute", t0 + i, t0 + i + 0.5)],
+                )
+                for i in range(5)
+            ),
+            RunEvent("finished", "r", t0 + 6),
+        ],
+    )
+    worker = Batch(
+        1,
+        "c",
+        "s",
+        "worker-1",
+        0,
+        [MetricEvent("tcp://w:1", t0 + i, {"memory.managed": float(i)}) for i in range(6)],
+    )
+
+    def metrics(url: str, index: bool) -> list[Any]:
+        engine = make_engine(url)
+        upgrade(engine)
+        sessions = make_sessionmaker(engine)
+        if index:  # as the collector did back then; the worker's batch an hour late
+            for b in (scheduler, worker):
+                key = blob_key(tenant, b)
+                blobs.put(key, zstandard.ZstdCompressor().compress(encode_batch(b)), if_absent=True)
+                with sessions.begin() as db:
+                    tid = ensure_tenant(db, tenant, t0)
+                    index_batch(
+                        db,
+                        tenant_id=tid,
+                        tenant=tenant,
+                        batch=decode_stored(blobs.get(key)),
+                        blob_key=key,
+                        size=1,
+                        now=t0 + 10 if b is scheduler else t0 + 3600,
+                    )
+        else:
+            reindex(blobs, sessions, prefix=f"v1/{tenant}/")
+        with sessions() as db:
+            run = db.execute(
+                select(m.Run).join(m.Tenant).where(m.Tenant.name == tenant)
+            ).scalar_one()
+            rows = runfile.load_run(db, blobs, run, write=False, cache=False).metrics.to_pylist()
+        engine.dispose()
+        return rows
+
+    before = metrics(stack["database_url"], index=True)
+    assert len(before) == 6
+    assert metrics(fresh_index(stack, tmp_path), index=False) == before

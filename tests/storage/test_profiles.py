@@ -144,8 +144,8 @@ def test_stored_trees_share_frames_and_merge_across_runs(index_url):
 
     from storage import models as m
     from storage.db import make_engine, make_sessionmaker, upgrade
-    from storage.tokens import ensure_tenant
     from storage.profiles import Row, across_runs, decode, store
+    from storage.tokens import ensure_tenant
     from tests.conftest import new_tenant
 
     engine = make_engine(index_url)
