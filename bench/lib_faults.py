@@ -226,19 +226,26 @@ def make_token(db_url: str, tenant: str) -> str:
 
 
 class Gunicorn:
-    """The real collector under gunicorn (``services/gunicorn_conf.py``) on loopback."""
+    """A real service under gunicorn (``services/gunicorn_conf.py``) on loopback: the
+    collector unless ``app`` names another."""
 
-    def __init__(self, env: dict[str, str], workers: int = 2, threads: int = 4) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        workers: int = 2,
+        threads: int = 4,
+        app: str = "collector.app:create_app()",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [str(BIN / "gunicorn"), "--config", "python:services.gunicorn_conf",
              "--workers", str(workers), "--worker-class", "gthread", "--threads", str(threads),
              "--bind", f"127.0.0.1:{self.port}", "--log-level", "warning", "--graceful-timeout", "5",
-             "collector.app:create_app()"],
+             app],
             env={**os.environ, **AWS_ENV, **env}, cwd=ROOT,
         )  # fmt: skip
-        wait_until(lambda: http_ok(self.url + "/readyz"), 60, "collector ready")
+        wait_until(lambda: http_ok(self.url + "/readyz"), 60, f"{app} ready")
 
     def workers(self) -> list[int]:
         try:

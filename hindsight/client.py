@@ -269,6 +269,7 @@ class Client:
         direct: bool = False,
         endpoint_url: str | None = None,
         region: str | None = None,
+        files_per_partition: int = 1,
         **filters: Any,
     ) -> Any:
         """A ``dask.dataframe`` of a lake table (tasks, metrics, runs, streams) across runs
@@ -280,7 +281,9 @@ class Client:
         on a Dask cluster every worker reads its partitions. Each partition is read
         through the query service (your token, your tenant), or with ``direct=True``
         straight from the blob store with the worker's own credentials (operators;
-        ``endpoint_url`` for MinIO and the like)."""
+        ``endpoint_url`` for MinIO and the like). A lake of many small files (a cluster's
+        quiet days) scans faster with ``files_per_partition`` > 1: Dask pays a few
+        milliseconds per task, a file of a few thousand rows takes about as long to read."""
         import dask.dataframe as dd
 
         from hindsight import lake as _lake
@@ -296,7 +299,14 @@ class Client:
             reader = _lake.LocationPart(table, f, columns, endpoint_url, region)
         else:
             reader = _ServicePart(self.url, self.token, self.timeout, params)
-        return dd.from_map(reader, plan["files"], meta=meta, enforce_metadata=False)
+        files = plan["files"]
+        if files_per_partition > 1:
+            groups = [
+                files[i : i + files_per_partition]
+                for i in range(0, len(files), files_per_partition)
+            ]
+            return dd.from_map(_Concat(reader), groups, meta=meta, enforce_metadata=False)
+        return dd.from_map(reader, files, meta=meta, enforce_metadata=False)
 
     def lake_rows(
         self,
@@ -327,6 +337,18 @@ def _lake_schema(encoded: str) -> Any:
     import pyarrow as pa
 
     return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(encoded)))
+
+
+class _Concat:
+    """Reads several planned files into one partition (picklable)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def __call__(self, files: list[dict[str, Any]]) -> Any:
+        import pandas as pd
+
+        return pd.concat([self.reader(f) for f in files], ignore_index=True)
 
 
 class _ServicePart:

@@ -151,6 +151,17 @@ def _span(table_name: str, t: Any) -> tuple[float | None, float | None]:
 # ---------------------------------------------------------------- writing files
 
 
+def parquet_options(schema: Any) -> dict[str, Any]:
+    """How lake files are encoded: zstd; floats (times, seconds, values) byte-stream-split
+    rather than dictionary-encoded, which takes a task record from ~65 to ~49 bytes and
+    writes faster (measured on bench/lake.py's records); dictionaries for the rest."""
+    import pyarrow as pa
+
+    floats = [f.name for f in schema if f.type == pa.float64()]
+    others = [f.name for f in schema if f.type != pa.float64()]
+    return {"compression": "zstd", "use_dictionary": others, "use_byte_stream_split": floats}
+
+
 class _FileWriter:
     """Writes one table's rows of a commit into files of at most ``TARGET_ROWS`` rows,
     row groups sorted, statistics gathered as it goes."""
@@ -169,7 +180,7 @@ class _FileWriter:
         import pyarrow.parquet as pq
 
         self._buf = io.BytesIO()
-        self._writer = pq.ParquetWriter(self._buf, self.schema, compression="zstd")
+        self._writer = pq.ParquetWriter(self._buf, self.schema, **parquet_options(self.schema))
         self._rows = 0
         self._runs: set[str] = set()
         self._stats: dict[str, Any] = {}

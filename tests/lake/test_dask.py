@@ -120,6 +120,9 @@ def test_client_lake_computed_on_the_cluster_is_the_rest_answer(lake_history, di
     workers = set(client.scheduler_info()["workers"])
     assert len(ts.data) >= ddf.npartitions and {t["worker"] for t in ts.data} <= workers
     pd.testing.assert_frame_equal(canonical(got), canonical(rest_rows(h)))
+    grouped = h["hs"].lake("tasks", cluster=h["cluster"], direct=direct, files_per_partition=2)
+    assert grouped.npartitions == (len(plan) + 1) // 2
+    pd.testing.assert_frame_equal(canonical(grouped.compute()), canonical(got))
     # filters and columns travel with the partitions
     slow = h["hs"].lake("tasks", cluster=h["cluster"], prefix="load", min_duration=0.004,
                         columns=["key", "duration", "cluster"], direct=direct).compute()  # fmt: skip

@@ -5,6 +5,7 @@ that lost its lock."""
 
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -215,6 +216,45 @@ def test_small_runs_of_a_day_merge_and_the_day_seals_into_one_file(storage, part
     assert not any(storage.blobs.exists(k) for k in waiting)
     after = lakewrite.read_manifest(storage.blobs, *partition.names)
     assert after.removed == [] and sorted(task_keys(storage, after)) == sorted(expected)
+
+
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)
+def test_a_day_committed_at_once_is_the_day_finished_run_by_run(storage, partition):
+    """bench/lake.py's bulk path: a day's runs in one commit end in the files the finisher
+    leaves once the day is sealed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    runs = [(f"r{i}", 300 + 50 * i) for i in range(6)]
+    for name, n in runs:  # as the finisher does, while the day runs
+        commit(storage, partition, add=[synthetic(name, n, T0)], now=T0 + 60, seal=False)
+    one_by_one = commit(storage, partition, now=T0 + 2 * DAY)  # the day is over: sealed
+    with storage.sessions.begin() as db:
+        other = m.Cluster(tenant_id=partition.tenant_id, name="bulk", first_seen=T0, last_seen=T0)
+        db.add(other)
+        db.flush()
+        bulk_part = lakewrite.Partition(
+            partition.tenant, "bulk", partition.day, partition.tenant_id, other.id
+        )
+    bulk = commit(
+        storage, bulk_part, add=[synthetic(name, n, T0) for name, n in runs], now=T0 + 2 * DAY
+    )
+
+    def content(manifest: Any) -> dict[str, Any]:
+        out = {}
+        for f in manifest.files:
+            t = pq.read_table(io.BytesIO(storage.blobs.get(f.key)))
+            out[f.table] = t.sort_by(
+                [(c, "ascending") for c in ("run", "key") if c in t.column_names]
+            )
+        return out
+
+    a, b = content(one_by_one), content(bulk)
+    assert sorted(f.table for f in one_by_one.files) == sorted(f.table for f in bulk.files)
+    assert [f.table for f in bulk.files].count("tasks") == 1
+    for table in a:
+        assert a[table].equals(b[table]), table
+    assert isinstance(a["tasks"], pa.Table) and len(a["tasks"]) == sum(n for _, n in runs)
 
 
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
