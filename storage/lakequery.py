@@ -202,7 +202,8 @@ def scan(
         if bounds and acc is not None and len(acc) >= limit:
             kth = acc[sort.column][limit - 1].as_py()  # type: ignore[union-attr]
             if kth is not None and bounds[id(order[i])] <= kth:
-                break  # no unread file can hold a row of the answer
+                truncated = True  # unread files match too, but none can join the answer
+                break
         chunk = order[i : i + step]
         i += len(chunk)
         tables = list(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage import ray
+from storage import lake, ray
 from storage.batches import decode_stored, parse_blob_key
 from storage.blobs import BlobStore
 from storage.finish import queue_finished
@@ -74,6 +74,11 @@ def reindex(
         ray_counts = ray.reindex(blobs, sessions)
         if ray_counts["ray_bodies"]:
             counts.update(ray_counts)
+        # A full rebuild: the lake drops the runs the index no longer has and gets its
+        # catalog back (the finish hook writes the runs the lake lacks).
+        removed = lake.reconcile(blobs, sessions)["runs_removed"]
+        if removed:
+            counts["lake_runs_removed"] = removed
     with sessions.begin() as db:
         queue_finished(db)
     return counts
