@@ -24,7 +24,8 @@ Figures:
   of 2 worker processes, ``Client.lake(direct=True)``: one partition per file, planned by
   the service, read by the workers; and ``..._via_service`` with each partition read
   through the query service;
-- ``lake_scan_ratio``: that rate over pyarrow reading the same files in one process;
+- ``lake_scan_ratio``: that rate over pyarrow reading the same files in one process; and
+  both again with 50 files a partition (``Client.lake(files_per_partition=50)``);
 - ``bytes_per_task_record`` (tasks files) and ``lake_bytes_per_task_record`` (every table).
 
     .venv/bin/python bench/lake.py [--tasks 20000000] [--clusters 50] [--days 90] [--keep]
@@ -258,8 +259,12 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
     prng = random.Random(1)
     rng = np.random.default_rng(1)
     tmpl = templates(prng)
-    weights = rng.lognormal(0, 0.8, args.clusters)
-    per_day = weights / weights.sum() * args.tasks / args.days
+    # Task records per (day, cluster): clusters of lognormal sizes, days varying +-40%;
+    # exactly ``args.tasks`` in all (plus at least 50 a cell).
+    weights = rng.lognormal(0, 0.8, args.clusters)[None, :] * rng.uniform(
+        0.6, 1.4, (args.days, args.clusters)
+    )
+    cells = rng.multinomial(args.tasks, (weights / weights.sum()).ravel()).reshape(weights.shape)
     with sessions.begin() as db:
         token = create_token(db, TENANT, "read")
         tenant_id = ensure_tenant(db, TENANT, T0)
@@ -305,7 +310,7 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
                 cluster = f"cluster-{c:02d}"
                 jobs = [tmpl[(c * 7 + k * 3) % len(tmpl)] for k in range(2 + c % 3)]
                 workers = [f"tcp://10.{c}.{i // 8}.{i % 8 + 10}:{40000 + i}" for i in range(16)]
-                n_day = max(50, int(per_day[c] * rng.uniform(0.6, 1.4)))
+                n_day = max(50, int(cells[day, c]))
                 n_runs = prng.randint(1, 6)
                 sizes = rng.multinomial(n_day, np.ones(n_runs) / n_runs)
                 session = f"Scheduler-{c:02d}-{day:03d}"
@@ -520,11 +525,18 @@ def main() -> int:
                     Client(lc),
                 ):
                     dask.compute(hs.lake("runs", cluster="cluster-00").head(1, compute=False))
-                    for direct, name in (
-                        (True, "lake_scan_rows_per_s"),
-                        (False, "lake_scan_rows_per_s_via_service"),
+                    for direct, per, name in (
+                        (True, 1, "lake_scan_rows_per_s"),
+                        (False, 1, "lake_scan_rows_per_s_via_service"),
+                        (True, 50, "lake_scan_rows_per_s_50_files_per_partition"),
                     ):
-                        ddf = hs.lake("tasks", status="memory", columns=cols, direct=direct)
+                        ddf = hs.lake(
+                            "tasks",
+                            status="memory",
+                            columns=cols,
+                            direct=direct,
+                            files_per_partition=per,
+                        )
                         t = time.perf_counter()
                         (got,) = dask.compute(
                             ddf.groupby("prefix")["duration"].agg(
@@ -544,12 +556,14 @@ def main() -> int:
                             "scan differs"
                         )
                         log(
-                            f"Dask, 2 workers ({'direct' if direct else 'via the service'}): "
-                            f"{ddf.npartitions} partitions, {dask_s:.1f} s"
+                            f"Dask, 2 workers ({'direct' if direct else 'via the service'}, "
+                            f"{per} file(s) a partition): {ddf.npartitions} partitions, {dask_s:.1f} s"
                         )
-                figures["lake_scan_ratio"] = round(
-                    figures["lake_scan_rows_per_s"] / figures["pyarrow_scan_rows_per_s"], 3
-                )
+                for name in ("", "_50_files_per_partition"):
+                    figures[f"lake_scan_ratio{name}"] = round(
+                        figures[f"lake_scan_rows_per_s{name}"] / figures["pyarrow_scan_rows_per_s"],
+                        3,
+                    )
             finally:
                 service.stop()
     finally:

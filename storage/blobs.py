@@ -65,6 +65,10 @@ class LocalBlobStore:
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
 
+    def path(self, key: str) -> Path:
+        """Where ``key`` is on disk (for readers that read files in place)."""
+        return self._path(key)
+
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from sqlalchemy.orm import Session
 from hindsight import lake as layout
 from hindsight.lake import FileEntry, Filters
 from storage import models as m
-from storage.blobs import BlobStore
+from storage.blobs import BlobStore, LocalBlobStore
 from storage.lakewrite import read_manifest
 
 logger = logging.getLogger(__name__)
@@ -121,10 +122,13 @@ def read_file(
     partition columns (cluster, day) where asked."""
     import pyarrow.parquet as pq
 
+    # A local file is read in place (only the column chunks asked for); from S3, whole.
+    source = blobs.path(f.entry.key) if isinstance(blobs, LocalBlobStore) else None
     t = pq.read_table(
-        io.BytesIO(blobs.get(f.entry.key)),
+        str(source) if source is not None else io.BytesIO(blobs.get(f.entry.key)),
         columns=layout.stored_columns(columns),
         filters=filters.expression(table),
+        memory_map=source is not None,
     )
     return layout.with_partition_columns(t, f.cluster, f.day, columns)
 
@@ -180,7 +184,9 @@ def scan(
     limit: int,
 ) -> ScanResult:
     """The first ``limit`` rows (by ``sort``, else in plan order) of the files' rows
-    matching ``filters``."""
+    matching ``filters``. Files are read ``IO_THREADS`` at a time; no file is started once
+    it cannot change the answer (a bounded sort's next file cannot beat the current
+    ``limit``-th row, or an unsorted answer is full)."""
     import pyarrow as pa
 
     read_cols = list(columns)
@@ -194,39 +200,58 @@ def scan(
             known.sort(key=lambda fb: -fb[1])  # type: ignore[operator]
             order = [f for f, _ in known]
             bounds = {id(f): b for f, b in known}  # type: ignore[misc]
-    acc: Any = None
-    opened = rows_opened = 0
+    # Rows buffered before a sorted answer is cut back to ``limit``: often when files can be
+    # skipped by their bounds (each cut may stop the scan), else in large steps.
+    reduce_at = 2 * limit if bounds else max(2 * limit, 65_536)
+    acc: Any = None  # the answer so far (sorted and cut to ``limit`` when sorting)
+    buffered: list[Any] = []
+    buffered_rows = opened = rows_opened = 0
+    kth: Any = None
     truncated = False
-    i, step = 0, IO_THREADS
-    while i < len(order):
-        if bounds and acc is not None and len(acc) >= limit:
-            kth = acc[sort.column][limit - 1].as_py()  # type: ignore[union-attr]
-            if kth is not None and bounds[id(order[i])] <= kth:
-                truncated = True  # unread files match too, but none can join the answer
-                break
-        chunk = order[i : i + step]
-        i += len(chunk)
-        tables = list(
-            _bounded_map(
-                lambda f: read_file(blobs, f, table, filters, read_cols), chunk, IO_THREADS
-            )
-        )
-        opened += len(chunk)
-        rows_opened += sum(f.entry.rows for f in chunk)
-        acc = pa.concat_tables([acc, *tables] if acc is not None else tables)
+
+    def fold() -> None:
+        nonlocal acc, buffered, buffered_rows, kth, truncated
+        if not buffered:
+            return
+        acc = pa.concat_tables([acc, *buffered] if acc is not None else buffered)
+        buffered, buffered_rows = [], 0
         if sort is not None:
-            if len(acc) > limit:
-                truncated = True
+            truncated = truncated or len(acc) > limit
             acc = _top(acc, sort, limit)
-        elif len(acc) >= limit:
-            truncated = len(acc) > limit or i < len(order)
-            acc = acc.slice(0, limit)
-            break
-        step = min(step * 2, 64)
+            if len(acc) >= limit:
+                kth = acc[sort.column][limit - 1].as_py()
+
+    def useless(f: PlannedFile) -> bool:
+        if sort is None:
+            return acc is not None and len(acc) >= limit
+        return bool(bounds) and kth is not None and bounds[id(f)] <= kth
+
+    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="lake-read") as pool:
+        inflight: deque[Future[Any]] = deque()
+        todo = deque(order)
+        while todo or inflight:
+            while todo and len(inflight) < IO_THREADS:
+                if useless(todo[0]):
+                    truncated = True  # unread files match too, but cannot join the answer
+                    todo.clear()
+                    break
+                f = todo.popleft()
+                inflight.append(pool.submit(read_file, blobs, f, table, filters, read_cols))
+                opened += 1
+                rows_opened += f.entry.rows
+            if not inflight:
+                break
+            t = inflight.popleft().result()
+            buffered.append(t)
+            buffered_rows += len(t)
+            if sort is None or buffered_rows >= reduce_at:
+                fold()
+    fold()
     if acc is None:
         acc = layout.with_partition_columns(layout.schema(table).empty_table(), "", "", read_cols)
-    if sort is None and i < len(order) and len(acc) >= limit:
+    if sort is None and len(acc) > limit:
         truncated = True
+        acc = acc.slice(0, limit)
     if columns:
         acc = acc.select(list(columns))
     return ScanResult(acc, len(files), opened, rows_opened, truncated)
