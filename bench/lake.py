@@ -177,6 +177,7 @@ def run_tables(
             "disk_read": zero,
             "disk_write": zero,
             "startstops": ss,
+            "attrs": pa.nulls(n, pa.string()),
         },
         schema=layout.schema("tasks"),
     )
