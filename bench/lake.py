@@ -369,6 +369,37 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
     }
 
 
+def top100_phases(db_url: str, blob_dir: Path, since: float, until: float) -> dict[str, float]:
+    """The top-100 query's plan and scan, timed in this process (median of 5)."""
+    from sqlalchemy import select
+
+    from storage import lakequery
+    from storage import models as m
+    from storage.blobs import LocalBlobStore
+    from storage.db import make_engine, make_sessionmaker
+    from storage.lakequery import Sort
+
+    engine = make_engine(db_url)
+    blobs = LocalBlobStore(blob_dir)
+    f = layout.Filters(prefix=["read_parquet"], since=since, until=until)
+    cols = ["cluster", "day", "run", "key", "worker", "duration", "nbytes"]
+    plan_ms, scan_ms = [], []
+    with make_sessionmaker(engine)() as db:
+        tenant_id = db.scalar(select(m.Tenant.id).where(m.Tenant.name == TENANT))
+        for _ in range(5):
+            t = time.perf_counter()
+            files = lakequery.plan(db, tenant_id, "tasks", f)
+            plan_ms.append((time.perf_counter() - t) * 1000)
+            t = time.perf_counter()
+            lakequery.scan(blobs, files, "tasks", f, cols, Sort("duration", True), 100)
+            scan_ms.append((time.perf_counter() - t) * 1000)
+    engine.dispose()
+    return {
+        "lake_top100_plan_ms": round(statistics.median(plan_ms), 1),
+        "lake_top100_scan_ms": round(statistics.median(scan_ms), 1),
+    }
+
+
 def lake_bytes(blob_dir: Path) -> dict[str, int]:
     out: dict[str, int] = {}
     for table in (*layout.TABLES, "_manifests"):
@@ -465,6 +496,8 @@ def main() -> int:
                 figures["lake_top100_first_ms"] = round(first_ms, 1)
                 figures["lake_top100_files_opened"] = body["scan"]["files_opened"]
                 figures["lake_top100_files_planned"] = body["scan"]["files"]
+                # where the time goes, in this process: planning (the catalog) and the scan
+                figures.update(top100_phases(db_url, blob_dir, since, until))
                 # the same question by brute force over every file of those days
                 hs = hindsight.Client(service.url, token=built["token"])
                 everything = requests.get(

@@ -291,7 +291,7 @@ class Client:
         f = _lake.Filters.from_kwargs(**filters)
         params = {**f.params(), "columns": ",".join(columns) if columns else None}
         plan = self.get(f"/v1/lake/{table}/files", **params)
-        meta = _lake_schema(plan["schema"]).empty_table().to_pandas()
+        meta = _lake.to_pandas(_lake_schema(plan["schema"]).empty_table())
         if not plan["files"]:
             return dd.from_pandas(meta, npartitions=1)
         reader: Any
@@ -360,9 +360,11 @@ class _ServicePart:
     def __call__(self, file: dict[str, Any]) -> Any:
         import pyarrow as pa
 
+        from hindsight.lake import to_pandas
+
         client = Client(self.url, self.token, self.timeout)
         with client._open(file["path"], self.params) as resp:
-            return pa.ipc.open_stream(resp.read()).read_all().to_pandas()
+            return to_pandas(pa.ipc.open_stream(resp.read()).read_all())
 
 
 def _param(value: Any) -> str:

@@ -612,10 +612,13 @@ def read_file(
 ) -> Any:
     """One lake file's rows matching ``filters`` (stored ``columns`` only, all if None), as
     a pyarrow Table."""
-    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
 
-    return ds.dataset(path, filesystem=fs, format="parquet").to_table(
-        columns=None if columns is None else list(columns), filter=filters.expression(table)
+    return pq.read_table(
+        path,
+        filesystem=fs,
+        columns=None if columns is None else list(columns),
+        filters=filters.expression(table),
     )
 
 
@@ -637,7 +640,7 @@ class _DirectPart:
     def __call__(self, file: LakeFile) -> Any:
         fs, _base = filesystem(self.location, endpoint_url=self.endpoint_url, region=self.region)
         t = read_file(fs, file.path, self.table, self.filters, stored_columns(self.columns))
-        return with_partition_columns(t, file.cluster, file.day, self.columns).to_pandas()
+        return to_pandas(with_partition_columns(t, file.cluster, file.day, self.columns))
 
 
 class LocationPart:
@@ -658,7 +661,7 @@ class LocationPart:
     def __call__(self, file: dict[str, Any]) -> Any:
         fs, path = filesystem(file["location"], endpoint_url=self.endpoint_url, region=self.region)
         t = read_file(fs, path, self.table, self.filters, stored_columns(self.columns))
-        return with_partition_columns(t, file["cluster"], file["day"], self.columns).to_pandas()
+        return to_pandas(with_partition_columns(t, file["cluster"], file["day"], self.columns))
 
 
 def with_partition_columns(
@@ -670,7 +673,7 @@ def with_partition_columns(
 
     for name, value in (("cluster", cluster), ("day", day)):
         if not columns or name in columns:
-            table = table.append_column(name, pa.array([value] * len(table), pa.string()))
+            table = table.append_column(name, pa.repeat(pa.scalar(value, pa.string()), len(table)))
     if columns:
         table = table.select(list(columns))
     return table
@@ -705,4 +708,14 @@ def empty_frame(table: str, columns: Sequence[str] | None = None) -> Any:
     gives: the meta of a Dask DataFrame over the lake."""
     s = schema(table)
     t = with_partition_columns(s.empty_table(), "", "", columns)
-    return t.to_pandas()
+    return to_pandas(t)
+
+
+def to_pandas(table: Any) -> Any:
+    """A pyarrow Table as pandas, strings as pyarrow-backed ``string`` (what Dask keeps
+    strings as: a partition in any other string dtype is converted, at a cost, per task)."""
+    import pandas as pd
+    import pyarrow as pa
+
+    strings = pd.StringDtype("pyarrow")
+    return table.to_pandas(types_mapper={pa.string(): strings, pa.large_string(): strings}.get)
