@@ -79,6 +79,18 @@ def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
     return n
 
 
+def make_cluster(storage: Any, tenant: str, name: str) -> tuple[int, int]:
+    """(tenant id, cluster id) of a cluster made directly in the index."""
+    from storage.ingest import ensure_tenant
+
+    with storage.sessions.begin() as db:
+        tenant_id = ensure_tenant(db, tenant, T0)
+        cluster = m.Cluster(tenant_id=tenant_id, name=name, first_seen=T0, last_seen=T0)
+        db.add(cluster)
+        db.flush()
+        return tenant_id, cluster.id
+
+
 @dataclass
 class Storage:
     settings: Any

@@ -13,7 +13,7 @@ import pytest
 from hindsight import lake as layout
 from storage import lakewrite
 from tests.helpers import auth
-from tests.lake.conftest import DAY, finish_all
+from tests.lake.conftest import DAY, finish_all, make_cluster
 from tests.lake.test_writer import as_task_record, by_key, route_records, synthetic
 from tests.query.test_runs import T0
 
@@ -114,8 +114,6 @@ def test_filters_prune_files_and_never_open_the_others(stack, storage, lake_app)
 def test_another_tenants_partitions_are_never_read(stack, storage, make_token, lake_app):
     """Tenant B has the same cluster names and days; A's answers and plans never include
     B's files, B's files are spoiled and A's answers stand, and A cannot name B's files."""
-    from storage import models as m
-    from storage.tokens import ensure_tenant
     from tests.conftest import new_tenant
 
     h = lake_app
@@ -123,12 +121,9 @@ def test_another_tenants_partitions_are_never_read(stack, storage, make_token, l
     make_token(b_tenant)
     a_before = rows(h)
     # B's lake: the same cluster and day as A's busiest partition
+    tid, cid = make_cluster(storage, b_tenant, "prod")
     with storage.sessions.begin() as db:
-        tid = ensure_tenant(db, b_tenant, T0)
-        c = m.Cluster(tenant_id=tid, name="prod", first_seen=T0, last_seen=T0)
-        db.add(c)
-        db.flush()
-        part = lakewrite.Partition(b_tenant, "prod", layout.day_of(T0), tid, c.id)
+        part = lakewrite.Partition(b_tenant, "prod", layout.day_of(T0), tid, cid)
         lakewrite.commit(db, storage.blobs, part, add=[synthetic("b-run", 50, T0)], now=T0 + DAY)
     b_keys = list(storage.blobs.list(f"lake/v1/tasks/tenant={b_tenant}/"))
     assert b_keys
@@ -223,19 +218,14 @@ def test_top_k_reads_only_the_files_that_can_hold_the_answer(stack, storage, mak
     come from the newest file(s) alone."""
     import pyarrow as pa
 
-    from storage import models as m
-    from storage.tokens import ensure_tenant
     from tests.conftest import new_tenant
 
     tenant = new_tenant()
     token = make_token(tenant)
+    tid, cid = make_cluster(storage, tenant, "daily")
     with storage.sessions.begin() as db:
-        tid = ensure_tenant(db, tenant, T0)
-        c = m.Cluster(tenant_id=tid, name="daily", first_seen=T0, last_seen=T0)
-        db.add(c)
-        db.flush()
         for d in range(30):
-            part = lakewrite.Partition(tenant, "daily", layout.day_of(T0 + d * DAY), tid, c.id)
+            part = lakewrite.Partition(tenant, "daily", layout.day_of(T0 + d * DAY), tid, cid)
             run = synthetic(f"day-{d}", 40, T0 + d * DAY, prefix="load")
             tasks = run.tables["tasks"]
             slower = pa.array([d + i / 100 for i in range(40)], pa.float64())

@@ -16,7 +16,7 @@ from hindsight import lake as layout
 from storage import lake, lakewrite
 from storage import models as m
 from tests.helpers import auth
-from tests.lake.conftest import DAY, finish_all, lake_records
+from tests.lake.conftest import DAY, finish_all, lake_records, make_cluster
 from tests.query.test_runs import T0
 
 RECORD_FIELDS = (
@@ -159,16 +159,11 @@ def pa_table(cols: dict[str, list[Any]], schema: Any) -> Any:
 @pytest.fixture
 def partition(storage):
     """A partition of a fresh tenant's cluster for a day, ``T0``'s."""
-    from storage.tokens import ensure_tenant
     from tests.conftest import new_tenant
 
     tenant = new_tenant()
-    with storage.sessions.begin() as db:
-        tenant_id = ensure_tenant(db, tenant, T0)
-        cluster = m.Cluster(tenant_id=tenant_id, name="c", first_seen=T0, last_seen=T0)
-        db.add(cluster)
-        db.flush()
-        return lakewrite.Partition(tenant, "c", layout.day_of(T0), tenant_id, cluster.id)
+    tenant_id, cluster_id = make_cluster(storage, tenant, "c")
+    return lakewrite.Partition(tenant, "c", layout.day_of(T0), tenant_id, cluster_id)
 
 
 def commit(storage: Any, part: lakewrite.Partition, **kwargs: Any) -> Any:
@@ -229,13 +224,8 @@ def test_a_day_committed_at_once_is_the_day_finished_run_by_run(storage, partiti
     for name, n in runs:  # as the finisher does, while the day runs
         commit(storage, partition, add=[synthetic(name, n, T0)], now=T0 + 60, seal=False)
     one_by_one = commit(storage, partition, now=T0 + 2 * DAY)  # the day is over: sealed
-    with storage.sessions.begin() as db:
-        other = m.Cluster(tenant_id=partition.tenant_id, name="bulk", first_seen=T0, last_seen=T0)
-        db.add(other)
-        db.flush()
-        bulk_part = lakewrite.Partition(
-            partition.tenant, "bulk", partition.day, partition.tenant_id, other.id
-        )
+    _tid, other = make_cluster(storage, partition.tenant, "bulk")
+    bulk_part = lakewrite.Partition(partition.tenant, "bulk", partition.day, _tid, other)
     bulk = commit(
         storage, bulk_part, add=[synthetic(name, n, T0) for name, n in runs], now=T0 + 2 * DAY
     )
