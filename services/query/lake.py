@@ -274,7 +274,6 @@ def lake_files(table: str) -> Any:
                 "name": p.name,
                 "rows": p.entry.rows,
                 "bytes": p.entry.bytes,
-                "runs": len(p.entry.runs),
                 "path": f"/v1/lake/{table}/files/{p.cluster}/{p.day}/{p.name}",
                 "location": f"{root}/{p.entry.key}",
             }
