@@ -249,10 +249,10 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
 
     from storage import lakewrite
     from storage import models as m
+    from storage.batches import run_public_id
     from storage.blobs import LocalBlobStore
     from storage.db import make_engine, make_sessionmaker
-    from storage.ingest import ensure_tenant, run_public_id
-    from storage.tokens import create_token
+    from storage.tokens import create_token, ensure_tenant
 
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)

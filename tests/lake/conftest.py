@@ -18,45 +18,11 @@ from tests.query.test_runs import T0, run_batch
 DAY = 86_400.0
 
 
-@dataclass
-class FinishedRunStandIn:
-    """The shape of ``storage.finish.FinishedRun`` until it lands on main."""
-
-    db: Any
-    blobs: Any
-    run: m.Run
-    tenant: str
-    cluster: str
-    session: str
-
-    def data(self) -> Any:
-        from storage import runfile
-
-        return runfile.load_run(self.db, self.blobs, self.run)
-
-    def batches(self) -> Iterator[Any]:
-        from storage.batches import decode_stored
-        from storage.runfile import METRIC_SLACK_S
-
-        run = self.run
-        own = select(m.Batch.blob_key).join(m.RunBatch, m.RunBatch.batch_id == m.Batch.id)
-        own = own.where(m.RunBatch.run_id == run.id)
-        window = (
-            select(m.Batch.blob_key)
-            .join(m.Agent, m.Agent.id == m.Batch.agent_id)
-            .where(
-                m.Agent.session_id == run.session_id,
-                m.Batch.received_at >= run.first_seen - METRIC_SLACK_S,
-                m.Batch.received_at <= run.last_seen + METRIC_SLACK_S,
-            )
-        )
-        for key in sorted(set(self.db.scalars(own)) | set(self.db.scalars(window))):
-            yield decode_stored(self.blobs.get(key))
-
-
 def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
-    """Run the lake finisher for every run that is not running (as the finish queue would)."""
+    """Run the lake finisher for every run of ``tenant`` that is not running, as the finish
+    queue would (the test stacks run no finish worker: they share one database)."""
     from storage import lake
+    from storage.finish import FinishedRun
 
     n = 0
     with sessions() as db:
@@ -74,14 +40,14 @@ def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
                 .join(m.Session, m.Session.cluster_id == m.Cluster.id)
                 .where(m.Session.id == run.session_id)
             ).one()
-            lake.finish(FinishedRunStandIn(db, blobs, run, t, c, s))
+            lake.finish(FinishedRun(db, blobs, run, t, c, s))
             n += 1
     return n
 
 
 def make_cluster(storage: Any, tenant: str, name: str) -> tuple[int, int]:
     """(tenant id, cluster id) of a cluster made directly in the index."""
-    from storage.ingest import ensure_tenant
+    from storage.tokens import ensure_tenant
 
     with storage.sessions.begin() as db:
         tenant_id = ensure_tenant(db, tenant, T0)

@@ -31,25 +31,13 @@ def load(i: int) -> int:
 
 
 def in_lake(server: EmbeddedServer, run_ids: list[str]) -> None:
-    """Wait until the runs are in the lake (finished by the server's finish hook)."""
-    try:
-        import storage.finish  # noqa: F401
-    except ImportError:  # the finish hook has not landed: run the finisher as it would
-        from storage.blobs import blob_store_for
-        from storage.config import load_settings
-        from storage.db import make_engine, make_sessionmaker
-        from tests.lake.conftest import finish_all
-
-        settings = load_settings({"data_dir": str(server.data_dir)})
-        engine = make_engine(settings.database_url)
-        finish_all(make_sessionmaker(engine), blob_store_for(settings), "default")
-        engine.dispose()
+    """Wait until the server's finish worker has put the runs in the lake."""
 
     def present() -> bool:
         got = server.get("/v1/lake/runs", run=run_ids, columns="run")["rows"]
         return len(got) == len(run_ids)
 
-    wait_until(present, 60, f"runs {run_ids} in the lake")
+    wait_until(present, 120, f"runs {run_ids} in the lake")
 
 
 @pytest.fixture(scope="module")
