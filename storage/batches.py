@@ -47,10 +47,14 @@ def parse_blob_key(key: str) -> BatchKey | None:
     return BatchKey(g["tenant"], g["cluster"], g["session"], g["agent"], int(g["seq"]))
 
 
+def stored_json(data: bytes) -> bytes:
+    """The JSON of a batch as the blob store holds it (zstd, possibly several frames)."""
+    return zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True).read()
+
+
 def decode_stored(data: bytes) -> Batch:
     """A batch as the blob store holds it (zstd-compressed JSON, possibly several frames)."""
-    reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
-    return decode_batch(reader.read())
+    return decode_batch(stored_json(data))
 
 
 def run_public_id(tenant: str, cluster: str, session: str, run_key: str) -> str:

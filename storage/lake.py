@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -26,9 +26,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from hindsight import lake as layout
 from hindsight.lake import Manifest
-from hindsight.schema import CustomEvent
+from hindsight.schema import CustomEvent, decode_batch
 from storage import models as m
-from storage.batches import DEFAULT_RUN
+from storage import runfile
+from storage.batches import DEFAULT_RUN, stored_json
 from storage.blobs import BlobStore
 from storage.lakewrite import TARGET_ROWS, Partition, RunRows, commit, read_manifest, schemas
 from storage.queries import run_summary
@@ -74,11 +75,25 @@ def _with_identity(table: Any, run: str, session: str, schema: Any) -> Any:
     return pa.Table.from_arrays(cols + table.columns, schema=schema)
 
 
+def emitted(db: Session, blobs: BlobStore, run: m.Run) -> Iterator[CustomEvent]:
+    """The values the run's tasks emitted (``hindsight.emit``), from the batches around the
+    run. A batch is decoded only if its JSON names the ``custom`` kind at all: most runs
+    emit nothing, and decoding every batch of a large run a second time (its compacted
+    copy decoded them once) would double what finishing it costs."""
+    for _, key, _mine in runfile.batch_keys(db, run):
+        raw = stored_json(blobs.get(key))
+        if b'"custom"' not in raw:
+            continue
+        for ev in decode_batch(raw).events:
+            if type(ev) is CustomEvent and (ev.run or DEFAULT_RUN) == run.run_key:
+                yield ev
+
+
 def build_tables(
-    run: m.Run, cluster: str, session: str, data: Any, batches: Callable[[], Iterable[Any]]
+    run: m.Run, cluster: str, session: str, data: Any, values: Iterable[CustomEvent]
 ) -> dict[str, Any]:
-    """The lake tables of one run from its compacted copy (``data``: tasks, metrics) and,
-    for emitted values, its decoded batches."""
+    """The lake tables of one run from its compacted copy (``data``: tasks, metrics) and the
+    values its tasks emitted."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -124,22 +139,18 @@ def build_tables(
         n: [] for n in ("stream", "time", "worker", "key", "value", "number")
     }
     enc = msgspec.json.Encoder()
-    for batch in batches():
-        for ev in batch.events:
-            if type(ev) is CustomEvent and (ev.run or DEFAULT_RUN) == run.run_key:
-                v = ev.value
-                number = (
-                    float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-                )
-                for col, x in (
-                    ("stream", ev.stream),
-                    ("time", ev.time),
-                    ("worker", ev.worker),
-                    ("key", ev.key),
-                    ("value", enc.encode(v).decode()),
-                    ("number", number),
-                ):
-                    rows[col].append(x)
+    for ev in values:
+        v = ev.value
+        number = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+        for col, x in (
+            ("stream", ev.stream),
+            ("time", ev.time),
+            ("worker", ev.worker),
+            ("key", ev.key),
+            ("value", enc.encode(v).decode()),
+            ("number", number),
+        ):
+            rows[col].append(x)
     n = len(rows["stream"])
     streams = pa.table({"run": [pid] * n, "session": [session] * n, **rows}, schema=sch["streams"])
     return {"tasks": tasks, "metrics": metrics, "runs": runs, "streams": streams}
@@ -171,7 +182,7 @@ def finish(fr: Any) -> None:
         run.public_id,
         fr.session,
         tag,
-        lambda: build_tables(run, fr.cluster, fr.session, fr.data(), fr.batches),
+        lambda: build_tables(run, fr.cluster, fr.session, fr.data(), emitted(db, blobs, run)),
     )
     commit(db, blobs, part, add=[rows])
     seal_previous(db, blobs, part)
