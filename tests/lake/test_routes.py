@@ -103,6 +103,13 @@ def test_filters_prune_files_and_never_open_the_others(stack, storage, lake_app)
     erred = get(h, "/v1/lake/tasks", status="erred").json["scan"]
     assert erred["files_opened"] == 1  # only one file holds an erred task
     assert get(h, "/v1/lake/tasks", prefix="nope").json["scan"]["files"] == 0
+    # a planned file read straight from S3, as Client.lake(direct=True) has a worker do
+    part = layout.LocationPart(
+        "tasks", layout.Filters(), ["key", "cluster"], endpoint_url=stack["s3_endpoint_url"]
+    )
+    dev_file = next(f for f in all_files if f["cluster"] == "dev")
+    assert dev_file["location"].startswith("s3://")
+    assert sorted(part(dev_file)["key"]) == sorted(r["key"] for r in rows(h, cluster="dev"))
     # spoil every file but dev's: the dev answer stands, a full scan breaks
     spoil(storage, [key_of(f) for f in all_files if f["cluster"] != "dev"])
     assert len(rows(h, cluster="dev")) == 4

@@ -188,7 +188,7 @@ def task_keys(storage: Any, manifest: Any) -> list[str]:
 def test_small_runs_of_a_day_merge_and_the_day_seals_into_one_file(storage, partition):
     expected: list[str] = []
     most_files = 0
-    for i in range(16):
+    for i in range(12):
         manifest = commit(storage, partition, add=[synthetic(f"run-{i:02d}", 500, T0 + i)])
         expected += [f"run-{i:02d}-{j}" for j in range(500)]
         tasks = [f for f in manifest.files if f.table == "tasks"]
@@ -196,12 +196,12 @@ def test_small_runs_of_a_day_merge_and_the_day_seals_into_one_file(storage, part
         assert sorted(task_keys(storage, manifest)) == sorted(expected)  # each run once
     # while the day runs: tiered merging keeps few files (not one per run) ...
     assert 1 < most_files <= 2 * (lakewrite.FANOUT - 1)
-    assert manifest.seq == 16
+    assert manifest.seq == 12
     # ... and once it is over, one file per table
     sealed = commit(storage, partition, seal=True)
     assert [f.table for f in sealed.files].count("tasks") == 1
     assert sorted(task_keys(storage, sealed)) == sorted(expected)
-    assert len(sealed.runs) == 16
+    assert len(sealed.runs) == 12
     # superseded files wait out the grace period, then go
     waiting = [r.key for r in sealed.removed]
     assert waiting and all(storage.blobs.exists(k) for k in waiting)
