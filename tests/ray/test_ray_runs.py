@@ -12,6 +12,7 @@ import pytest
 import requests
 import zstandard
 
+from storage.ray_events import parse
 from tests.dashboard.conftest import shoot
 from tests.dashboard.test_browser import model_counts
 from tests.dask.conftest import EmbeddedServer, wait_until
@@ -46,6 +47,25 @@ def recorded(server: EmbeddedServer, run_id: str) -> dict[tuple[str, int], dict[
     return out
 
 
+def exporter_view(server: EmbeddedServer) -> dict[tuple[str, int], Any]:
+    """Every task attempt as Ray's exporter described it, merged from the bodies the server
+    stored (its blob directory)."""
+    tasks: dict[tuple[str, int], Any] = {}
+    for path in stored_bodies(server):
+        body = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
+        for part in parse(body).values():
+            for key, patch in part.tasks.items():
+                have = tasks.get(key)
+                if have is None:
+                    tasks[key] = patch
+                    continue
+                for f in ("running_at", "finished_at", "failed_at"):
+                    v = getattr(patch, f)
+                    if v is not None and (getattr(have, f) is None or v < getattr(have, f)):
+                        setattr(have, f, v)
+    return tasks
+
+
 def compute(task: dict[str, Any]) -> tuple[float, float]:
     (phase,) = task["startstops"]
     assert phase["action"] == "compute"
@@ -58,6 +78,8 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
     mine = recorded(ray_server, entry["run"]["id"])
     theirs = {(t["task_id"], t["attempt_number"]): t for t in entry["state"]}
     assert set(mine) == set(theirs)
+    exported = exporter_view(ray_server)
+    off: list[Any] = []
     for key, t in theirs.items():
         m = mine[key]
         assert m["attrs"]["state"] == t["state"], key
@@ -66,8 +88,17 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
         assert m["prefix"] == t["func_or_class_name"]
         assert m["attrs"]["type"] == t["type"]
         start, stop = compute(m)
-        assert abs(start * 1000 - t["start_time_ms"]) <= 1, (key, start, t["start_time_ms"])
-        assert abs(stop * 1000 - t["end_time_ms"]) <= 1, (key, stop, t["end_time_ms"])
+        # Hindsight writes exactly what the exporter sent ...
+        sent = exported[key]
+        assert (start, stop) == (pytest.approx(sent.running_at, abs=1e-6),
+                                 pytest.approx(sent.failed_at or sent.finished_at, abs=1e-6))  # fmt: skip
+        # ... and that is what Ray's State API reports, to the millisecond (which it floors).
+        for ours, state_ms, what in (
+            (start, t["start_time_ms"], "start"),
+            (stop, t["end_time_ms"], "end"),
+        ):
+            if abs(ours * 1000 - state_ms) > 1:
+                off.append((key, what, round(ours * 1000 - state_ms, 3)))
         assert m["attrs"].get("parent") == (
             t["parent_task_id"]
             if t["parent_task_id"] and set(t["parent_task_id"]) != {"f"}
@@ -78,6 +109,11 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
             assert m["attrs"]["error_type"] == t["error_type"]
     assert entry["run"]["task_count"] == len(theirs)
     assert entry["run"]["error_count"] == sum(t["state"] == "FAILED" for t in theirs.values())
+    # Ray keeps two records of a transition (the exporter's event and the GCS task event
+    # behind the State API); on a heavily loaded machine they were once seen 2.7 ms apart.
+    # Hindsight is exact against the exporter (above); against the State API every time is
+    # within 1 ms but for such rare disagreements of Ray's own.
+    assert len(off) <= max(1, len(theirs) // 50), off
 
 
 def test_every_kind_of_task_is_there(jobs, ray_server):
