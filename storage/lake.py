@@ -194,8 +194,8 @@ def seal_previous(db: Session, blobs: BlobStore, part: Partition, now: float | N
     with several small files: its runs finished while the day was still running."""
     now = time.time() if now is None else now
     P, F = m.LakePartition, m.LakeFile
-    day = db.execute(
-        select(P.day)
+    pid = db.execute(
+        select(P.id)
         .join(F, F.partition_id == P.id)
         .where(
             P.cluster_id == part.cluster_id,
@@ -208,14 +208,17 @@ def seal_previous(db: Session, blobs: BlobStore, part: Partition, now: float | N
         .order_by(P.day.desc())
         .limit(1)
     ).scalar()
-    if day is not None:
-        commit(
-            db,
-            blobs,
-            Partition(part.tenant, part.cluster, day, part.tenant_id, part.cluster_id),
-            now=now,
-            seal=True,
-        )
+    if pid is not None and _try_lock(db, pid):
+        commit(db, blobs, _partition_of(db, pid), now=now, seal=True)
+
+
+def _try_lock(db: Session, pid: int) -> bool:
+    """Lock a partition's row unless another transaction holds it. Work a finisher does
+    on the side (sealing, vacuuming) never waits for a lock: two finishers each holding
+    their own run's partition and waiting for the other's would deadlock."""
+    P = m.LakePartition
+    got = db.scalar(select(P.id).where(P.id == pid).with_for_update(skip_locked=True))
+    return got is not None
 
 
 def _partition_of(db: Session, pid: int) -> Partition:
@@ -249,10 +252,12 @@ def vacuum(
     q = select(P.id).where(P.vacuum_at <= now).order_by(P.vacuum_at).limit(limit)
     if tenant_id is not None:
         q = q.where(P.tenant_id == tenant_id)
-    pids = list(db.scalars(q))
-    for pid in pids:
-        commit(db, blobs, _partition_of(db, pid), now=now)
-    return len(pids)
+    done = 0
+    for pid in db.scalars(q).all():
+        if _try_lock(db, pid):
+            commit(db, blobs, _partition_of(db, pid), now=now)
+            done += 1
+    return done
 
 
 # ---------------------------------------------------------------- retention and reindex

@@ -328,3 +328,23 @@ def test_lake_tasks_and_metrics_are_the_compacted_copys_columns():
         s = layout.schema(table)
         assert s.names[:2] == ["run", "session"]
         assert s.remove(0).remove(0).equals(copy), table
+
+
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)
+def test_a_day_left_unsealed_is_sealed_by_the_clusters_next_day(storage, partition):
+    for i in range(3):  # finished while their day ran: three small files
+        commit(storage, partition, add=[synthetic(f"r{i}", 100, T0 + i)], now=T0 + 60, seal=False)
+    before = lakewrite.read_manifest(storage.blobs, *partition.names)
+    assert [f.table for f in before.files].count("tasks") == 3
+    later = lakewrite.Partition(
+        partition.tenant,
+        "c",
+        layout.day_of(T0 + 2 * DAY),
+        partition.tenant_id,
+        partition.cluster_id,
+    )
+    with storage.sessions.begin() as db:
+        lake.seal_previous(db, storage.blobs, later, now=T0 + 2 * DAY + 60)
+    after = lakewrite.read_manifest(storage.blobs, *partition.names)
+    assert [f.table for f in after.files].count("tasks") == 1
+    assert sorted(task_keys(storage, after)) == sorted(task_keys(storage, before))
