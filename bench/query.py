@@ -18,6 +18,9 @@ COPY, and one run of 1,000,000 Dask-shaped task records through the real ingest 
 - ``profile_ms``: ``GET /v1/profiles?prefix=read-parquet`` merging the stored profiles of
   100 runs (median; each run's tree of that prefix has ~2,000 frames, as deep pandas/pyarrow
   stacks give, out of a shared code base so the merge is realistic);
+- ``state_at_ms``: ``GET /v1/runs/{id}/state?at=`` (replay) of the 1M-task run at its
+  midpoint (median, caches empty); the run carries a ``state`` sample every second, as
+  the scheduler agent sends at the default sampling interval (16 workers, 10 prefixes);
 - and, without targets: compacting the 1M-task run from its raw batches, and streaming it
   in full as NDJSON.
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import random
 import secrets
@@ -55,8 +59,8 @@ from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
 from storage.ingest import index_batch  # noqa: E402
 from storage.tokens import create_token  # noqa: E402
 
-TARGETS = {"run_list_p95_ms": 50, "run_tasks_cold_s": 1.5, "run_tasks_page_ms": 300,
-           "prefix_history_ms": 200, "profile_ms": 500}  # fmt: skip
+TARGETS = {"run_list_p95_ms": 50, "run_tasks_cold_s": 1.0, "run_tasks_page_ms": 300,
+           "prefix_history_ms": 200, "profile_ms": 500, "state_at_ms": 300}  # fmt: skip
 T0 = 1_780_000_000.0
 TENANT = "bench"
 
@@ -245,6 +249,43 @@ def load_profiles(sessions: Any, tenant_id: int, runs: list[int], nodes: int = 2
     return stored // max(len(runs), 1)
 
 
+#: Seconds between a task's start in the synthetic run (see ``task_events``) and threads.
+TASK_SPACING = 0.0004
+BIG_WORKERS = [f"tcp://10.0.{i // 8}.{i % 8 + 10}:{40000 + i}" for i in range(16)]
+BIG_THREADS = 4
+
+
+def state_samples(n_tasks: int, t_start: float, lo: float, hi: float) -> list[dict[str, Any]]:
+    """The scheduler agent's ``state`` events of the big run over ``[lo, hi)``, one a second:
+    tasks start every ``TASK_SPACING`` s in prefix order (as ``task_events`` makes them)
+    and each thread holds one, so the tasks started are done but for the last ones."""
+    out = []
+    t = t_start + math.ceil(max(lo - t_start, 0.0))
+    n_prefixes = len(NAMES)
+    capacity = len(BIG_WORKERS) * BIG_THREADS
+    while t < hi:
+        started = min(n_tasks, int((t - t_start) / TASK_SPACING) + 1)
+        processing = min(started, capacity) if started < n_tasks else 0
+        done = started - processing
+        prefixes = []
+        for k, name in enumerate(NAMES):
+            total = n_tasks // n_prefixes + (k < n_tasks % n_prefixes)
+            d = done // n_prefixes + (k < done % n_prefixes)
+            s_ = started // n_prefixes + (k < started % n_prefixes)
+            # results are released once their dependants ran: all but the last 2% of each
+            released = d - min(d, max(total // 50, 1))
+            prefixes.append({"prefix": name, "waiting": total - s_, "processing": s_ - d,
+                             "memory": d - released, "released": released})  # fmt: skip
+        workers = [{"worker": w, "managed": 2_000_000_000 + 1_000_000 * i,
+                    "unmanaged": 300_000_000, "spilled": 0 if i % 4 else 500_000_000,
+                    "limit": 8_000_000_000, "processing": processing // len(BIG_WORKERS)}
+                   for i, w in enumerate(BIG_WORKERS)]  # fmt: skip
+        out.append({"kind": "state", "run": "big", "time": t, "prefixes": prefixes,
+                    "workers": workers})  # fmt: skip
+        t += 1.0
+    return out
+
+
 def load_big_run(
     sessions: Any, blobs: Any, tenant_id: int, n_tasks: int, per_batch: int = 5000
 ) -> None:
@@ -254,11 +295,18 @@ def load_big_run(
     enc = msgspec.json.Encoder()
     n_batches = (n_tasks + per_batch - 1) // per_batch
     t_big = T0 + 2000 * 3600 + 7200  # after the synthetic history
+    t_end = t_big + n_tasks * TASK_SPACING + 60
     for seq in range(n_batches):
         events: list[dict[str, Any]] = task_events(
             min(per_batch, n_tasks - seq * per_batch), first=seq * per_batch, run="big",
-            t0=t_big + seq * per_batch * 0.0004, rng=rng,
+            t0=t_big + seq * per_batch * TASK_SPACING, rng=rng,
         )  # fmt: skip
+        # the samples the scheduler agent took while this batch's tasks ran (the last
+        # batch: until the run's end, and the final one at its end)
+        lo = t_big + seq * per_batch * TASK_SPACING
+        last = seq == n_batches - 1
+        hi = t_end + 1e-9 if last else lo + per_batch * TASK_SPACING
+        events += state_samples(n_tasks, t_big, lo, hi)
         if seq == 0:
             events.insert(
                 0,
@@ -270,7 +318,7 @@ def load_big_run(
                     "kind": "run",
                     "event": "finished",
                     "id": "big",
-                    "time": t_big + n_tasks * 0.0004 + 60,
+                    "time": t_end,
                 }
             )
         raw = enc.encode({"schema": 1, "cluster": "cluster-big", "session": "Scheduler-big",
@@ -438,6 +486,22 @@ def main() -> int:
             f"tasks: parquet cold {cold_s:.2f} s, page {page_ms:.0f} ms, NDJSON in full {ndjson_s:.1f} s"
         )
 
+        # ---- replay of the 1M-task run at its midpoint
+        mid = (big["started_at"] + big["finished_at"]) / 2
+        url = f"/v1/runs/{big['id']}/state?at={mid}"
+        body = get(url).json
+        assert sum(sum(p[k] for k in ("waiting", "processing", "memory", "released", "erred"))
+                   for p in body["prefixes"]) == args.big_tasks, body  # fmt: skip
+        assert body["sampled_at"] <= mid < body["sampled_at"] + 1 and len(body["workers"]) == 16
+        with engine.connect() as conn:
+            n_samples = conn.execute(text("SELECT count(*) FROM run_states")).scalar_one()
+        state_ms = []
+        for _ in range(20):
+            runfile.clear_cache()
+            state_ms.append(timed(lambda: get(url)) * 1000)
+        state_at_ms = statistics.median(state_ms)
+        log(f"replay at the midpoint ({n_samples} samples of the run): {state_at_ms:.1f} ms")
+
         figures = {
             "run_list_p95_ms": round(run_list_p95, 1),
             "run_tasks_cold_s": round(cold_s, 3),
@@ -446,6 +510,8 @@ def main() -> int:
             "prefix_history_hourly_ms": round(ph_hour_ms, 1),
             "profile_ms": round(profile_ms, 1),
             "profile_stored_bytes_per_run": profile_bytes,
+            "state_at_ms": round(state_at_ms, 1),
+            "state_samples": n_samples,
             "run_list_sorted_by_makespan_ms": round(sorted_ms, 1),
             "run_compact_s": round(compact_s, 2),
             "run_tasks_ndjson_s": round(ndjson_s, 2),

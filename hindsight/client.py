@@ -242,6 +242,27 @@ class Client:
         df.attrs["totals"] = body["totals"]
         return df
 
+    def state(self, run_id: str, at: Any) -> dict[str, Any]:
+        """Replay: the run at ``at`` (epoch seconds, ISO 8601 or a datetime) as Dask's
+        status page showed it. A dict: ``time``, ``sampled_at`` (the sample it comes
+        from), ``workers`` (DataFrame: worker, managed, unmanaged, spilled, limit bytes,
+        processing), ``prefixes`` (DataFrame: prefix, waiting, processing, memory,
+        released, erred), ``thresholds`` (the session's memory fractions) and
+        ``samples`` (the run's first and last sample times)."""
+        if hasattr(at, "timestamp"):
+            at = at.timestamp()
+        body = self.get(f"/v1/runs/{run_id}/state", at=at)
+        pd = _pd()
+        workers = [{"worker": w["worker"], **w["memory"], "processing": w["processing"]}
+                   for w in body["workers"]]  # fmt: skip
+        return {
+            **body,
+            "workers": pd.DataFrame(workers, columns=["worker", "managed", "unmanaged",
+                                                      "spilled", "limit", "processing"]),
+            "prefixes": pd.DataFrame(body["prefixes"], columns=[
+                "prefix", "waiting", "processing", "memory", "released", "erred"]),
+        }  # fmt: skip
+
     def activity_history(self, prefix: str | None = None, name: str | None = None,
                          **params: Any) -> Any:  # fmt: skip
         """Seconds by activity per hour or day of run start (``bucket``), of a prefix and/or
@@ -258,6 +279,50 @@ class Client:
     def trace(self, run_id: str) -> dict[str, Any]:
         """The run as Chrome trace-event JSON (save it and open it in ui.perfetto.dev)."""
         return self.get(f"/v1/runs/{run_id}/trace")
+
+    # ------------------------------------------------------------ logs, streams, workers
+
+    def logs(self, run_id: str, limit: int | None = None, **filters: Any) -> Any:
+        """The run's log records, oldest first: time, level, worker (``scheduler`` for the
+        scheduler's), logger, message, key (the task that logged it). Filters: ``level``
+        (that level and above), ``worker``, ``since``, ``until``, ``q`` (text, any case);
+        every page is fetched unless ``limit``."""
+        rows = list(
+            self._pages(f"/v1/runs/{run_id}/logs", "logs", {**filters, "limit": 1000}, limit)
+        )
+        return _pd().DataFrame(
+            rows, columns=["time", "level", "worker", "logger", "message", "key"]
+        )
+
+    def streams(self, run_id: str) -> Any:
+        """The streams the run's tasks emitted values on (``hindsight.emit``): stream,
+        count, numeric (values that are numbers), workers, first, last."""
+        return _pd().DataFrame(
+            self.get(f"/v1/runs/{run_id}/streams")["streams"],
+            columns=["stream", "count", "numeric", "workers", "first", "last"],
+        )
+
+    def stream(self, run_id: str, stream: str, limit: int | None = None) -> Any:
+        """One stream's values in time order: time, worker, key, value (as emitted). The
+        numeric values per interval (time, count, sum, mean, min, max) are in
+        ``df.attrs["aggregate"]`` (None if no value is a number)."""
+        path = f"/v1/runs/{run_id}/streams/{urllib.parse.quote(stream, safe='')}"
+        first = self.get(path, limit=1)
+        rows = list(self._pages(path, "values", {"limit": 1000}, limit))
+        df = _pd().DataFrame(rows, columns=["time", "worker", "key", "value"])
+        agg = first["aggregate"]
+        df.attrs["aggregate"] = (
+            None if agg is None else _pd().DataFrame(
+                agg["points"], columns=["time", "count", "sum", "mean", "min", "max"])
+        )  # fmt: skip
+        return df
+
+    def lifecycle(self, run_id: str) -> dict[str, Any]:
+        """The session's facts and the run's workers: ``session`` (versions, config excerpt,
+        scheduler address) and ``workers`` (DataFrame: address, name, joined_at, left_at,
+        cause, reason, ...; ``took_down`` lists the run's tasks a departure took down)."""
+        body = self.get(f"/v1/runs/{run_id}/lifecycle")
+        return {**body, "workers": _pd().DataFrame(body["workers"])}
 
     # ------------------------------------------------------------ the history lake
 

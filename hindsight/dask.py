@@ -36,7 +36,9 @@ from tornado.ioloop import PeriodicCallback
 from hindsight.agent import Agent
 from hindsight.config import Settings, load_settings
 from hindsight.dask_perf import ProfileShipper, RunPerf, enable_code_capture
+from hindsight.dask_state import RunStates, worker_state
 from hindsight.schema import (
+    MAX_LEFT_KEYS,
     GraphEvent,
     LogEvent,
     MetricEvent,
@@ -47,7 +49,7 @@ from hindsight.schema import (
     WorkerEvent,
     valid_name,
 )
-from hindsight.streams import scheduler_time
+from hindsight.streams import current_task, scheduler_time
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +142,36 @@ def _graph_event(key: Any, prefix: str, group: str, run: str | None, deps: list[
     )
 
 
-def _log_event(created: float, level: str, message: str, name: str, worker: str | None) -> LogEvent:
+def _log_event(
+    created: float,
+    level: str,
+    message: str,
+    name: str,
+    worker: str | None,
+    key: str | None = None,
+    run: str | None = None,
+) -> LogEvent:
     return LogEvent(
-        time=created, level=level, message=_text(message) or "", logger=_label(name), worker=worker
+        time=created,
+        level=level,
+        message=_text(message) or "",
+        logger=_label(name),
+        worker=worker,
+        key=_key(key) if key is not None else None,
+        run=_label(run),
+    )
+
+
+def _killed_worker_text(key: Any, ts: Any, exception: Any, worker: Any) -> str | None:
+    """The text of the ``KilledWorker`` the scheduler raises itself when a task's worker
+    dies once too often (it passes the pickled exception and no text): Dask's own message,
+    from the scheduler's task state, without unpickling anything."""
+    if not isinstance(exception, bytes) or b"KilledWorker" not in exception:
+        return None
+    return (
+        f"KilledWorker: Attempted to run task {key!r} on {getattr(ts, 'suspicious', '?')} "
+        "different workers, but all those workers died while running it. The last worker "
+        f"that attempt to run the task was {worker}."
     )
 
 
@@ -196,8 +225,14 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self._pending_graphs: deque[list[Any]] = deque()
         self._pump_scheduled = False
         self._workers: dict[str, str] = {}
+        # what the scheduler's own events said about workers: the last status each reported,
+        # and the "remove-worker" event of a worker being removed (read by remove_worker)
+        self._worker_status: dict[str, str] = {}
+        self._removing: dict[str, dict[str, Any]] = {}
+        self._log_handler: _LogHandler | None = None
         self._sampler: PeriodicCallback | None = None
         self._perf: RunPerf | None = None
+        self._states: RunStates | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"overrides": self.overrides}
@@ -233,10 +268,15 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self.agent = Agent(settings, session=self.session, name="scheduler")
         self.agent.add(self._session_event(scheduler))
         self._perf = RunPerf(self.agent, scheduler)
+        self._states = RunStates(self.agent, scheduler, settings.sample_interval)
         # Clients in this process (an in-process LocalCluster's) send their code.
         enable_code_capture(settings.code_frames)
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
+        self._log_handler = _LogHandler(
+            self.agent, None, logging.getLevelName(settings.log_level.upper()), SCHEDULER_LOGGERS
+        )
+        logging.getLogger("distributed").addHandler(self._log_handler)
         self._sampler = PeriodicCallback(self._sample, settings.sample_interval * 1000)
         scheduler.periodic_callbacks["hindsight-sample"] = self._sampler
         self._sampler.start()
@@ -286,6 +326,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         try:
             if self._sampler is not None:
                 self._sampler.stop()
+            if self._log_handler is not None:
+                logging.getLogger("distributed").removeHandler(self._log_handler)
             self._pump_graph(limit=None)
             self._check_runs(closing=True)
             if self._perf is not None:
@@ -410,13 +452,16 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             run = self._span_runs.get(group.span_id)
             if run is None or run not in self._open_runs:
                 run = self._run_of(group)
+            get = kwargs.get
+            exception_text = get("exception_text")
             if finish == "erred":
                 state = self._open_runs.get(run)
                 if state is not None:
                     state.erred += 1
+                if exception_text is None:
+                    exception_text = _killed_worker_text(key, ts, get("exception"), get("worker"))
             # Keep only what the record needs: the pickled type bytes and the exception
             # objects in kwargs are dropped here rather than held until the batch is cut.
-            get = kwargs.get
             agent.add(
                 (
                     _task_event,
@@ -430,7 +475,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     get("nbytes"),
                     get("typename"),
                     get("startstops"),
-                    get("exception_text"),
+                    exception_text,
                     get("traceback_text"),
                 )
             )
@@ -438,7 +483,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             logger.debug("hindsight: transition hook failed", exc_info=True)
 
     # -- runs --------------------------------------------------------------------------
-    def _check_runs(self, closing: bool = False) -> None:
+    def _check_runs(self, closing: bool = False, workers: list[Any] | None = None) -> None:
         if self.agent is None or not self._open_runs:
             return
         for run_id, state in list(self._open_runs.items()):
@@ -448,6 +493,10 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 continue
             stop = span.stop if span is not None and done else time.time()
             erred = state.erred > 0 or not done
+            if self._states is not None:
+                if workers is None:
+                    workers = self._worker_states()
+                self._states.final(run_id, stop, workers)
             self.agent.add(
                 RunEvent(
                     event="erred" if erred else "finished",
@@ -480,13 +529,42 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         except Exception:
             logger.debug("hindsight: add_worker hook failed", exc_info=True)
 
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Keep what the scheduler's events say about workers: a worker's status changes
+        (closing, paused...) and the ``remove-worker`` event, which lists the tasks the
+        worker was processing and the results only it held (``remove_worker`` reads it)."""
+        if self.agent is None or type(msg) is not dict:
+            return
+        try:
+            action = msg.get("action")
+            if action == "worker-status-change":
+                self._worker_status[str(topic)] = str(msg.get("status"))
+            elif action == "remove-worker" and topic == "all":
+                self._removing[str(msg.get("worker"))] = msg
+        except Exception:
+            logger.debug("hindsight: log_event hook failed", exc_info=True)
+
     def remove_worker(
         self, scheduler: Any, worker: str, *, stimulus_id: str | None = None, **kwargs: Any
     ) -> None:
-        """Record a worker leaving, with the scheduler's reason (its stimulus)."""
+        """Record a worker leaving: the scheduler's reason (its stimulus), whether it was
+        expected, and the tasks its leaving took down. Runs after the scheduler has
+        transitioned them, so a processing task that is now ``erred`` failed because of it."""
         if self.agent is None:
             return
         try:
+            if self._states is not None:
+                self._states.left(_label(worker) or "", time.time())
+            status = self._worker_status.pop(worker, None)
+            removing = self._removing.pop(worker, None) or {}
+            processing = list(removing.get("processing-tasks") or ())
+            tasks = scheduler.tasks
+            erred = [k for k in processing if getattr(tasks.get(k), "state", None) == "erred"]
+            lost = list(removing.get("lost-computed-tasks") or ()) + list(
+                removing.get("lost-scattered-tasks") or ()
+            )
+            counts = {"processing": len(processing), "erred": len(erred), "lost": len(lost)}
+            expected = removing.get("expected")
             self.agent.add(
                 WorkerEvent(
                     event="left",
@@ -494,6 +572,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     time=time.time(),
                     name=self._workers.pop(worker, None),
                     reason=_reason(stimulus_id),
+                    expected=bool(expected) if expected is not None else None,
+                    status=status[:64] if status else None,
+                    processing=[_key(k) for k in processing[:MAX_LEFT_KEYS]],
+                    erred=[_key(k) for k in erred[:MAX_LEFT_KEYS]],
+                    lost=[_key(k) for k in lost[:MAX_LEFT_KEYS]],
+                    counts={k: v for k, v in counts.items() if v},
                 )
             )
         except Exception:
@@ -506,18 +590,28 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             return
         try:
             now = time.time()
+            workers = []
             for ws in list(self.scheduler.workers.values()):
-                agent.add(
-                    MetricEvent(worker=_label(ws.address) or "", time=now, values=worker_values(ws))
-                )
+                address = _label(ws.address) or ""
+                values = worker_values(ws)
+                agent.add(MetricEvent(worker=address, time=now, values=values))
+                workers.append(worker_state(address, values))
             agent.add(
                 MetricEvent(worker="scheduler", time=now, values=scheduler_values(self.scheduler))
             )
-            self._check_runs()
+            if self._states is not None and self._open_runs:
+                self._states.sample(self._open_runs, workers, now)
+            self._check_runs(workers=workers)
             if self._perf is not None:
                 self._perf.sample(self._open_runs)
         except Exception:
             logger.debug("hindsight: sampling failed", exc_info=True)
+
+    def _worker_states(self) -> list[Any]:
+        return [
+            worker_state(_label(ws.address) or "", worker_values(ws))
+            for ws in list(self.scheduler.workers.values())
+        ]
 
 
 def _number(values: dict[str, float], name: str, value: Any) -> None:
@@ -576,32 +670,49 @@ def scheduler_values(scheduler: Any) -> dict[str, float]:
     return values
 
 
-class _LogHandler(logging.Handler):
-    """Copies log records at or above the configured level into the worker agent."""
+#: The scheduler's own loggers (its process may also hold a client, or workers in-process,
+#: whose records are not the scheduler's).
+SCHEDULER_LOGGERS = (
+    "distributed.scheduler",
+    "distributed.active_memory_manager",
+    "distributed.stealing",
+    "distributed.shuffle._scheduler_plugin",
+)
 
-    def __init__(self, agent: Agent, worker: Any, level: int) -> None:
+
+class _LogHandler(logging.Handler):
+    """Copies log records at or above the configured level into an agent: a worker's
+    (``worker``; a record logged by a task names the task and its run) or the scheduler's
+    (``worker`` None: records of ``only`` loggers, as worker ``scheduler``)."""
+
+    def __init__(
+        self, agent: Agent, worker: Any, level: int, only: tuple[str, ...] | None = None
+    ) -> None:
         super().__init__(level)
         self.agent = agent
         self.worker = worker
-        self.address = str(worker.address)
+        self.address = str(worker.address) if worker is not None else "scheduler"
+        self.only = only
 
     def emit(self, record: logging.LogRecord) -> None:
         # Our own warnings about delivery problems must not feed back into delivery.
         if record.name.startswith("hindsight"):
             return
+        if self.only is not None and not record.name.startswith(self.only):
+            return
+        if self.only is None and record.name.startswith(SCHEDULER_LOGGERS):
+            return  # workers in the scheduler's process: the scheduler's handler has it
         try:
             message = record.getMessage()
             if record.exc_info:
                 message = f"{message}\n{logging.Formatter().formatException(record.exc_info)}"
+            if self.worker is None:
+                at, key, run = record.created, None, None
+            else:
+                at = scheduler_time(self.worker, record.created)
+                key, run = current_task(self.worker)
             self.agent.add(
-                (
-                    _log_event,
-                    scheduler_time(self.worker, record.created),
-                    record.levelname,
-                    message,
-                    record.name,
-                    self.address,
-                )
+                (_log_event, at, record.levelname, message, record.name, self.address, key, run)
             )
         except Exception:
             pass

@@ -98,8 +98,23 @@ class RunEvent(_Event, tag="run"):
     client: Label | None = None
 
 
+#: Keys a ``left`` worker event lists per kind (``counts`` holds the totals).
+MAX_LEFT_KEYS = 200
+LeftKeys = Annotated[list[Key], msgspec.Meta(max_length=MAX_LEFT_KEYS)]
+
+
 class WorkerEvent(_Event, tag="worker"):
-    """A worker joined or left the cluster."""
+    """A worker joined or left the cluster.
+
+    On ``left``: ``reason`` is the scheduler's stimulus (``handle-worker-cleanup``: its
+    connection closed; ``check-worker-ttl``: heartbeats stopped; ``retire-workers``...),
+    ``expected`` whether the scheduler meant to remove it, ``status`` the worker's last
+    status the scheduler knew (``running``, ``paused``, ``closing``...), and what its
+    leaving took down: ``processing`` (tasks running or queued on it, sent back to be
+    rescheduled), ``erred`` (of those, tasks marked failed because too many workers died
+    running them: Dask's ``KilledWorker``) and ``lost`` (results only it held, to be
+    recomputed); each lists at most ``MAX_LEFT_KEYS`` keys and ``counts`` has the totals.
+    """
 
     event: Literal["joined", "left"]
     address: Label
@@ -108,6 +123,14 @@ class WorkerEvent(_Event, tag="worker"):
     nthreads: Threads | None = None
     memory_limit: Count | None = None
     reason: Label | None = None
+    expected: bool | None = None
+    status: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    processing: LeftKeys = []
+    erred: LeftKeys = []
+    lost: LeftKeys = []
+    counts: Annotated[
+        dict[Annotated[str, msgspec.Meta(max_length=64)], Count], msgspec.Meta(max_length=16)
+    ] = {}
 
 
 class MetricEvent(_Event, tag="metric"):
@@ -128,13 +151,16 @@ class SessionEvent(_Event, tag="session"):
 
 
 class LogEvent(_Event, tag="log"):
-    """A log record from the scheduler or a worker."""
+    """A log record from the scheduler (``worker``: ``scheduler``) or a worker; ``key`` and
+    ``run`` name the task that logged it, if a task did."""
 
     time: Time
     level: Annotated[str, msgspec.Meta(max_length=32)]
     message: Text
     logger: Label | None = None
     worker: Label | None = None
+    key: Key | None = None
+    run: Label | None = None
 
 
 class CustomEvent(_Event, tag="custom"):
@@ -230,6 +256,42 @@ class CodeEvent(_Event, tag="code"):
     frames: Annotated[list[CodeFrame], msgspec.Meta(max_length=64)]
 
 
+class PrefixState(msgspec.Struct, omit_defaults=True, gc=False):
+    """How many of a run's tasks of one prefix are in each state (Dask's status page
+    progress bars): ``waiting`` counts Dask's waiting, queued and no-worker tasks,
+    ``released`` its released and forgotten ones."""
+
+    prefix: Label
+    waiting: Count = 0
+    processing: Count = 0
+    memory: Count = 0
+    released: Count = 0
+    erred: Count = 0
+
+
+class WorkerState(msgspec.Struct, omit_defaults=True, gc=False):
+    """One worker as the scheduler saw it at a state sample: bytes (managed, unmanaged,
+    spilled to disk, the memory limit; 0 when none) and the tasks processing on it."""
+
+    worker: Label
+    managed: Count = 0
+    unmanaged: Count = 0
+    spilled: Count = 0
+    limit: Count = 0
+    processing: Count = 0
+
+
+class StateEvent(_Event, tag="state"):
+    """A run's task states by prefix and the cluster's workers at ``time``: what Dask's
+    status page showed then. Sent every sample interval while the run lasts and once when
+    it ends; replay at a time reads the latest sample at or before it."""
+
+    run: Label
+    time: Time
+    prefixes: Annotated[list[PrefixState], msgspec.Meta(max_length=100_000)] = []
+    workers: Annotated[list[WorkerState], msgspec.Meta(max_length=100_000)] = []
+
+
 Event = (
     TaskEvent
     | GraphEvent
@@ -242,12 +304,13 @@ Event = (
     | ProfileEvent
     | ActivityEvent
     | CodeEvent
+    | StateEvent
 )
 
 #: Kinds added after protocol v1's first release. A collector that predates them answers
 #: 400 naming ``$.events[i].kind``; the reference agent then sends the batch again without
 #: them (see docs/protocol.md, "Newer event kinds").
-LATER_KINDS = frozenset({"profile", "activity", "code"})
+LATER_KINDS = frozenset({"profile", "activity", "code", "state"})
 
 
 class Batch(msgspec.Struct, omit_defaults=True):

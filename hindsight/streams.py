@@ -59,7 +59,7 @@ def scheduler_time(worker: Any, at: float | None = None) -> float:
         return t
 
 
-def _current_task(worker: Any) -> tuple[str | None, str | None]:
+def current_task(worker: Any) -> tuple[str | None, str | None]:
     try:
         from distributed.worker import thread_state
     except ImportError:
@@ -96,7 +96,7 @@ def emit(stream: str, value: Any = None) -> bool:
             msgspec.json.encode(value)
         except Exception:
             value = repr(value)[:65536]
-        key, run = _current_task(ctx.worker)
+        key, run = current_task(ctx.worker)
         ctx.agent.add(
             CustomEvent(
                 stream=stream,

@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 FINISHERS = (
     "storage.rollups:finish",  # fold the run's appended histogram rows
     "storage.runfile:finish",  # the compacted per-run copy
+    "storage.analysis:finish",  # the run page's critical path, progress and errors
     "storage.profiles:finish",  # the run's statistical profile, per prefix and worker
+    "storage.runlogs:finish",  # the run's log records, emitted values, worker events
     "storage.lake:finish",  # the run's rows in the history lake (docs/lake.md)
 )
 #: A claimed job is another process's to take after this long (a crashed worker).
@@ -121,6 +123,7 @@ def finish_run(db: Session, blobs: BlobStore, run_id: int) -> list[str]:
     if row is None:
         return []
     fr = FinishedRun(db, blobs, *row)
+    public_id = fr.run.public_id
     errors = []
     for name in FINISHERS:
         try:
@@ -128,7 +131,12 @@ def finish_run(db: Session, blobs: BlobStore, run_id: int) -> list[str]:
             db.commit()
         except Exception as exc:  # one finisher's failure must not stop the others
             db.rollback()
-            logger.exception("finisher %s failed for run %s", name, fr.run.public_id)
+            if db.execute(select(m.Run.id).where(m.Run.id == run_id)).first() is None:
+                # Retention removed the run (and its blobs) meanwhile: nothing left to do.
+                db.commit()
+                logger.info("run %s was deleted while it was being finished", public_id)
+                return []
+            logger.exception("finisher %s failed for run %s", name, public_id)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
     return errors
 

@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -355,6 +356,19 @@ class RunActivity(Base):
     time: Mapped[float] = mapped_column(Float)
 
 
+class RunState(Base):
+    """A replay sample of a run (a ``state`` event): its task states by prefix,
+    ``{prefix: [waiting, processing, memory, released, erred]}``, and the cluster's
+    workers, ``{address: [managed, unmanaged, spilled, limit, processing]}``, at ``time``.
+    Replay at T reads the latest row at or before T (the primary key's order)."""
+
+    __tablename__ = "run_states"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    time: Mapped[float] = mapped_column(Float, primary_key=True)
+    prefixes: Mapped[dict[str, Any]] = mapped_column(JSON(none_as_null=True))
+    workers: Mapped[dict[str, Any]] = mapped_column(JSON(none_as_null=True))
+
+
 class RunCode(Base):
     """The code that submitted a computation of a run (client frames, innermost first)."""
 
@@ -439,17 +453,24 @@ class RayJob(Base):
     closed_by: Mapped[str | None] = mapped_column(String(16))
 
 
+_UNWRITTEN: dict[str, Any] = {
+    "postgresql_where": text("emitted IS false"),
+    "sqlite_where": text("emitted IS 0"),
+}
+
+
 class RayTask(Base):
     """One attempt of a Ray task, merged from its definition and lifecycle events."""
 
     __tablename__ = "ray_tasks"
+    # Indexes over the tasks not yet written only (migration 0011); no foreign key: checking
+    # the session row for every inserted task cost ~40% of the insert (retention deletes a
+    # session's tasks itself).
     __table_args__ = (
-        Index("ix_ray_tasks_job", "session_id", "job_id", "emitted"),
-        Index("ix_ray_tasks_pending", "emitted", "end_seen"),
+        Index("ix_ray_tasks_job", "session_id", "job_id", **_UNWRITTEN),
+        Index("ix_ray_tasks_pending", "end_seen", **_UNWRITTEN),
     )
-    session_id: Mapped[int] = mapped_column(
-        ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
-    )
+    session_id: Mapped[int] = mapped_column(Id, primary_key=True)
     task_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[str | None] = mapped_column(String(64))

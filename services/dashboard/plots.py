@@ -234,6 +234,11 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
         "Task stream", rows, x_range, name="task-stream", source_name="task-stream-source"
     )
 
+    # Replay's cursor (services/dashboard/static/replay.js moves it to the slider's time)
+    from bokeh.models import Span
+
+    stream.add_layout(Span(location=0, dimension="height", line_color="#d62728", line_width=2,
+                           visible=False, name="replay-cursor"))  # fmt: skip
     figs = [stream]
     # Progress: completed tasks per prefix over time (cumulative), Dask's prefix colours.
     prog = _time_figure("Progress by prefix (tasks completed)", x_range, height=200)
@@ -290,6 +295,7 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
     return {
         "timeline": json_item(column(*figs, sizing_mode="stretch_width"), "timeline"),
         "stream": cols,
+        "origin": origin,
         "dag": dag,
         "counts": {
             "glyphs": len(cols["x"]),

@@ -28,8 +28,18 @@ from sqlalchemy import func, select
 
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import ApiError, db, store
-from services.dashboard import plots, why_plots
-from storage import activity, analysis, flame, profiles, queries, runcode, runfile
+from services.dashboard import plots, side_plots, why_plots
+from storage import (
+    activity,
+    analysis,
+    flame,
+    profiles,
+    queries,
+    replay,
+    runcode,
+    runfile,
+    runlogs,
+)
 from storage import models as m
 from storage.queries import BadCursor, RunFilters
 from storage.runfacts import display_name, makespan_column
@@ -187,9 +197,10 @@ def run_page(run_id: str) -> Any:
     run, cluster, session = found
     detail = queries.run_detail(db(), run, cluster, session)
     data = runfile.load_run(db(), store().blobs, run)
-    critical = analysis.critical_path(data)
+    facts = analysis.page_facts(db(), store().blobs, run, data)
+    critical = facts["critical"]
     items = plots.run_page_items(
-        data, critical, analysis.progress(data, 120), analysis.metric_series(data, 300)
+        data, critical, facts["progress"], analysis.metric_series(data, 300)
     )
     same_job = [
         queries.run_summary(r, cluster, session) for r in analysis.previous_runs(db(), run, 19)
@@ -207,12 +218,32 @@ def run_page(run_id: str) -> Any:
         dag=script_json(items["dag"]),
         counts=items["counts"],
         critical=critical,
-        errors=analysis.errors(data),
+        errors=facts["errors"],
         dag_max=plots.DAG_MAX_NODES,
         live=detail["status"] == "running",
         refresh=_refresh_seconds(),
         **why_slow(run),
+        **side_records(run, data),
+        **replay_slider(run, detail, items["origin"]),
     )
+
+
+def replay_slider(run: m.Run, detail: dict[str, Any], origin: float) -> dict[str, Any]:
+    """The replay slider's range (the run's state samples) and what its script needs."""
+    samples = replay.sample_times(db(), run.id)
+    if not samples["samples"]:
+        return {"replay": None}
+    first, last = samples["first"], samples["last"]
+    names = {p["prefix"] for p in detail["prefixes"]}
+    names |= {p["prefix"] for p in replay.state_at(db(), run, last)["prefixes"]}
+    opts = {
+        "url": f"/v1/runs/{run.public_id}/state",
+        "start": first,
+        "last": last,
+        "origin": origin,
+        "colours": {name: plots.colour_of(name) for name in sorted(names)},
+    }
+    return {"replay": {**samples, "opts": script_json(opts)}}
 
 
 def why_slow(run: m.Run) -> dict[str, Any]:
@@ -240,6 +271,32 @@ def why_slow(run: m.Run) -> dict[str, Any]:
         "activity_plot": script_json(why_plots.activity_chart(act["activity"])),
         "activity_totals": [t for t in act["totals"] if t["unit"] == "seconds"],
         "code": runcode.run_code(db(), run.id),
+    }
+
+
+#: Log records shown on the run page (the rest through the API, filtered and paged).
+PAGE_LOGS = 200
+
+
+def side_records(run: m.Run, data: runfile.RunData) -> dict[str, Any]:
+    """The run page's log records, emitted values (plot), workers and session facts."""
+    extras = runlogs.load(db(), store().blobs, run)
+    logs = runlogs.log_page(extras.logs, runlogs.LogFilters(), 0, PAGE_LOGS)
+    streams = runlogs.stream_names(extras.streams)
+    numeric = sorted((s for s in streams if s["numeric"]), key=lambda s: -s["numeric"])
+    series = []
+    for s in numeric[: side_plots.MAX_PLOTTED]:
+        agg = runlogs.aggregate(runlogs.one_stream(extras.streams, s["stream"]), 60)
+        if agg is not None:
+            series.append((s["stream"], agg))
+    t0 = runlogs.window(run)[0]
+    return {
+        "logs": logs,
+        "streams": streams,
+        "streams_plot": script_json(side_plots.streams_chart(series, t0)),
+        "lifecycle": runlogs.lifecycle(db(), store().blobs, run, lambda: data.tasks),
+        "causes": runlogs.CAUSES,
+        "session_info": runlogs.session_facts(db(), run) or {},
     }
 
 

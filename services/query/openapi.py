@@ -366,6 +366,116 @@ PATHS["/v1/compare/profile"]["get"]["responses"]["200"]["content"]["text/plain"]
     "schema": {"type": "string"}
 }
 
+_int = {"type": "integer"}
+_num_or_null = {"type": ["number", "null"]}
+PATHS["/v1/runs/{run_id}/state"] = _get(
+    "Replay: the run at a moment as Dask's status page showed it, from the latest state "
+    "sample at or before `at` (the agent samples every sampling interval and at the run's "
+    "end): bytes and tasks processing per worker, task states per prefix (waiting counts "
+    "waiting, queued and no-worker; released counts released and forgotten). Before the "
+    "first sample every task is waiting. `thresholds` are the session's memory fractions "
+    "(Dask colours managed memory orange from `target`); `samples` the run's sample range",
+    [_run_id, _time("at", "the moment (default: now)")],
+    {"type": "object", "required": ["time", "workers", "prefixes"], "properties": {
+        "run": {"type": "string"}, "time": {"type": "number"}, "sampled_at": _num_or_null,
+        "workers": {"type": "array", "items": {"type": "object", "properties": {
+            "worker": {"type": "string"}, "processing": _int,
+            "memory": {"type": "object", "properties": {
+                k: _int for k in ("managed", "unmanaged", "spilled", "limit")}}}}},
+        "prefixes": {"type": "array", "items": {"type": "object", "properties": {
+            "prefix": {"type": "string"}} | {k: _int for k in (
+                "waiting", "processing", "memory", "released", "erred")}}},
+        "thresholds": {"type": "object", "properties": {
+            k: _num_or_null for k in ("target", "spill", "pause", "terminate")}},
+        "samples": {"type": "object", "properties": {
+            "first": _num_or_null, "last": _num_or_null, "samples": _int}},
+    }},
+    _not_found,
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------- logs, streams, workers (issue 9)
+
+_str_or_null = {"type": ["string", "null"]}
+_page = lambda what: {  # noqa: E731
+    "total": {"type": "integer", "description": f"{what} matching"},
+    "next_cursor": {**_str_or_null, "description": "pass as `cursor` for the next page"},
+}  # fmt: skip
+_log = {"type": "object", "properties": {
+    "time": {"type": "number"}, "level": {"type": "string"},
+    "worker": {**_str_or_null, "description": "worker address, or `scheduler`"},
+    "logger": {"type": "string"}, "message": {"type": "string"},
+    "key": {"type": "string", "description": "the task that logged it, if one did"}}}  # fmt: skip
+_stream_value = {"type": "object", "properties": {
+    "time": {"type": "number"}, "worker": _str_or_null, "key": _str_or_null,
+    "value": {"description": "the value as emitted (any JSON)"}}}  # fmt: skip
+_point = {"type": "object", "properties": {
+    k: {"type": "number"} for k in ("time", "count", "sum", "mean", "min", "max")}}  # fmt: skip
+_took = {"type": "array", "items": {"type": "object", "properties": {
+    "key": {"type": "string"}, "worker": _str_or_null, "status": _str_or_null,
+    "stop": _num_or_null}}}  # fmt: skip
+_lifecycle_worker = {"type": "object", "properties": {
+    "address": {"type": "string"}, "name": _str_or_null, "nthreads": {"type": ["integer", "null"]},
+    "memory_limit": {"type": ["integer", "null"]}, "joined_at": _num_or_null,
+    "left_at": _num_or_null, "joined_during_run": {"type": "boolean"},
+    "left_during_run": {"type": "boolean"},
+    "reason": {**_str_or_null, "description": "the scheduler's stimulus for removing it"},
+    "cause": {"type": "string", "enum": ["retired", "closed", "lost", "timed-out", "removed",
+                                         "unknown"]},
+    "cause_text": {"type": "string"}, "expected": {"type": ["boolean", "null"]},
+    "last_status": _str_or_null,
+    "took_down": {"type": "object", "description": "the run's tasks its leaving took down",
+                  "properties": {"erred": {"type": "array", "items": {"type": "string"}},
+                                 "rescheduled": _took, "recomputed": _took,
+                                 "worker_totals": _obj}}}}  # fmt: skip
+_session_info = {"type": ["object", "null"], "properties": {
+    "time": {"type": "number"}, "address": _str_or_null, "versions": _obj, "config": _obj}}  # fmt: skip
+_stream_name = {"name": "stream", "in": "path", "required": True, "schema": _str(256)}
+PATHS |= {
+    "/v1/runs/{run_id}/logs": _get(
+        "The run's log records (workers' and the scheduler's), oldest first: records its tasks "
+        "logged, and records outside any task stamped within its time window",
+        [_run_id,
+         _q("level", _str(32), "this level and above (DEBUG, INFO, WARNING, ERROR, CRITICAL)"),
+         _q("worker", _str(), "one worker's address, or `scheduler`"),
+         _time("since", "records at or after"), _time("until", "records before"),
+         _q("q", _str(), "text in the message or logger name, any case"),
+         _limit(100, 1000), _cursor],
+        {"type": "object", "properties": {"logs": {"type": "array", "items": _log},
+         **_page("records"), "levels": {"type": "object",
+         "description": "the run's records per level (unfiltered)"}}},
+        _not_found,
+    ),
+    "/v1/runs/{run_id}/streams": _json(
+        "The streams the run's tasks emitted values on (`hindsight.emit`): values, numeric "
+        "values, workers, first and last times",
+        {"streams": {"type": "array", "items": {"type": "object", "properties": {
+            "stream": {"type": "string"}, "count": {"type": "integer"},
+            "numeric": {"type": "integer"}, "first": {"type": "number"},
+            "last": {"type": "number"}, "workers": {"type": "integer"}}}}},
+    ),
+    "/v1/runs/{run_id}/streams/{stream}": _get(
+        "One stream's values in time order (paged), and its numeric values aggregated per "
+        "interval (count, sum, mean, min, max); a stream the run never emitted on has none",
+        [_run_id, _stream_name, _limit(100, 1000), _cursor,
+         _q("buckets", {"type": "integer", "minimum": 1, "maximum": 10000, "default": 100},
+            "intervals over the stream's time span"),
+         _q("interval", {"type": "number", "minimum": 0.001},
+            "interval in seconds instead (widened to answer at most 10,000 points)")],
+        {"type": "object", "properties": {"stream": {"type": "string"},
+         "values": {"type": "array", "items": _stream_value}, **_page("values"),
+         "aggregate": {"type": ["object", "null"], "properties": {
+             "interval": {"type": "number"}, "start": {"type": "number"},
+             "points": {"type": "array", "items": _point}}}}},
+        _not_found,
+    ),
+    "/v1/runs/{run_id}/lifecycle": _json(
+        "The session's facts (versions, config excerpt, scheduler address) and the workers "
+        "present during the run: joined, left, why, and the run's tasks a departure took down",
+        {"session": _session_info, "workers": {"type": "array", "items": _lifecycle_worker}},
+    ),
+}  # fmt: skip
+
 
 # ---------------------------------------------------------------- the history lake (docs/lake.md)
 
@@ -486,6 +596,10 @@ RUN = {
         "makespan": {"type": ["number", "null"]},
         "task_count": {"type": "integer"},
         "error_count": {"type": "integer"},
+        "session_info": {
+            "type": ["object", "null"],
+            "description": "the session's facts: versions, config excerpt, scheduler address",
+        },
     },
 }
 

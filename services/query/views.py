@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import time
 from typing import Any
 
 import msgspec
@@ -24,7 +25,8 @@ from services.common.params import (
     time_arg,
 )
 from services.common.web import ApiError, db, require, store
-from storage import activity, analysis, flame, profiles, queries, runcode, runfile
+from storage import activity, analysis, flame, profiles, queries, replay, runcode, runfile, runlogs
+from storage import models as m
 from storage.queries import BadCursor, RunFilters
 from storage.runfacts import display_name
 
@@ -84,7 +86,11 @@ def runs() -> Any:
 @bp.get("/v1/runs/<run_id>")
 def run(run_id: str) -> Any:
     found = _run_or_404(run_id)
-    return {**queries.run_detail(db(), *found), "code": runcode.run_code(db(), found[0].id)}
+    return {
+        **queries.run_detail(db(), *found),
+        "code": runcode.run_code(db(), found[0].id),
+        "session_info": runlogs.session_facts(db(), found[0]),
+    }
 
 
 def _task_query(run: Any, lazy: bool = False) -> Any:
@@ -313,6 +319,23 @@ def run_profile(run_id: str) -> Any:
     return _profile_answer(p, name, fmt, run=run.public_id, prefix=prefix, worker=worker)
 
 
+@bp.get("/v1/runs/<run_id>/state")
+def run_state(run_id: str) -> Any:
+    """Replay: the run's task states by prefix and the workers at ``at`` (default now;
+    Dask's status page then), from the latest sample at or before it."""
+    run, _c, _s = _run_or_404(run_id)
+    at = time_arg("at")
+    if at is None:  # now: a running run's latest sample, a finished run's last
+        at = time.time()
+    session = db().get(m.Session, run.session_id)
+    return {
+        "run": run.public_id,
+        **replay.state_at(db(), run, at),
+        "thresholds": replay.thresholds(session.info if session is not None else None),
+        "samples": replay.sample_times(db(), run.id),
+    }
+
+
 @bp.get("/v1/runs/<run_id>/activity")
 def run_activity(run_id: str) -> Any:
     """Dask's fine performance metrics of the run, and totals by activity."""
@@ -391,3 +414,87 @@ def activity_history() -> Any:
         unit=unit,
     )
     return {"prefix": prefix, "name": name, "bucket": bucket, "unit": unit, "points": points}
+
+
+# -- what the agents send besides tasks: logs, emitted values, workers (issue 9) ---------
+
+
+def _extras(run: Any) -> runlogs.Extras:
+    return runlogs.load(db(), store().blobs, run)
+
+
+def _page_args(what: str) -> tuple[int, int]:
+    """(offset, limit) of a page: ``limit`` and an opaque ``cursor`` from a previous page."""
+    limit = int_arg("limit", 100, 1, runlogs.MAX_LIMIT)
+    cursor = arg("cursor")
+    if not cursor:
+        return 0, limit
+    try:
+        got, offset = queries.decode_cursor(cursor, (str, int))
+    except BadCursor:
+        raise bad("cursor", "not a cursor from this API") from None
+    if got != what or offset < 0:
+        raise bad("cursor", f"not a cursor of {what}")
+    return offset, limit
+
+
+def _next_cursor(what: str, end: int, total: int) -> str | None:
+    return queries.encode_cursor(what, end) if end < total else None
+
+
+@bp.get("/v1/runs/<run_id>/logs")
+def run_logs(run_id: str) -> Any:
+    """The run's log records, oldest first: filters ``level`` (and above), ``worker``
+    (``scheduler`` for the scheduler's), ``since``/``until``, ``q`` (text); paged."""
+    run, _c, _s = _run_or_404(run_id)
+    level = label_arg("level", 32)
+    filters = runlogs.LogFilters(
+        level=level,
+        worker=label_arg("worker", 1024),
+        since=time_arg("since"),
+        until=time_arg("until"),
+        text=label_arg("q", 1024),
+    )
+    offset, limit = _page_args("logs")
+    page = runlogs.log_page(_extras(run).logs, filters, offset, limit)
+    end = page.pop("end")
+    return {"run": run.public_id, **page, "next_cursor": _next_cursor("logs", end, page["total"])}
+
+
+@bp.get("/v1/runs/<run_id>/streams")
+def run_streams(run_id: str) -> Any:
+    """The streams the run's tasks emitted values on (``hindsight.emit``), with counts."""
+    run, _c, _s = _run_or_404(run_id)
+    return {"run": run.public_id, "streams": runlogs.stream_names(_extras(run).streams)}
+
+
+@bp.get("/v1/runs/<run_id>/streams/<path:stream>")
+def run_stream(run_id: str, stream: str) -> Any:
+    """One stream's values (time, worker, key, value), paged, and its numeric values
+    aggregated per interval (``buckets`` over its span, or ``interval`` seconds)."""
+    run, _c, _s = _run_or_404(run_id)
+    if len(stream) > 256 or any(ord(ch) < 32 for ch in stream):
+        raise bad("stream", "not a stream name")
+    buckets = int_arg("buckets", 100, 1, 10_000)
+    interval = float_arg("interval", 0.001, 86_400.0)
+    offset, limit = _page_args(f"stream:{stream}")
+    table = runlogs.one_stream(_extras(run).streams, stream)
+    values = runlogs.stream_values(table, offset, limit)
+    end = offset + len(values)
+    return {
+        "run": run.public_id,
+        "stream": stream,
+        "total": len(table),
+        "values": values,
+        "next_cursor": _next_cursor(f"stream:{stream}", end, len(table)),
+        "aggregate": runlogs.aggregate(table, buckets, interval),
+    }
+
+
+@bp.get("/v1/runs/<run_id>/lifecycle")
+def run_lifecycle(run_id: str) -> Any:
+    """The session's facts and the workers present during the run: when each joined and
+    left, why, and the run's tasks a departure took down."""
+    run, _c, _s = _run_or_404(run_id)
+    workers = runlogs.lifecycle(db(), store().blobs, run, lambda: _run_data(run).tasks)
+    return {"run": run.public_id, "session": runlogs.session_facts(db(), run), "workers": workers}

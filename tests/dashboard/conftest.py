@@ -44,3 +44,16 @@ def page(browser: Any, tmp_path: Path) -> Iterator[Any]:
 def shoot(page: Any, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def sources(page: Any) -> dict[str, Any]:
+    """Every named Bokeh ColumnDataSource on the page: {name: data}."""
+    return page.evaluate(
+        """() => {
+            const out = {};
+            for (const doc of Bokeh.documents)
+                for (const m of doc.all_models)
+                    if (m.name && m.type === 'ColumnDataSource') out[m.name] = m.data;
+            return out;
+        }"""
+    )

@@ -205,11 +205,7 @@ def test_a_running_run_updates_itself_rides_out_a_restart_and_freezes(tmp_path, 
         server.start()
         with Sender(server.url) as s:
             assert s.send(as_json(batch(1, 7))).status == 202
-        page.wait_for_function(
-            "() => document.body.dataset.rendered === '1' && "
-            "Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length === 12",
-            timeout=30_000,
-        )
+        page.wait_for_function(rendered_with(12), timeout=30_000)
 
         # frozen: the loop ticks on but fetches nothing, so new data does not reload it
         page.locator("#freeze").check()
@@ -227,17 +223,23 @@ def test_a_running_run_updates_itself_rides_out_a_restart_and_freezes(tmp_path, 
         )
         # unfrozen: it catches up
         page.locator("#freeze").uncheck()
-        page.wait_for_function(
-            "() => document.body.dataset.rendered === '1' && "
-            "Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length === 15",
-            timeout=30_000,
-        )
+        page.wait_for_function(rendered_with(15), timeout=30_000)
         shoot(page, "live")
     finally:
         server.stop()
     assert [
         e for e in page.errors if "Failed to fetch" not in e and "ERR_CONNECTION_REFUSED" not in e
     ] == []
+
+
+def rendered_with(glyphs: int) -> str:
+    """A page-side test that the page has rendered ``glyphs`` task-stream glyphs; false (not
+    an error) while a live reload has no document body or Bokeh document yet."""
+    return (
+        "() => { try { return document.body.dataset.rendered === '1' && Bokeh.documents[0]"
+        f".get_model_by_name('task-stream-source').data.x.length === {glyphs}; }} "
+        "catch (e) { return false; } }"
+    )
 
 
 def as_json(obj: Any) -> bytes:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.dashboard.conftest import ARTIFACTS, shoot
+from tests.dashboard.conftest import ARTIFACTS, shoot, sources
 
 pytestmark = pytest.mark.browser
 
@@ -86,18 +86,6 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, st
     finally:
         dask.config.set({nframes: before})
         server.stop()
-
-
-def sources(page: Any) -> dict[str, Any]:
-    return page.evaluate(
-        """() => {
-            const out = {};
-            for (const doc of Bokeh.documents)
-                for (const m of doc.all_models)
-                    if (m.name && m.type === 'ColumnDataSource') out[m.name] = m.data;
-            return out;
-        }"""
-    )
 
 
 def test_run_page_draws_the_flame_graph_activity_and_code(recorded, page):

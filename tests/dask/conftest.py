@@ -99,7 +99,7 @@ class EmbeddedServer(Api):
         def up() -> bool:
             try:
                 return self.http.get(f"{self.url}/v1/runs", timeout=1).status_code == 200
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening, or starting
                 assert self.proc is not None and self.proc.poll() is None, "server died"
                 return False
 

@@ -16,7 +16,7 @@ from tests.query.test_runs import run_batch
 
 def run_routes(app: Any) -> list[str]:
     return sorted(
-        re.sub(r"<(\w+)>", "{\\1}", r.rule)
+        re.sub(r"<(?:\w+:)?(\w+)>", "{\\1}", r.rule)
         for r in app.url_map.iter_rules()
         if r.rule.startswith("/v1/") and r.rule != "/v1/openapi.json" and "GET" in r.methods
     )
@@ -24,7 +24,8 @@ def run_routes(app: Any) -> list[str]:
 
 def fill(path: str, run_id: str) -> str:
     path = path.replace("{run_id}", run_id).replace("{cluster}", "example-etl")
-    return path.replace("{table}", "tasks").replace("{day}", "2026-11-18")
+    path = path.replace("{table}", "tasks").replace("{day}", "2026-11-18")
+    return path.replace("{stream}", "progress")
 
 
 @pytest.fixture

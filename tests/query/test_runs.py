@@ -161,7 +161,7 @@ def test_openapi_documents_every_route(stack, factory):
     doc = app.test_client().get("/v1/openapi.json").json
     assert doc["openapi"].startswith("3.")
     routes = {
-        (re.sub(r"<(\w+)>", r"{\1}", rule.rule), method.lower())
+        (re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
         for rule in app.url_map.iter_rules()
         if rule.endpoint != "static" and not rule.endpoint.startswith("dashboard.")  # HTML pages
         for method in rule.methods - {"HEAD", "OPTIONS"}

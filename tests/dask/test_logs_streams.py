@@ -1,0 +1,205 @@
+"""What the agents send besides tasks, end to end and through the read API only: values
+emitted with ``hindsight.emit``, a worker's warning and the scheduler's error, the session's
+facts, and a worker killed mid-run (its process exits inside a task) in the lifecycle with
+its reason and the run's tasks it took down. One real LocalCluster (worker processes under
+nannies) records into a real embedded server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import hindsight
+from tests.dask.conftest import EmbeddedServer, wait_for_run, wait_until
+
+
+def emitting(i: int) -> int:
+    hindsight.emit("progress", i)
+    hindsight.emit("note", {"i": i, "even": i % 2 == 0})
+    if i == 3:
+        logging.getLogger("user.task").warning("task %d looks odd", i)
+    return i
+
+
+def inc(i: int) -> int:
+    return i + 1
+
+
+def die(_: Any) -> None:
+    os._exit(1)  # the worker process ends here, as a segfault or the OOM killer would end it
+
+
+@pytest.fixture(scope="module")
+def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
+    import dask
+    from distributed import Client, LocalCluster, span
+    from distributed.scheduler import KilledWorker
+
+    cluster = f"side-{uuid.uuid4().hex[:8]}"
+    config = {
+        "hindsight.url": hindsight_server.url,
+        "hindsight.cluster": cluster,
+        # the first death of a worker running a task fails the task (KilledWorker)
+        "distributed.scheduler.allowed-failures": 0,
+    }
+    out: dict[str, Any] = {"cluster": cluster}
+    with dask.config.set(config), LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+        scheduler_kwargs={"preload": ["hindsight.dask"]},
+    ) as lc, Client(lc) as client:  # fmt: skip
+        with span("emits-and-logs"):
+            keys = [f"emitting-{i}" for i in range(20)]
+            assert client.gather(client.map(emitting, range(20), key=keys)) == list(range(20))
+        out["workers"] = set(client.scheduler_info()["workers"])
+        # A worker's events leave with its agent's next batch: wait for both workers' before
+        # one is killed (what a killed worker had not sent yet is lost with it).
+        first = wait_for_run(hindsight_server, cluster, "emits-and-logs", 20)
+        wait_until(lambda: _values(hindsight_server, first) == 40, 60, "40 emitted values")
+        with span("worker-killed"):
+            victim = sorted(client.scheduler_info()["workers"])[0]
+            # kept-* prefer the victim (and may run elsewhere once it is gone); die-0 needs
+            # them, so it runs there after them: their results are only on the victim
+            kept = client.map(
+                inc, range(6), key=[f"kept-{i}" for i in range(6)], workers=[victim],
+                allow_other_workers=True,
+            )  # fmt: skip
+            doomed = client.submit(die, kept, key="die-0", workers=[victim])
+            with pytest.raises(KilledWorker):
+                doomed.result(timeout=60)
+            # the victim held kept-*: the scheduler recomputes them elsewhere
+            assert client.gather(kept) == list(range(1, 7))
+            del kept, doomed
+        out["victim"] = victim
+    yield out
+
+
+def _values(server: EmbeddedServer, run: dict[str, Any]) -> int:
+    return sum(s["count"] for s in server.get(f"/v1/runs/{run['id']}/streams")["streams"])
+
+
+def _finished(server: EmbeddedServer, run: dict[str, Any]) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        detail = server.get(f"/v1/runs/{run['id']}")
+        return (
+            detail
+            if detail["finished_work"]["done_at"] and not detail["finished_work"]["pending"]
+            else None
+        )
+
+    return wait_until(done, 60, "the run's finished-run work")
+
+
+def test_emitted_values_come_back_by_stream(hindsight_server: EmbeddedServer, recorded):
+    run = wait_for_run(hindsight_server, recorded["cluster"], "emits-and-logs", 20)
+
+    listed = hindsight_server.get(f"/v1/runs/{run['id']}/streams")["streams"]
+    assert [(s["stream"], s["count"], s["numeric"]) for s in listed] == [
+        ("note", 20, 0),
+        ("progress", 20, 20),
+    ]
+    _finished(hindsight_server, run)  # now read from the stored tables
+    progress = hindsight_server.get(f"/v1/runs/{run['id']}/streams/progress", limit=7, buckets=4)
+    values, cursor = list(progress["values"]), progress["next_cursor"]
+    while cursor:
+        page = hindsight_server.get(
+            f"/v1/runs/{run['id']}/streams/progress", cursor=cursor, limit=7
+        )
+        values += page["values"]
+        cursor = page["next_cursor"]
+    assert progress["total"] == 20 and len(values) == 20
+    assert sorted(v["value"] for v in values) == list(range(20))
+    assert {v["key"]: v["value"] for v in values} == {f"emitting-{i}": i for i in range(20)}
+    assert {v["worker"] for v in values} <= recorded["workers"]
+    assert [v["time"] for v in values] == sorted(v["time"] for v in values)
+    agg = progress["aggregate"]
+    assert sum(p["count"] for p in agg["points"]) == 20
+    assert sum(p["sum"] for p in agg["points"]) == sum(range(20))
+    assert len(agg["points"]) <= 5
+    note = hindsight_server.get(f"/v1/runs/{run['id']}/streams/note", limit=100)
+    assert note["aggregate"] is None
+    assert sorted(v["value"]["i"] for v in note["values"]) == list(range(20))
+
+    # the same through hindsight.Client, as DataFrames
+    client = hindsight.Client(hindsight_server.url)
+    assert client.streams(run["id"]).set_index("stream")["count"].to_dict() == {
+        "note": 20,
+        "progress": 20,
+    }
+    df = client.stream(run["id"], "progress")
+    assert sorted(df["value"]) == list(range(20)) and set(df["key"]) == {
+        f"emitting-{i}" for i in range(20)
+    }
+    assert df.attrs["aggregate"]["sum"].sum() == sum(range(20))
+    assert client.stream(run["id"], "note").attrs["aggregate"] is None
+
+
+def test_a_workers_warning_comes_back_from_the_logs_route(hindsight_server, recorded):
+    run = wait_for_run(hindsight_server, recorded["cluster"], "emits-and-logs", 20)
+
+    def warning() -> list[dict[str, Any]]:
+        return hindsight_server.get(f"/v1/runs/{run['id']}/logs", level="WARNING", q="LOOKS ODD")[
+            "logs"
+        ]
+
+    (record,) = wait_until(warning, 60, "the worker's warning")
+    assert record["level"] == "WARNING" and record["message"] == "task 3 looks odd"
+    assert record["logger"] == "user.task" and record["key"] == "emitting-3"
+    assert record["worker"] in recorded["workers"]
+    # filters that exclude it
+    base = f"/v1/runs/{run['id']}/logs"
+    assert hindsight_server.get(base, level="ERROR", q="looks odd")["logs"] == []
+    assert hindsight_server.get(base, worker="scheduler", q="looks odd")["logs"] == []
+    assert hindsight_server.get(base, q="looks odd", since=record["time"] + 0.001)["logs"] == []
+    assert hindsight_server.get(base, q="looks odd", until=record["time"])["logs"] == []
+    assert hindsight_server.get(base, worker=record["worker"], q="odd")["logs"] == [record]
+    logs = hindsight.Client(hindsight_server.url).logs(run["id"], level="warning")
+    assert logs[logs.logger == "user.task"].to_dict("records") == [record]
+
+
+def test_a_killed_worker_is_in_the_lifecycle_with_what_it_took_down(hindsight_server, recorded):
+    run = wait_for_run(hindsight_server, recorded["cluster"], "worker-killed", 7, status="erred")
+    detail = _finished(hindsight_server, run)
+    info = detail["session_info"]
+    assert info["versions"]["distributed"] and info["address"].startswith("tcp://")
+    assert info["config"]["distributed.scheduler.allowed-failures"] == 0
+
+    life = hindsight_server.get(f"/v1/runs/{run['id']}/lifecycle")
+    workers = hindsight.Client(hindsight_server.url).lifecycle(run["id"])["workers"]
+    assert workers.set_index("address").loc[recorded["victim"], "cause"] == "lost"
+    assert life["session"] == info
+    by_address = {w["address"]: w for w in life["workers"]}
+    victim = by_address[recorded["victim"]]
+    assert victim["left_during_run"] and victim["cause"] == "lost"
+    assert victim["reason"] == "handle-worker-cleanup" and victim["expected"] is False
+    down = victim["took_down"]
+    assert down["erred"] == ["die-0"]
+    recomputed = {r["key"]: r for r in down["recomputed"]}
+    # lost: the kept-* results computed on the victim (work stealing may move some away)
+    first: dict[str, dict[str, Any]] = {}
+    records = hindsight_server.tasks(run["id"])
+    for t in sorted(records, key=lambda t: max((s["stop"] for s in t["startstops"]), default=0)):
+        first.setdefault(t["key"], t)
+    on_victim = {
+        k for k, t in first.items() if k.startswith("kept-") and t["worker"] == recorded["victim"]
+    }
+    assert on_victim and set(recomputed) == on_victim
+    assert all(
+        r["worker"] != recorded["victim"] and r["status"] == "memory" for r in recomputed.values()
+    )
+    assert all(not w.get("left_during_run") for w in life["workers"] if w is not victim)
+
+    # die-0's record says what failed it, in Dask's words
+    (group,) = hindsight_server.get(f"/v1/runs/{run['id']}/errors")["groups"]
+    assert group["exception"].startswith("KilledWorker: Attempted to run task 'die-0' on 1 ")
+    assert group["keys"] == ["die-0"] and recorded["victim"] in group["exception"]
+    # the scheduler said why die-0 failed
+    errors = hindsight_server.get(f"/v1/runs/{run['id']}/logs", worker="scheduler", level="ERROR")
+    assert any(
+        "die-0" in r["message"] and "marked as failed" in r["message"] for r in errors["logs"]
+    )
