@@ -50,7 +50,7 @@ test-slow: install
 ## the collector and Postgres under a live run, scales the collector, and prints its figures
 COMPOSE_ENV ?= test-artifacts/compose/images.env
 test-compose: install browser
-	./docker/prepare.sh $(COMPOSE_ENV)
+	HINDSIGHT_PYTHON=$(BIN)/python ./docker/prepare.sh $(COMPOSE_ENV)
 	HINDSIGHT_COMPOSE_ENV=$(COMPOSE_ENV) $(BIN)/python -m pytest -m compose tests/compose $(PYTEST_ARGS)
 
 lint: install

@@ -106,7 +106,7 @@ else
     fi
     build "$PYTHON_IMAGE" python.Dockerfile --build-arg BASE="$BASE" --build-arg INSTALL_PYTHON=1
     build hindsight-test/postgres:15 postgres.Dockerfile --build-arg BASE="$BASE"
-    MOTO_VERSION=$("$ROOT/.venv/bin/python" -c "import importlib.metadata as m; print(m.version('moto'))" 2>/dev/null || echo 5.1.0)
+    MOTO_VERSION=$("${HINDSIGHT_PYTHON:-$ROOT/.venv/bin/python}" -c "import importlib.metadata as m; print(m.version('moto'))" 2>/dev/null || echo 5.1.0)
     build hindsight-test/moto:latest moto.Dockerfile --build-arg PYTHON_IMAGE="$PYTHON_IMAGE" \
         --build-arg MOTO_VERSION="$MOTO_VERSION"
 fi

@@ -258,17 +258,25 @@ def _unknown_later_kind(message: str) -> str | None:
     return match.group(1) if match and match.group(1) in LATER_KINDS else None
 
 
-def _without(batch: SpooledBatch, kinds: set[str], before: int) -> tuple[SpooledBatch, int] | None:
-    """``batch`` re-encoded without events of ``kinds``, same identity and ``seq``; the drop
-    count stays cumulative (``before`` were left out of earlier batches)."""
+def _reencoded(
+    batch: SpooledBatch, kinds: set[str], before: int, corrupt: int
+) -> tuple[SpooledBatch, int] | None:
+    """``batch`` re-encoded, same identity and ``seq``: without events of ``kinds`` and with
+    its drop counters raised by what adoption lost (``before`` events of ``kinds`` left out
+    of earlier batches, ``corrupt`` events in spool files that could not be read). Drop
+    counters are cumulative (the highest ``seq``'s copy is the total), so the run's
+    completeness shows them."""
     try:
         decoded = decode_batch(decompress(batch.body, batch.encoding))
     except Exception:
         return None
-    kept = [e for e in decoded.events if kind_of(e) not in kinds]
+    kept = [e for e in decoded.events if kind_of(e) not in kinds] if kinds else decoded.events
     removed = len(decoded.events) - len(kept)
     dropped = dict(decoded.dropped)
-    dropped["unsupported_kind"] = dropped.get("unsupported_kind", 0) + before + removed
+    if kinds:
+        dropped["unsupported_kind"] = dropped.get("unsupported_kind", 0) + before + removed
+    if corrupt:
+        dropped["spool_corrupt"] = dropped.get("spool_corrupt", 0) + corrupt
     again = msgspec.structs.replace(decoded, events=kept, dropped=dropped)
     body = compress(encode_batch(again), batch.encoding)
     return SpooledBatch(batch.seq, body, len(kept), batch.encoding), removed
@@ -304,10 +312,11 @@ def deliver(
         if batch is None:
             break
         sent, removed = batch, 0
-        if unsupported:
-            stripped = _without(batch, unsupported, done.unsupported_events)
-            if stripped is not None:
-                sent, removed = stripped
+        corrupt = spool.dropped["spool_corrupt"]
+        if unsupported or corrupt:
+            redone = _reencoded(batch, unsupported, done.unsupported_events, corrupt)
+            if redone is not None:
+                sent, removed = redone
         outcome = transport.post(sent.body, sent.encoding)
         kind = _unknown_later_kind(outcome.message) if outcome.status == 400 else None
         if kind is not None and kind not in unsupported:

@@ -43,11 +43,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not FIGURES:
         return
+    FIGURES["load_average_at_end"] = load_average()
     terminalreporter.section("make test-compose: what it measured")
     for key, value in FIGURES.items():
         terminalreporter.write_line(f"{key}: {value}")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "figures.json").write_text(json.dumps(FIGURES, indent=2) + "\n")
+
+
+def load_average() -> str:
+    """The host's 1, 5 and 15 minute load averages: every timing here depends on them."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -77,6 +83,7 @@ class Stack:
             MINIO_CONSOLE_PORT=str(free_port()),
         )
         self.token = ""
+        self.logs_saved = False
 
     @property
     def prefix(self) -> list[str]:
@@ -143,6 +150,13 @@ class Stack:
         os.kill(state["Pid"], signal.SIGKILL)
         return container
 
+    def save_logs(self) -> None:
+        """Every service's log to test-artifacts/compose/stack.log (while the stack is up)."""
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        logs = self.compose("logs", "--no-color", check=False)
+        (ARTIFACTS / "stack.log").write_text(logs.stdout + logs.stderr)
+        self.logs_saved = True
+
     def leftovers(self) -> dict[str, list[str]]:
         label = f"label=com.docker.compose.project={PROJECT}"
         return {
@@ -162,6 +176,7 @@ def images() -> dict[str, str]:
         "yes" if env.get("HINDSIGHT_TEST_REGISTRY") == "1" else "none: local images"
     )
     FIGURES["compose"] = env["HINDSIGHT_TEST_COMPOSE"]
+    FIGURES["load_average_at_start"] = load_average()
     for item in env.get("HINDSIGHT_TEST_PREPARE_FIGURES", "").split():
         key, _, value = item.partition("=")
         FIGURES[f"prepare_{key}"] = float(value)

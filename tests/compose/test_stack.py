@@ -31,6 +31,7 @@ from tests.compose.conftest import (
     ONE_SHOT,
     ROOT,
     Stack,
+    load_average,
 )
 from tests.dask.conftest import (
     Api,
@@ -128,9 +129,8 @@ def stack(images: dict[str, str]) -> Iterator[Stack]:
         s.recorded = {}
         yield s
     finally:
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        logs = s.compose("logs", "--no-color", check=False)
-        (ARTIFACTS / "stack.log").write_text(logs.stdout + logs.stderr)
+        if not s.logs_saved:  # a test failed before the last one took them
+            s.save_logs()
         s.compose("down", "-v", "--remove-orphans", check=False)
 
 
@@ -282,6 +282,7 @@ def test_kill9_of_the_collector_and_postgres_during_a_live_run(stack, tmp_path):
                 streams[name] = run_map(client, name, CHAOS_RUN_TASKS)
             thread.join()
             chaos_s = time.monotonic() - start
+            chaos_load = load_average()
             streams["after"] = run_map(client, "after", CHAOS_RUN_TASKS)
         closed = time.monotonic()
     assert not failures, failures
@@ -301,6 +302,7 @@ def test_kill9_of_the_collector_and_postgres_during_a_live_run(stack, tmp_path):
         chaos_runs=len(streams),
         chaos_tasks=sum(len(s) for s in streams.values()),
         chaos_duration_s=round(chaos_s, 1),
+        chaos_load_average=chaos_load,
         chaos_all_batches_in_after_close_s=round(delivered, 1),
         chaos_scheduler_agent=(
             f"{agent.stats['sent_batches']} batches in {agent.stats['posts']} POSTs "
@@ -382,6 +384,7 @@ def test_two_collector_replicas_take_batches_at_once(stack, tmp_path):
 
 
 def test_down_v_leaves_no_containers_networks_or_volumes(stack):
+    stack.save_logs()
     start = time.monotonic()
     stack.compose("down", "-v")
     FIGURES["down_v_s"] = round(time.monotonic() - start, 1)

@@ -1,11 +1,11 @@
 """One agent in a process of its own, for the spool adoption tests (locks are per process).
 
-``python -m tests.sdk.spool_agent hold URL SPOOL N``: an agent whose batches the collector
-refuses with 503 spools N events (in batches of 10), prints its directory and stays alive,
-holding the directory, until it is killed or its stdin closes.
+``python -m tests.sdk.spool_agent hold URL SPOOL CLUSTER N``: an agent that cannot reach
+the collector spools N events of one run (:func:`run_events`, in batches of 10), prints its
+directory and stays alive, holding the directory, until it is killed or its stdin closes.
 
-``python -m tests.sdk.spool_agent adopt URL SPOOL``: an agent starts, waits for its adoption
-thread's first complete look at the spool root, prints what it found and closes.
+``python -m tests.sdk.spool_agent adopt URL SPOOL CLUSTER``: an agent starts, waits for its
+adoption thread's first complete look at the spool root, prints what it found and closes.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from hindsight.agent import Agent
 from hindsight.config import Settings
-from hindsight.schema import CustomEvent
+from hindsight.schema import CustomEvent, RunEvent, StartStop, TaskEvent
 
 
-def settings(url: str, spool_dir: str) -> Settings:
+def settings(url: str, spool_dir: str, cluster: str) -> Settings:
     return Settings(
         url=url,
-        cluster="adopt-test",
+        cluster=cluster,
         spool_dir=spool_dir,
         flush_events=10,
         flush_interval=0.05,
@@ -32,10 +33,30 @@ def settings(url: str, spool_dir: str) -> Settings:
     )
 
 
-def hold(url: str, spool_dir: str, n: int) -> None:
-    agent = Agent(settings(url, spool_dir), session="held", name="held")
-    for i in range(n):
-        agent.add(CustomEvent(stream="held", time=float(i), value=i))
+def task_key(i: int) -> str:
+    return f"('inc', {i})"
+
+
+def run_events(run: str, n: int) -> list[Any]:
+    """``n`` events of one finished run named ``run``: its start, ``n - 2`` tasks
+    (:func:`task_key` 0, 1, ...), its end."""
+    t0 = time.time() - n
+    tasks = [
+        TaskEvent(key=task_key(i), prefix="inc", status="memory", run=run, worker="tcp://w:1",
+                  startstops=[StartStop("compute", t0 + i, t0 + i + 0.5)])
+        for i in range(n - 2)
+    ]  # fmt: skip
+    return [
+        RunEvent("started", run, t0 - 1, name=run),
+        *tasks,
+        RunEvent("finished", run, t0 + n),
+    ]
+
+
+def hold(url: str, spool_dir: str, cluster: str, n: int) -> None:
+    agent = Agent(settings(url, spool_dir, cluster), session="held", name="held")
+    for event in run_events("held", n):
+        agent.add(event)
     directory = os.path.join(spool_dir, agent.name)
     deadline = time.monotonic() + 60
     while True:
@@ -52,8 +73,8 @@ def hold(url: str, spool_dir: str, n: int) -> None:
     sys.stdin.read()
 
 
-def adopt(url: str, spool_dir: str) -> None:
-    agent = Agent(settings(url, spool_dir), session="adopter", name="adopter")
+def adopt(url: str, spool_dir: str, cluster: str) -> None:
+    agent = Agent(settings(url, spool_dir, cluster), session="adopter", name="adopter")
     agent.add(CustomEvent(stream="adopter", time=0.0, value=0))
     assert agent.adoption is not None
     if not agent.adoption.scanned.wait(60):
@@ -67,8 +88,8 @@ def adopt(url: str, spool_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    mode, url, spool_dir, *rest = sys.argv[1:]
+    mode, url, spool_dir, cluster, *rest = sys.argv[1:]
     if mode == "hold":
-        hold(url, spool_dir, int(rest[0]))
+        hold(url, spool_dir, cluster, int(rest[0]))
     else:
-        adopt(url, spool_dir)
+        adopt(url, spool_dir, cluster)
