@@ -4,8 +4,9 @@ Posts a synthetic run shaped like a Dask one (100,000 task records over 16 worke
 threads, run started/finished events, a metric sample per worker per second) through a real
 embedded server (`hindsight serve`), then opens the run page in Debian's headless Chromium
 and times navigation start -> every plot rendered (BokehJS has embedded every item). The
-first view is cold (the server decodes the raw batches and writes the run's compacted copy);
-the second is warm.
+server's finished-run work (the run's compacted copy, rollups, profiles, lake) runs when the
+run finishes, not on a view: the bench waits for it (``finished_work.done_at`` in the run
+detail, timed as ``finish_work_s``), then times the first view and a second one.
 
     .venv/bin/python bench/dashboard.py [--tasks 100000]
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bench.lib_workload import batch, task_events  # noqa: E402
 from hindsight.sender import Sender  # noqa: E402
 
-TARGETS = {"run_page_interactive_s": 3.0}
+TARGETS = {"run_page_interactive_s": 2.0}
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
@@ -98,13 +99,23 @@ def main() -> int:
                 assert resp.status == 202, resp.body
         (run,) = requests.get(url + "/v1/runs", timeout=30).json()["runs"]
         assert run["task_count"] == args.tasks, run
+        posted = time.perf_counter()
+        while True:  # the finish worker: due a settle interval after the run's last batch
+            work = requests.get(f"{url}/v1/runs/{run['id']}", timeout=30).json()["finished_work"]
+            if work["done_at"] is not None and not work["pending"]:
+                break
+            if time.perf_counter() - posted > 600:
+                raise SystemExit(f"finished-run work not done after 600 s: {work}")
+            time.sleep(0.2)
+        finish_s = time.perf_counter() - posted
+        print(f"  finished-run work done {finish_s:.1f} s after the last batch")
 
         from playwright.sync_api import sync_playwright
 
         figures: dict[str, float] = {}
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            for label in ("cold", "warm"):
+            for label in ("first", "second"):
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 errors: list[str] = []
                 page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
@@ -122,7 +133,8 @@ def main() -> int:
                 figures[f"run_page_{label}_s"] = round(elapsed, 2)
                 page.close()
             browser.close()
-        figures["run_page_interactive_s"] = figures["run_page_cold_s"]
+        figures["run_page_interactive_s"] = figures["run_page_first_s"]
+        figures["finish_work_s"] = round(finish_s, 1)
         figures["tasks"] = args.tasks
         met = figures["run_page_interactive_s"] <= TARGETS["run_page_interactive_s"]
         print(

@@ -45,7 +45,7 @@ from storage.tokens import create_token  # noqa: E402
 
 EVENTS_PER_BATCH = 5000
 
-TARGETS = {"events_per_s": 250_000, "ack_p99_ms": 100, "bytes_per_event": 25}
+TARGETS = {"events_per_s": 300_000, "ack_p99_ms": 100, "bytes_per_event": 25}
 BIN = Path(sys.executable).parent
 
 
@@ -263,6 +263,7 @@ def main() -> int:
                             seqs[agent] += 1
                         else:
                             failures[resp.status] = failures.get(resp.status, 0) + 1
+                            print(f"  {agent} seq {seqs[agent]}: HTTP {resp.status} {resp.body}")
 
         def sample_rss() -> None:
             while time.monotonic() < stop_at:

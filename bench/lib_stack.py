@@ -46,10 +46,12 @@ class Stack:
 
 @contextmanager
 def full_stack(
-    *, workers: int = 2, threads: int = 4, database_url: str = DEFAULT_DB, env: dict[str, str] | None = None
+    *, workers: int = 2, threads: int = 4, database_url: str = DEFAULT_DB, env: dict[str, str] | None = None,
+    existing_db: str | None = None,
 ) -> Iterator[Stack]:  # fmt: skip
     """moto + a fresh database (migrated) + ``gunicorn collector.app:create_app()``; ``env``
-    adds HINDSIGHT_* settings for the collector."""
+    adds HINDSIGHT_* settings for the collector. ``existing_db`` (a URL): use that database
+    as it is instead, and leave it in place."""
     aws = {
         "AWS_ACCESS_KEY_ID": "bench",
         "AWS_SECRET_ACCESS_KEY": "bench",
@@ -69,11 +71,15 @@ def full_stack(
         wait_ready(s3_url + "/moto-api/", procs[-1])
         boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1", aws_access_key_id="bench",
                      aws_secret_access_key="bench").create_bucket(Bucket="bench")  # fmt: skip
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{dbname}"'))
-        db_url = admin_url.set(database=dbname).render_as_string(hide_password=False)
-        engine = make_engine(db_url)
-        upgrade(engine)
+        if existing_db:
+            db_url = existing_db
+            engine = make_engine(db_url)
+        else:
+            with admin.connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{dbname}"'))
+            db_url = admin_url.set(database=dbname).render_as_string(hide_password=False)
+            engine = make_engine(db_url)
+            upgrade(engine)
         port = free_port()
         genv = {**base, "HINDSIGHT_DATABASE_URL": db_url, "HINDSIGHT_BLOB_URL": "s3://bench/hindsight",
                 "HINDSIGHT_S3_ENDPOINT_URL": s3_url, "HINDSIGHT_AUTH": "required",
@@ -98,6 +104,7 @@ def full_stack(
                 p.kill()
         if engine is not None:
             engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
+        if not existing_db:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
         admin.dispose()

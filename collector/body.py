@@ -48,23 +48,26 @@ def decompress(data: bytes, encoding: str, cap: int) -> bytes:
 
 
 def _unzstd(data: bytes, cap: int) -> bytes:
-    out = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(
             io.BytesIO(data), read_across_frames=True
         )
         while True:
-            chunk = reader.read(min(_CHUNK, cap + 1 - len(out)))
+            chunk = reader.read(min(_CHUNK, cap + 1 - size))
             if not chunk:
                 break
-            out += chunk
-            if len(out) > cap:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > cap:
                 raise too_large(cap)
     except zstandard.ZstdError as exc:
         raise ApiError(400, "bad_encoding", f"body is not valid zstd: {exc}") from None
-    if not out and data:
+    if not size and data:
         raise ApiError(400, "bad_encoding", "body is not valid zstd")
-    return bytes(out)
+    # one copy at the end (a growing bytearray copied on every resize and once more here)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _gunzip(data: bytes, cap: int) -> bytes:

@@ -91,7 +91,11 @@ PATHS = {
                             },
                             "duplicate": {"type": "boolean"},
                             "sessions": {"type": "array", "items": {"type": "string"}},
-                            "tasks_written": {"type": "integer"},
+                            "tasks_written": {
+                                "type": "integer",
+                                "description": "tasks written with this body; with a sweeper "
+                                "(gunicorn, hindsight serve) it writes most of them just after",
+                            },
                         },
                     },
                     status="200",

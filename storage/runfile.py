@@ -58,8 +58,34 @@ class RunData:
     source: str  # "compact" (read from the compacted copy), "raw" (decoded batches)
 
 
-_cache: OrderedDict[str, RunData] = OrderedDict()
-_cache_lock = threading.Lock()
+class RecentCache:
+    """The few most recently used values of a process (thread-safe): a run's tables are
+    read by several requests of one page view."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+            return hit
+
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+_cache = RecentCache(_CACHE_SIZE)
 
 
 def _schemas() -> tuple[Any, Any, Any]:
@@ -249,11 +275,9 @@ def load_run(
     tag = run_tag(db, run)
     base = compact_prefix(db, run)
     cache_key = f"{base}/{tag}"
-    with _cache_lock:
-        hit = _cache.get(cache_key)
-        if hit is not None:
-            _cache.move_to_end(cache_key)
-            return hit
+    hit = _cache.get(cache_key)
+    if hit is not None:
+        return hit
     names = ("tasks", "graph", "metrics")
     try:
         tables = [pq.read_table(io.BytesIO(blobs.get(f"{cache_key}/{n}.parquet"))) for n in names]
@@ -267,10 +291,7 @@ def load_run(
                 blobs.put(f"{cache_key}/{n}.parquet", _parquet(table), if_absent=True)
             logger.info("compacted run %s (%d tasks) at %s", run.public_id, len(tasks), cache_key)
     if cache and (data.source == "compact" or run.status != "running"):
-        with _cache_lock:
-            _cache[cache_key] = data
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
+        _cache.put(cache_key, data)
     return data
 
 
@@ -292,8 +313,7 @@ def compacted_tasks_key(db: Session, blobs: BlobStore, run: m.Run) -> str | None
 
 def clear_cache() -> None:
     """Forget the in-process copies (benchmarks measure cold reads)."""
-    with _cache_lock:
-        _cache.clear()
+    _cache.clear()
 
 
 def task_slice(
@@ -308,8 +328,7 @@ def task_slice(
 
     tag = run_tag(db, run)
     cache_key = f"{compact_prefix(db, run)}/{tag}"
-    with _cache_lock:
-        hit = _cache.get(cache_key)
+    hit = _cache.get(cache_key)
     if hit is None and run.status != "running":
         try:
             body = blobs.get(f"{cache_key}/tasks.parquet")

@@ -205,3 +205,37 @@ def test_cached_ids_from_a_rebuilt_index_never_misattribute_a_batch(index_url, t
         ).all()
     assert sorted(owners) == sorted([(other, 0), (mine, 1)])
     engine.dispose()
+
+
+HOSTILE = ["it's", "back\\slash", "%(run_id)s", "100%% %s", ";DROP TABLE runs;--", "é ü 日本 🙂"]
+
+
+def test_every_indexed_string_comes_back_as_sent(sessions):
+    """Strings reach the index as they were sent, whatever they hold (on Postgres the writer
+    renders its statements client-side: quotes, backslashes, placeholders and semicolons
+    must stay data)."""
+    for i, text in enumerate(HOSTILE):
+        events: list[Any] = [
+            RunEvent("started", f"r{i}", NOW, name=f"job {text}", span=[text]),
+            TaskEvent(
+                key=f"k {text}",
+                prefix=f"p {text}",
+                status="memory",
+                run=f"r{i}",
+                worker=f"w {text}",
+                startstops=[StartStop(f"a {text}", NOW, NOW + 1)],
+            ),  # fmt: skip
+            WorkerEvent("left", f"tcp://{text}", NOW + 2, reason=f"why {text}"),
+            RunEvent("finished", f"r{i}", NOW + 3),
+        ]
+        batch = Batch(1, "c1", "sess-1", "agent", i, events, dropped={f"d {text}": 1})
+        assert apply(sessions, "hostile", [batch]) == [True]
+    with sessions() as db:
+        runs = snapshot(db, "hostile")
+    assert len(runs) == len(HOSTILE)
+    for i, text in enumerate(HOSTILE):
+        d = runs[f"r{i}"]
+        assert d["name"] == f"job {text}"
+        assert [p["prefix"] for p in d["prefixes"]] == [f"p {text}"]
+        assert list(d["prefixes"][0]["actions"]) == [f"a {text}"]
+        assert [w["worker"] for w in d["workers"]] == [f"w {text}"]
