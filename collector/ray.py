@@ -104,6 +104,8 @@ def post_ray_events() -> Any:
     enforce(current_app.extensions["hindsight.ratelimit"], principal.tenant, len(elements))
 
     st = store()
+    # With a sweeper, tasks are written by it (``emit_ready``), many bodies to a batch.
+    sweeper = current_app.extensions.get("hindsight.ray_sweeper")
     parts = ray.prepare(body, elements)
     written = []
     for p in parts:
@@ -124,12 +126,12 @@ def post_ray_events() -> Any:
                 cluster=cluster,
                 stored=p,
                 now=time.time(),
+                defer_tasks=sweeper is not None,
                 cache=st.ids,
             )  # fmt: skip
         )
         session.commit()
         INDEX_SECONDS.observe(time.perf_counter() - t0)
-    sweeper = current_app.extensions.get("hindsight.ray_sweeper")
     if sweeper is not None:
         sweeper.wake()
     skipped: dict[str, int] = {}
@@ -210,15 +212,18 @@ def _redact_werkzeug() -> None:
 
 
 class Sweeper:
-    """Runs :func:`storage.ray.run_due` while the index has open Ray work: closes jobs after
-    their end has settled (or after they went idle) and writes late tasks. One per process;
-    several processes cooperate (``run_due`` takes rows with SKIP LOCKED). It parks when
-    there is nothing open and wakes when a Ray body arrives.
+    """Writes the tasks Ray bodies completed (:func:`storage.ray.emit_ready`, at most every
+    ``EMIT_GAP`` seconds, so that many bodies share a derived batch) and runs
+    :func:`storage.ray.run_due` every ``interval`` while the index has open Ray work: closes
+    jobs after their end has settled (or after they went idle) and writes late tasks. One
+    per process; several processes cooperate (rows are taken with SKIP LOCKED). It parks
+    when there is nothing open and wakes when a Ray body arrives.
 
     The thread holds its store weakly: when the app goes away (tests make many), the
     thread ends instead of keeping the app's engine and its connections alive."""
 
     PARKED = 30.0  # a parked sweeper looks again this often (and checks its app still exists)
+    EMIT_GAP = 0.25  # bodies arriving meanwhile share one derived batch
 
     def __init__(self, st: Store) -> None:
         self._store = weakref.ref(st)
@@ -231,6 +236,7 @@ class Sweeper:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        self._due_at = 0.0  # of the next run_due
 
     def start(self) -> None:
         """Start the thread (again after a fork: threads do not survive one)."""
@@ -259,9 +265,11 @@ class Sweeper:
         if st is None:
             self._stop.set()
             return False
+        ray.emit_ready(st.sessions, st.blobs, cache=st.ids)
         with st.sessions() as session:
             busy = ray.has_open_work(session)
-        if busy:
+        if busy and time.monotonic() >= self._due_at:
+            self._due_at = time.monotonic() + self.interval
             ray.run_due(st.sessions, st.blobs, settle=self.settle, idle=self.idle, cache=st.ids)
         return busy
 
@@ -276,12 +284,15 @@ class Sweeper:
                 backoff = self.interval
             except Exception:  # the index or blob store is down: try again later
                 logger.warning("Ray sweeper: pass failed; retrying", exc_info=True)
-                busy = True
                 backoff = min(60.0, backoff * 2)
+                self._stop.wait(backoff)
+                continue
             if self._stop.is_set():
                 return
             if busy:
-                self._stop.wait(backoff)
+                # Let bodies gather, then go again when one arrives (or run_due is due).
+                self._stop.wait(self.EMIT_GAP)
+                self._wake.wait(max(0.0, self._due_at - time.monotonic()))
             else:
                 self._wake.wait(self.PARKED)
 

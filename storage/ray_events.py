@@ -283,10 +283,10 @@ def error_summary(message: str | None, error_type: str | None) -> tuple[str | No
 # ------------------------------------------------------------------ patches
 
 
-@dataclass(slots=True)
-class TaskPatch:
+class TaskPatch(msgspec.Struct, omit_defaults=True, gc=False):
     """What a body says about one task attempt. Field names are ``ray_tasks`` columns: the
-    patches are encoded as they are (msgspec) for Postgres to read as a record set."""
+    patches are encoded as they are (msgspec; unset fields left out, which Postgres reads
+    as NULL) for Postgres to read as a record set."""
 
     task_id: str
     attempt: int

@@ -22,6 +22,7 @@ from storage.db import make_engine, make_sessionmaker, upgrade
 from storage.reindex import reindex
 from storage.tokens import create_token
 from tests.conftest import new_tenant
+from tests.dask.conftest import wait_until
 from tests.test_reindex import fresh_index
 
 T0 = 1795383780.0
@@ -412,6 +413,41 @@ def test_tasks_wait_for_their_nodes_address(app, token):
 
 
 @pytest.mark.postgres
+def test_a_collector_with_a_sweeper_writes_the_same_as_with_each_body(stack, app):
+    """With a sweeper (as under gunicorn), a body's completed tasks are left to it and
+    written many bodies to a batch; users see exactly what writing them with each body
+    gives: the same runs, tasks, rollups and history."""
+    from services.embedded import create_app
+
+    engine = make_engine(stack["database_url"])
+    tenants = new_tenant(), new_tenant()
+    with make_sessionmaker(engine).begin() as db:
+        inline_token, swept_token = (create_token(db, t, "ray,read") for t in tenants)
+    engine.dispose()
+    _, _, events = workload(seed=4)
+    inline = Ray(app, inline_token)
+    inline.post_all(bodies(events, 30))
+    inline.sweep(after=SETTLE + 1)
+
+    swept_app = create_app({**stack, "ray_sweeper": True, "access_log": False,
+                            "ray_settle_seconds": 0.5, "ray_idle_close_seconds": IDLE})  # fmt: skip
+    try:
+        swept = Ray(swept_app, swept_token)
+        answers = [swept.post(b) for b in bodies(events, 30)]
+        assert [a.status_code for a in answers] == [200] * len(answers)
+        assert sum(a.json["tasks_written"] for a in answers) == 0  # all left to the sweeper
+
+        def closed() -> bool:
+            runs = swept.runs()
+            return len(runs) == 2 and all(r["status"] != "running" for r in runs)
+
+        wait_until(closed, 60, "the sweeper to write the tasks and close both jobs")
+        assert swept.view() == inline.view()
+        assert swept.view()["runs"][ray_job(1)]["summary"]["task_count"] == 60
+    finally:
+        swept_app.extensions["hindsight.ray_sweeper"].stop()
+
+
 def test_concurrent_collectors_write_each_task_once(pg_url, s3_url, moto_endpoint):
     """Bodies of one job posted at once by eight clients to a threaded collector on
     Postgres (each request its own transaction), with repeats: every attempt once, and

@@ -66,6 +66,20 @@ def exporter_view(server: EmbeddedServer) -> dict[tuple[str, int], Any]:
     return tasks
 
 
+# Ray's exporter loses a task's RUNNING now and then: the executing worker's events are
+# dropped when its process ends before it flushes them (the actor's, at the driver's exit,
+# on a loaded machine), while the State API (fed by another path) still has the start.
+# Hindsight then starts the task at SUBMITTED_TO_WORKER and its completeness counts it.
+# The tests hold Hindsight exact to what was sent, and bound how much Ray may lose.
+LOST_RUNNING_AT_MOST = 0.25
+
+
+def lost_running(server: EmbeddedServer, run_id: str) -> set[tuple[str, int]]:
+    """The run's task attempts whose RUNNING the exporter never sent."""
+    exported = exporter_view(server)
+    return {k for k in recorded(server, run_id) if exported[k].running_at is None}
+
+
 def compute(task: dict[str, Any]) -> tuple[float, float]:
     (phase,) = task["startstops"]
     assert phase["action"] == "compute"
@@ -80,6 +94,7 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
     assert set(mine) == set(theirs)
     exported = exporter_view(ray_server)
     off: list[Any] = []
+    lost: list[Any] = []
     for key, t in theirs.items():
         m = mine[key]
         assert m["attrs"]["state"] == t["state"], key
@@ -90,13 +105,19 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
         start, stop = compute(m)
         # Hindsight writes exactly what the exporter sent ...
         sent = exported[key]
-        assert (start, stop) == (pytest.approx(sent.running_at, abs=1e-6),
+        sent_start = sent.running_at if sent.running_at is not None else sent.submitted_at
+        assert (start, stop) == (pytest.approx(sent_start, abs=1e-6),
                                  pytest.approx(sent.failed_at or sent.finished_at, abs=1e-6))  # fmt: skip
+        assert m["attrs"]["start_from"] == (
+            "RUNNING" if sent.running_at is not None else "SUBMITTED_TO_WORKER"
+        )
         # ... and that is what Ray's State API reports, to the millisecond (which it floors).
-        for ours, state_ms, what in (
-            (start, t["start_time_ms"], "start"),
-            (stop, t["end_time_ms"], "end"),
-        ):
+        checks = [(stop, t["end_time_ms"], "end")]
+        if sent.running_at is None:
+            lost.append(key)
+        else:
+            checks.append((start, t["start_time_ms"], "start"))
+        for ours, state_ms, what in checks:
             if abs(ours * 1000 - state_ms) > 1:
                 off.append((key, what, round(ours * 1000 - state_ms, 3)))
         assert m["attrs"].get("parent") == (
@@ -114,6 +135,7 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
     # Hindsight is exact against the exporter (above); against the State API every time is
     # within 1 ms but for such rare disagreements of Ray's own.
     assert len(off) <= max(1, len(theirs) // 50), off
+    assert len(lost) <= LOST_RUNNING_AT_MOST * len(theirs), lost
 
 
 def test_every_kind_of_task_is_there(jobs, ray_server):
@@ -141,14 +163,19 @@ def test_every_kind_of_task_is_there(jobs, ray_server):
 
 def test_run_detail_says_what_ray_told(jobs, ray_server):
     for entry in jobs.values():
-        d = entry["detail"]
+        d = ray_server.get(f"/v1/runs/{entry['run']['id']}")
+        lost = lost_running(ray_server, entry["run"]["id"])
+        assert len(lost) <= LOST_RUNNING_AT_MOST * d["task_count"], lost
         assert d["scheduler"] == "ray" and d["status"] == "finished"
         assert d["run_key"] == entry["result"]["job"]
         assert "jobs/" in d["name"]  # the driver's entrypoint
         c = d["completeness"]
         assert c["closed"] and c["closed_by"] == "finished" and c["job_finished_event"]
-        assert c["tasks"]["complete"] == c["tasks"]["total"] == d["task_count"]
-        assert c["ratio"] == 1.0 and c["events_skipped"] == {}
+        assert c["tasks"]["total"] == d["task_count"]
+        assert c["tasks"]["without_running"] == len(lost)
+        assert c["tasks"]["complete"] == d["task_count"] - len(lost)
+        assert c["ratio"] == pytest.approx(c["tasks"]["complete"] / d["task_count"])
+        assert c["events_skipped"] == {}
         workers = {w["worker"] for w in d["workers"]}
         assert workers and all(w.startswith("127.0.0.1:") for w in workers)
         assert d["ray"]["nodes"][0]["ip"] == "127.0.0.1"
@@ -237,7 +264,9 @@ def test_the_run_page_of_a_ray_job(jobs, ray_server, page):
     assert not {"cpu", "tasks", "memory-managed"} & set(model["lines"])
     assert "black" in model["colours"]  # failed attempts, as Dask draws them
     assert page.locator("#no-graph").count() == 1 and page.locator("#dag").count() == 0
-    assert "100.0% of tasks fully recorded" in page.locator("#ray-completeness").inner_text()
+    ratio = ray_server.get(f"/v1/runs/{run['id']}")["completeness"]["ratio"]
+    shown = page.locator("#ray-completeness").inner_text()
+    assert f"{ratio * 100:.1f}% of tasks fully recorded" in shown
     groups = {
         g["exception"]: g["count"] for g in ray_server.get(f"/v1/runs/{run['id']}/errors")["groups"]
     }
