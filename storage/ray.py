@@ -38,8 +38,9 @@ import functools
 import hashlib
 import logging
 import re
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import SimpleNamespace
@@ -831,11 +832,13 @@ class SweepCounts:
     tasks: int = 0
     jobs_closed: int = 0
     batches: int = 0
+    failed: int = 0  # sessions whose work failed (left for a later pass)
 
     def add(self, other: SweepCounts) -> None:
         self.tasks += other.tasks
         self.jobs_closed += other.jobs_closed
         self.batches += other.batches
+        self.failed += other.failed
 
 
 def _session_names(db: Session, session_id: int) -> tuple[int, str, str, str]:
@@ -932,6 +935,43 @@ def _close_job(
     return out
 
 
+class _Quarantine:
+    """Sessions whose sweep failed, each left alone for a while (doubling up to
+    ``MAX_DELAY``), so that one session that cannot be written (its blob prefix refused, a
+    row the writer chokes on) never holds up the others' tasks and jobs. Per process."""
+
+    FIRST_DELAY = 1.0
+    MAX_DELAY = 60.0
+
+    def __init__(self) -> None:
+        self._until: dict[int, tuple[float, float]] = {}  # session id -> (retry at, delay)
+        self._lock = threading.Lock()
+
+    def ready(self, sids: Iterable[int], now: float) -> list[int]:
+        with self._lock:
+            return [s for s in sids if self._until.get(s, (0.0, 0.0))[0] <= now]
+
+    def run(self, sid: int, what: str, fn: Callable[[], SweepCounts]) -> SweepCounts:
+        try:
+            got = fn()
+        except Exception:
+            with self._lock:
+                delay = min(
+                    self.MAX_DELAY, self._until.get(sid, (0.0, self.FIRST_DELAY / 2))[1] * 2
+                )
+                self._until[sid] = (time.monotonic() + delay, delay)
+            logger.warning("Ray sweeper: %s failed for session %s; the other sessions go on, "
+                           "this one is tried again in %.0f s", what, sid, delay, exc_info=True)  # fmt: skip
+            return SweepCounts(failed=1)
+        if sid in self._until:
+            with self._lock:
+                self._until.pop(sid, None)
+        return got
+
+
+_quarantine = _Quarantine()
+
+
 def run_due(
     sessions: sessionmaker[Session],
     blobs: BlobStore,
@@ -966,13 +1006,18 @@ def run_due(
             .distinct()
             .limit(limit)
         ).all()
-    for sid in stale:
-        out.add(_sweep_session(sessions, blobs, sid, [T.end_seen <= cutoff], now, cache))
+    q, mono = _quarantine, time.monotonic()
+    for sid in q.ready(stale, mono):
+        out.add(q.run(sid, "writing settled tasks", lambda sid=sid: _sweep_session(
+            sessions, blobs, sid, [T.end_seen <= cutoff], now, cache)))  # fmt: skip
     for sid, job in closing:
-        out.add(_close_job(sessions, blobs, sid, job, now, settle, idle, cache))
-    for sid in stragglers:
+        if q.ready([sid], mono):
+            out.add(q.run(sid, f"closing job {job}", lambda sid=sid, job=job: _close_job(
+                sessions, blobs, sid, job, now, settle, idle, cache)))  # fmt: skip
+    for sid in q.ready(stragglers, mono):
         closed = select(J.job_id).where(J.session_id == sid, J.closed_at.is_not(None))
-        out.add(_sweep_session(sessions, blobs, sid, [T.job_id.in_(closed), T.first_seen <= cutoff], now, cache))  # fmt: skip
+        out.add(q.run(sid, "writing late tasks", lambda sid=sid, closed=closed: _sweep_session(
+            sessions, blobs, sid, [T.job_id.in_(closed), T.first_seen <= cutoff], now, cache)))  # fmt: skip
     return out
 
 
@@ -997,11 +1042,12 @@ def emit_ready(
         sids = db.scalars(
             select(T.session_id).where(T.emitted.is_(False), *complete).distinct().limit(limit)
         ).all()
-    for sid in sids:
+    for sid in _quarantine.ready(sids, time.monotonic()):
         while True:
-            got = _sweep_session(sessions, blobs, sid, list(complete), now, cache, batch)
+            got = _quarantine.run(sid, "writing complete tasks", lambda sid=sid: _sweep_session(
+                sessions, blobs, sid, list(complete), now, cache, batch))  # fmt: skip
             out.add(got)
-            if got.tasks < batch:
+            if got.failed or got.tasks < batch:
                 break
     return out
 

@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -326,6 +327,44 @@ def test_a_task_whose_running_never_arrives_is_written_after_settling(app, token
         assert rec["startstops"][0]["start"] == pytest.approx(t.start - 0.0005, abs=1e-6)
     c = r.get(f"/v1/runs/{run['id']}")["completeness"]
     assert c["tasks"]["without_running"] == 6 and c["ratio"] == pytest.approx(54 / 60)
+
+
+def test_a_session_that_cannot_be_written_does_not_hold_up_the_others(stack, app, token):
+    """The sweeper's work for one session fails (here: its blob prefix is taken by a file, so
+    nothing can be stored under it): the other session's tasks and jobs are still written
+    in the same pass, and the failed one is written once its store takes writes again."""
+    if not stack["blob_url"].startswith("file:"):
+        pytest.skip("the failure is made on the file store (a file where a directory goes)")
+    r = Ray(app, token)
+    sessions = {}
+    for seed in (1, 2):
+        sim, tasks, events = workload(seed=seed)
+        lost = {t.hex for t in tasks[:60:10]}  # six tasks left for the sweeper to settle
+        r.post_all(bodies([e for e in events if not (is_running(e) and task_hex(e) in lost)]))
+        sessions[seed] = sim.session
+
+    def state(seed: int) -> list[tuple[str, int]]:
+        return sorted((x["status"], x["task_count"]) for x in r.runs()
+                      if x["session"] == sessions[seed])  # fmt: skip
+
+    assert state(1) == state(2) == [("running", 3), ("running", 54)]
+    derived = Path(stack["blob_url"][len("file://") :]) / ray.DERIVED_PREFIX
+    (broken,) = derived.glob(f"*/{r.cluster}/{sessions[1]}")
+    aside = broken.with_name(broken.name + ".aside")
+    broken.rename(aside)
+    broken.write_bytes(b"")  # a file where the session's directory goes
+    got = r.sweep(after=SETTLE + 1)
+    assert got.failed >= 1
+    assert state(2) == [("finished", 3), ("finished", 60)]  # written in the same pass
+    assert state(1) == [("running", 3), ("running", 54)]  # left as it was, nothing half-done
+    broken.unlink()
+    aside.rename(broken)
+
+    def written() -> bool:
+        r.sweep(after=SETTLE + 1)  # the failed session is tried again after a pause
+        return state(1) == [("finished", 3), ("finished", 60)]
+
+    wait_until(written, 30, "the failed session to be written once it can be")
 
 
 def test_a_job_that_never_finishes_closes_when_idle(app, token):
