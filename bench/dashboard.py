@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -144,6 +145,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(30)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ and values on 10 streams. Measured:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -93,6 +95,7 @@ def main() -> None:
     from services.query.app import create_app as query_app
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-runlogs-"))
+    atexit.register(shutil.rmtree, tmp, True)  # gone however the bench ends
     config = {"data_dir": str(tmp), "database_url": f"sqlite:///{tmp / 'index.db'}",
               "blob_url": (tmp / "blobs").as_uri(), "auth": "required", "finish_worker": False}  # fmt: skip
     engine = make_engine(config["database_url"])
