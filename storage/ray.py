@@ -938,34 +938,43 @@ def _close_job(
 class _Quarantine:
     """Sessions whose sweep failed, each left alone for a while (doubling up to
     ``MAX_DELAY``), so that one session that cannot be written (its blob prefix refused, a
-    row the writer chokes on) never holds up the others' tasks and jobs. Per process."""
+    row the writer chokes on) never holds up the others' tasks and jobs. Per process, per
+    index (session ids are the index's)."""
 
     FIRST_DELAY = 1.0
     MAX_DELAY = 60.0
 
     def __init__(self) -> None:
-        self._until: dict[int, tuple[float, float]] = {}  # session id -> (retry at, delay)
+        # (index, session id) -> (monotonic time it may be tried again, its last delay)
+        self._until: dict[tuple[str, int], tuple[float, float]] = {}
         self._lock = threading.Lock()
 
-    def ready(self, sids: Iterable[int], now: float) -> list[int]:
-        with self._lock:
-            return [s for s in sids if self._until.get(s, (0.0, 0.0))[0] <= now]
+    @staticmethod
+    def _index(sessions: sessionmaker[Session]) -> str:
+        bind = sessions.kw.get("bind")
+        return str(getattr(bind, "url", bind))
 
-    def run(self, sid: int, what: str, fn: Callable[[], SweepCounts]) -> SweepCounts:
+    def ready(self, sessions: sessionmaker[Session], sids: Iterable[int], now: float) -> list[int]:
+        index = self._index(sessions)
+        with self._lock:
+            return [s for s in sids if self._until.get((index, s), (0.0, 0.0))[0] <= now]
+
+    def run(self, sessions: sessionmaker[Session], sid: int, what: str,
+            fn: Callable[[], SweepCounts]) -> SweepCounts:  # fmt: skip
+        key = (self._index(sessions), sid)
         try:
             got = fn()
         except Exception:
             with self._lock:
-                delay = min(
-                    self.MAX_DELAY, self._until.get(sid, (0.0, self.FIRST_DELAY / 2))[1] * 2
-                )
-                self._until[sid] = (time.monotonic() + delay, delay)
+                last = self._until.get(key, (0.0, self.FIRST_DELAY / 2))[1]
+                delay = min(self.MAX_DELAY, last * 2)
+                self._until[key] = (time.monotonic() + delay, delay)
             logger.warning("Ray sweeper: %s failed for session %s; the other sessions go on, "
                            "this one is tried again in %.0f s", what, sid, delay, exc_info=True)  # fmt: skip
             return SweepCounts(failed=1)
-        if sid in self._until:
+        if key in self._until:
             with self._lock:
-                self._until.pop(sid, None)
+                self._until.pop(key, None)
         return got
 
 
@@ -1007,16 +1016,16 @@ def run_due(
             .limit(limit)
         ).all()
     q, mono = _quarantine, time.monotonic()
-    for sid in q.ready(stale, mono):
-        out.add(q.run(sid, "writing settled tasks", lambda sid=sid: _sweep_session(
+    for sid in q.ready(sessions, stale, mono):
+        out.add(q.run(sessions, sid, "writing settled tasks", lambda sid=sid: _sweep_session(
             sessions, blobs, sid, [T.end_seen <= cutoff], now, cache)))  # fmt: skip
     for sid, job in closing:
-        if q.ready([sid], mono):
-            out.add(q.run(sid, f"closing job {job}", lambda sid=sid, job=job: _close_job(
+        if q.ready(sessions, [sid], mono):
+            out.add(q.run(sessions, sid, f"closing job {job}", lambda sid=sid, job=job: _close_job(
                 sessions, blobs, sid, job, now, settle, idle, cache)))  # fmt: skip
-    for sid in q.ready(stragglers, mono):
+    for sid in q.ready(sessions, stragglers, mono):
         closed = select(J.job_id).where(J.session_id == sid, J.closed_at.is_not(None))
-        out.add(q.run(sid, "writing late tasks", lambda sid=sid, closed=closed: _sweep_session(
+        out.add(q.run(sessions, sid, "writing late tasks", lambda sid=sid, closed=closed: _sweep_session(
             sessions, blobs, sid, [T.job_id.in_(closed), T.first_seen <= cutoff], now, cache)))  # fmt: skip
     return out
 
@@ -1042,9 +1051,9 @@ def emit_ready(
         sids = db.scalars(
             select(T.session_id).where(T.emitted.is_(False), *complete).distinct().limit(limit)
         ).all()
-    for sid in _quarantine.ready(sids, time.monotonic()):
+    for sid in _quarantine.ready(sessions, sids, time.monotonic()):
         while True:
-            got = _quarantine.run(sid, "writing complete tasks", lambda sid=sid: _sweep_session(
+            got = _quarantine.run(sessions, sid, "writing complete tasks", lambda sid=sid: _sweep_session(
                 sessions, blobs, sid, list(complete), now, cache, batch))  # fmt: skip
             out.add(got)
             if got.failed or got.tasks < batch:
