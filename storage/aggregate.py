@@ -274,8 +274,10 @@ def aggregate(batch: Batch) -> BatchAggregate:
         _per_worker(c, aggs)
         _per_hour(c, out)
         if len(c.ph_task):
-            _per_action(c, aggs)
-            _per_day(c, out)
+            # each phase's histogram bucket, once for both groupings
+            buckets = np.unique(sketch.buckets(c.d), return_inverse=True)
+            _per_action(c, aggs, buckets)
+            _per_day(c, out, buckets)
     return out
 
 
@@ -400,11 +402,14 @@ def _combine(parts: list[tuple[Any, int]]) -> Any:
     return code
 
 
-def _phase_groups(c: _Tasks, parts: list[tuple[Any, int]]) -> tuple[Any, ...]:
+def _phase_groups(
+    c: _Tasks, parts: list[tuple[Any, int]], buckets: tuple[Any, Any]
+) -> tuple[Any, ...]:
     """Phases grouped by ``parts`` (per-phase codes, see :func:`_combine`) and, within a
-    group, by histogram bucket: one sort does both. Per group: the index of a phase in it,
+    group, by histogram bucket (``buckets``: the distinct buckets and each phase's index
+    among them): one sort does both. Per group: the index of a phase in it,
     count, total, min and max; and its histogram ``{bucket: count}``."""
-    buckets, bcode = np.unique(sketch.buckets(c.d), return_inverse=True)
+    buckets, bcode = buckets
     nb = len(buckets)
     code = _combine([*parts, (bcode.reshape(-1), nb)])
     order = np.argsort(code, kind="stable")
@@ -432,13 +437,14 @@ def _phase_groups(c: _Tasks, parts: list[tuple[Any, int]]) -> tuple[Any, ...]:
     )
 
 
-def _per_action(c: _Tasks, aggs: list[RunAggregate]) -> None:
+def _per_action(c: _Tasks, aggs: list[RunAggregate], buckets: tuple[Any, Any]) -> None:
     """Per run, prefix and action: count, total, min, max, and the duration histogram."""
     ph_run, ph_prefix = c.run[c.ph_task], c.prefix[c.ph_task]
     heads, counts, totals, mins, maxs, hists = _phase_groups(
         c,
         [(ph_run, len(c.run_names)), (ph_prefix, len(c.prefix_names)),
          (c.ph_action, len(c.action_names))],
+        buckets,
     )  # fmt: skip
     for r, p, a, n, tot, lo, hi, h in zip(
         ph_run[heads].tolist(), ph_prefix[heads].tolist(), c.ph_action[heads].tolist(),
@@ -450,7 +456,7 @@ def _per_action(c: _Tasks, aggs: list[RunAggregate]) -> None:
         rs.hists[pa] = h
 
 
-def _per_day(c: _Tasks, out: BatchAggregate) -> None:
+def _per_day(c: _Tasks, out: BatchAggregate, buckets: tuple[Any, Any]) -> None:
     """The cluster's durations per prefix, action and day of each phase's start, across runs."""
     ph_prefix = c.prefix[c.ph_task]
     day = np.floor(c.start / 86400).astype(np.int64)
@@ -459,6 +465,7 @@ def _per_day(c: _Tasks, out: BatchAggregate) -> None:
         c,
         [(day - d0, int(day.max()) - d0 + 1), (ph_prefix, len(c.prefix_names)),
          (c.ph_action, len(c.action_names))],
+        buckets,
     )  # fmt: skip
     for p, a, dy, n, tot, hi, h in zip(
         ph_prefix[heads].tolist(), c.ph_action[heads].tolist(), day[heads].tolist(),
