@@ -109,27 +109,37 @@ def _task_query(run: Any, lazy: bool = False) -> Any:
     return analysis.filter_tasks(_run_data(run), filters, sort), sort
 
 
+def _cursor_offset(what: str, mismatch: str) -> int:
+    """The offset in the ``cursor`` argument (0 without one), a cursor made by
+    :func:`_next_cursor` for ``what`` (a sort, a table); 400 ``mismatch`` for another's."""
+    cursor = arg("cursor")
+    if not cursor:
+        return 0
+    try:
+        got, offset = queries.decode_cursor(cursor, (str, int))
+    except BadCursor:
+        raise bad("cursor", "not a cursor from this API") from None
+    if got != what or offset < 0:
+        raise bad("cursor", mismatch)
+    return offset
+
+
+def _next_cursor(what: str, end: int, total: int) -> str | None:
+    return queries.encode_cursor(what, end) if end < total else None
+
+
 @bp.get("/v1/runs/<run_id>/tasks")
 def run_tasks(run_id: str) -> Any:
     run, _cluster, _session = _run_or_404(run_id)
     limit = int_arg("limit", 1000, 1, MAX_LIMIT)
     table, sort = _task_query(run, lazy=True)
-    offset = 0
-    cursor = arg("cursor")
-    if cursor:
-        try:
-            got_sort, offset = queries.decode_cursor(cursor, (str, int))
-        except BadCursor:
-            raise bad("cursor", "not a cursor from this API") from None
-        if got_sort != (sort or "") or offset < 0:
-            raise bad("cursor", "not a cursor for this sort")
+    offset = _cursor_offset(sort or "", "not a cursor for this sort")
     page, total = (
         (table.slice(offset, limit), len(table)) if table is not None
         else runfile.task_slice(db(), store().blobs, run, offset, limit)
     )  # fmt: skip
-    end = offset + len(page)
-    next_cursor = queries.encode_cursor(sort or "", end) if end < total else None
     records = analysis.task_records(page, run.run_key)
+    next_cursor = _next_cursor(sort or "", offset + len(page), total)
     return {"tasks": records, "total": total, "next_cursor": next_cursor}
 
 
@@ -426,20 +436,7 @@ def _extras(run: Any) -> runlogs.Extras:
 def _page_args(what: str) -> tuple[int, int]:
     """(offset, limit) of a page: ``limit`` and an opaque ``cursor`` from a previous page."""
     limit = int_arg("limit", 100, 1, runlogs.MAX_LIMIT)
-    cursor = arg("cursor")
-    if not cursor:
-        return 0, limit
-    try:
-        got, offset = queries.decode_cursor(cursor, (str, int))
-    except BadCursor:
-        raise bad("cursor", "not a cursor from this API") from None
-    if got != what or offset < 0:
-        raise bad("cursor", f"not a cursor of {what}")
-    return offset, limit
-
-
-def _next_cursor(what: str, end: int, total: int) -> str | None:
-    return queries.encode_cursor(what, end) if end < total else None
+    return _cursor_offset(what, f"not a cursor of {what}"), limit
 
 
 @bp.get("/v1/runs/<run_id>/logs")
