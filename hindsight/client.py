@@ -76,12 +76,17 @@ class Client:
             return json.loads(resp.read())
 
     def _pages(
-        self, path: str, key: str, params: dict[str, Any], limit: int | None
-    ) -> Iterator[dict[str, Any]]:
+        self, path: str, key: str, params: dict[str, Any], limit: int | None,
+        first: list[dict[str, Any]] | None = None,
+    ) -> Iterator[dict[str, Any]]:  # fmt: skip
+        """Every ``key`` item of every page (at most ``limit``); ``first`` gets the first
+        page's whole body (what it says besides the items)."""
         cursor = None
         n = 0
         while True:
             body = self.get(path, **params, cursor=cursor)
+            if first is not None and not first:
+                first.append(body)
             for item in body[key]:
                 yield item
                 n += 1
@@ -307,10 +312,10 @@ class Client:
         numeric values per interval (time, count, sum, mean, min, max) are in
         ``df.attrs["aggregate"]`` (None if no value is a number)."""
         path = f"/v1/runs/{run_id}/streams/{urllib.parse.quote(stream, safe='')}"
-        first = self.get(path, limit=1)
-        rows = list(self._pages(path, "values", {"limit": 1000}, limit))
+        first: list[dict[str, Any]] = []
+        rows = list(self._pages(path, "values", {"limit": 1000}, limit, first))
         df = _pd().DataFrame(rows, columns=["time", "worker", "key", "value"])
-        agg = first["aggregate"]
+        agg = first[0]["aggregate"]
         df.attrs["aggregate"] = (
             None if agg is None else _pd().DataFrame(
                 agg["points"], columns=["time", "count", "sum", "mean", "min", "max"])
