@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -494,7 +495,25 @@ class RayTask(Base):
     # Collector times: first seen, and when its end (FINISHED/FAILED) was first seen.
     first_seen: Mapped[float] = mapped_column(Float)
     end_seen: Mapped[float | None] = mapped_column(Float)
+    # Taken for writing: set once, by the merge that completes the task (which queues it in
+    # ``ray_ready`` in the same statement) or by the sweeper. ``emitted_before`` is what
+    # ``emitted`` was before the last merge: the merge's RETURNING tells the task it just
+    # completed from one already taken (Postgres 15 cannot return the old row).
     emitted: Mapped[bool] = mapped_column(Boolean, default=False)
+    emitted_before: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+
+
+class RayReady(Base):
+    """Complete Ray tasks waiting to be written (the queue between a body's merge and the
+    sweeper's derived batch). A row is inserted exactly once per task attempt, by the merge
+    that completed it, and deleted by the transaction that writes it. No foreign key, as
+    for ``ray_tasks`` (retention deletes a session's rows itself)."""
+
+    __tablename__ = "ray_ready"
+    session_id: Mapped[int] = mapped_column(Id, primary_key=True)
+    task_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class RayNode(Base):

@@ -13,12 +13,14 @@ This module keeps them and turns them into what the rest of Hindsight already in
    at least once; a duplicate or reordered event changes nothing.
 3. **A task reaches the writer once.** The rollups (histograms, per-worker sums, cluster
    hours, prefix days) add, so a task attempt must be counted exactly once, with its final
-   start and stop. ``ray_tasks.emitted`` flips to true in one ``UPDATE ... WHERE NOT
-   emitted RETURNING``; Postgres's row locks make the transition happen in one transaction
-   even with several collector processes. A task is emitted when its definition, RUNNING and
-   end (FINISHED/FAILED) are all known; the sweeper (:func:`run_due`) emits the rest: tasks
-   whose end was seen ``settle`` seconds ago (RUNNING or the definition lost), every task of
-   a job that has closed, and stragglers that arrive after.
+   start and stop. ``ray_tasks.emitted`` flips to true once, under the row's lock, so the
+   transition happens in one transaction even with several collector processes. The merge
+   that completes a task (its definition, RUNNING and end (FINISHED/FAILED) all known)
+   flips it in the same statement and queues it in ``ray_ready``; the body's transaction or
+   the sweeper (:func:`emit_ready`) takes it from there and writes it. The sweeper
+   (:func:`run_due`) writes the rest, flipping ``emitted`` with ``UPDATE ... WHERE NOT
+   emitted``: tasks whose end was seen ``settle`` seconds ago (RUNNING or the definition
+   lost), every task of a job that has closed, and stragglers that arrive after.
 4. **Emitted records are protocol batches** (``hindsight.schema``): tasks as ``TaskEvent``
    (Ray's own facts in ``attrs``), jobs as ``RunEvent``, worker processes as
    ``WorkerEvent``. Each is stored under ``ray/derived/v1/...`` named by its content and
@@ -49,6 +51,7 @@ from typing import Any
 import msgspec
 import zstandard
 from sqlalchemy import (
+    Boolean,
     Float,
     Integer,
     String,
@@ -58,10 +61,13 @@ from sqlalchemy import (
     case,
     cast,
     column,
+    delete,
     false,
     func,
+    literal_column,
     or_,
     select,
+    true,
     tuple_,
     update,
 )
@@ -186,7 +192,7 @@ def _statements(dialect: str) -> SimpleNamespace:
 
     def upsert(model: Any, keys: list[str], first: Iterable[str] = (), low: Iterable[str] = (),
                high: Iterable[str] = (), ored: Iterable[str] = (), returning: Any = None,
-               bulk: bool = False) -> Any:  # fmt: skip
+               bulk: bool = False, taken: Any = None) -> Any:  # fmt: skip
         t = model.__table__
         ins = insert(t)
         if bulk:
@@ -196,7 +202,7 @@ def _statements(dialect: str) -> SimpleNamespace:
             # array per column ~15 ms of psycopg2 adapting values, against ~1 ms to encode
             # the JSON. jsonb without the NULLs: 0.7 ms for Postgres to read 666 patches,
             # against 2.4 ms as json with them (json_to_recordset hashes every object).
-            given = ("session_id", "first_seen", "end_seen", "emitted")
+            given = ("session_id", "first_seen", "end_seen", "emitted", "emitted_before")
             cols = [c for c in t.c if c.name not in given]
             rs = (
                 func.jsonb_to_recordset(cast(bindparam("p_rows", type_=Text()), JSONB))
@@ -211,6 +217,7 @@ def _statements(dialect: str) -> SimpleNamespace:
                     bindparam("p_session", type_=t.c.session_id.type),
                     now,
                     ended,
+                    taken(rs, complete_of) if taken is not None else false(),
                     false(),
                     *(
                         func.coalesce(rs.c[c.name], false())
@@ -226,8 +233,27 @@ def _statements(dialect: str) -> SimpleNamespace:
         sets.update({c: lo(t.c[c], ex[c]) for c in low})
         sets.update({c: hi(t.c[c], ex[c]) for c in high})
         sets.update({c: or_(t.c[c], ex[c]) for c in ored})
+        if taken is not None:
+            sets.update(emitted=or_(t.c.emitted, taken(None, complete_of)),
+                        emitted_before=t.c.emitted)  # fmt: skip
         stmt = ins.on_conflict_do_update(index_elements=keys, set_=sets)
         return stmt.returning(*returning) if returning is not None else stmt
+
+    N, W, A, J, T = (x.__table__ for x in (m.RayNode, m.RayWorker, m.RayActor, m.RayJob, m.RayTask))
+    R = m.RayReady.__table__
+
+    def complete_of(session: Any, node: Any, defined: Any, running: Any, finished: Any,
+                    failed: Any, node_known: Any = None) -> Any:  # fmt: skip
+        """Complete: defined, RUNNING and ended, on a node whose IP is known (the worker
+        label needs it; a node's definition may arrive after its tasks' events)."""
+        if node_known is None:
+            node_known = (
+                select(N.c.node_id)
+                .where(N.c.session_id == session, N.c.node_id == node, N.c.ip.is_not(None))
+                .exists()
+            )
+        return and_(defined.is_(True), running.is_not(None),
+                    or_(finished.is_not(None), failed.is_not(None)), node_known)  # fmt: skip
 
     C, S, B = m.Cluster.__table__, m.Session.__table__, m.RayBody.__table__
     st.cluster = insert(C).on_conflict_do_nothing(index_elements=["tenant_id", "name"])
@@ -268,7 +294,6 @@ def _statements(dialect: str) -> SimpleNamespace:
         index_elements=["session_id", "kind", "event_type"],
         set_={"count": EC.c.count + ins.excluded.count},
     )
-    N, W, A, J, T = (x.__table__ for x in (m.RayNode, m.RayWorker, m.RayActor, m.RayJob, m.RayTask))
     st.node = upsert(m.RayNode, ["session_id", "node_id"],
                      first=("ip", "hostname", "name", "death_reason", "resources"),
                      low=("started_at", "alive_at", "dead_at"), returning=(N.c.node_id, N.c.ip))  # fmt: skip
@@ -288,16 +313,47 @@ def _statements(dialect: str) -> SimpleNamespace:
                      low=("pending_at", "submitted_at", "running_at", "finished_at", "failed_at",
                           "first_seen", "end_seen"),
                      ored=("defined",))  # fmt: skip
+    st.ready = insert(R).on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
     st.task_bulk = None
     if dialect == "postgresql":
-        st.task_bulk = upsert(
+        # The merge takes a task it completes for writing in the same statement: ``emitted``
+        # flips (with the row's lock held, so exactly one merge sees it flip) and the task
+        # is queued in ray_ready. Its row is written twice (definition, end), not three
+        # times, and nothing scans ray_tasks for complete tasks.
+        def taken(rs: Any, complete_of: Any) -> Any:
+            if rs is not None:  # a new row: the patch alone
+                return complete_of(bindparam("p_session", type_=T.c.session_id.type), rs.c.node_id,
+                                   func.coalesce(rs.c.defined, false()), rs.c.running_at,
+                                   rs.c.finished_at, rs.c.failed_at)  # fmt: skip
+            ex = insert(T).excluded
+            # Written out: SQLAlchemy does not correlate a subquery inside ON CONFLICT's SET.
+            node_known = literal_column(
+                "EXISTS (SELECT 1 FROM ray_nodes AS n WHERE n.session_id = ray_tasks.session_id"
+                " AND n.node_id = coalesce(ray_tasks.node_id, excluded.node_id)"
+                " AND n.ip IS NOT NULL)", Boolean()
+            )  # fmt: skip
+            return complete_of(None, None, or_(T.c.defined, ex.defined),
+                               func.coalesce(T.c.running_at, ex.running_at),
+                               func.coalesce(T.c.finished_at, ex.finished_at),
+                               func.coalesce(T.c.failed_at, ex.failed_at), node_known)  # fmt: skip
+
+        merged = upsert(
             m.RayTask, ["session_id", "task_id", "attempt"],
             first=("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id",
                    "node_id", "worker_id", "pid", "error_type", "error_message"),
             low=("pending_at", "submitted_at", "running_at", "finished_at", "failed_at",
                  "first_seen", "end_seen"),
-            ored=("defined",), bulk=True,
+            ored=("defined",), bulk=True, taken=taken,
         )  # fmt: skip
+        up = merged.returning(
+            T.c.session_id, T.c.task_id, T.c.attempt, T.c.job_id, T.c.emitted, T.c.emitted_before
+        ).cte("up")
+        st.task_bulk = insert(R).from_select(
+            ["session_id", "task_id", "attempt", "job_id"],
+            select(up.c.session_id, up.c.task_id, up.c.attempt, up.c.job_id).where(
+                up.c.emitted.is_(True), up.c.emitted_before.is_(False)
+            ),
+        ).on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
     if dialect == "postgresql":
         # A list of (task, attempt) keys as a join against unnest(): one index lookup per
         # key. ``(task_id, attempt) IN ((..), ..)`` made Postgres scan every row of the
@@ -311,20 +367,25 @@ def _statements(dialect: str) -> SimpleNamespace:
         keys = and_(T.c.task_id == k.c.task_id, T.c.attempt == k.c.attempt)
     else:
         keys = tuple_(T.c.task_id, T.c.attempt).in_(bindparam("p_keys", expanding=True))
-    # Complete: defined, RUNNING and ended, on a node whose IP is known (the worker label
-    # needs it; a node's definition may arrive after its tasks' events).
-    node_known = (
-        select(N.c.node_id)
-        .where(N.c.session_id == T.c.session_id, N.c.node_id == T.c.node_id, N.c.ip.is_not(None))
-        .exists()
-    )
     complete = (
-        T.c.defined.is_(True),
-        T.c.running_at.is_not(None),
-        or_(T.c.finished_at.is_not(None), T.c.failed_at.is_not(None)),
-        node_known,
-    )
+        complete_of(T.c.session_id, T.c.node_id, T.c.defined, T.c.running_at, T.c.finished_at,
+                    T.c.failed_at),
+    )  # fmt: skip
     st.complete = complete
+    st.rows = select(*T.c).where(T.c.session_id == bindparam("p_session"), keys)
+    if dialect == "postgresql":
+        # Rows of a list of keys, one primary-key lookup each whatever the statistics say:
+        # joined plainly, a planner that had not yet seen the table grow hashed all of the
+        # session's rows for 2,000 keys (277 ms, spilling to disk, against 12 ms). LIMIT 1
+        # keeps the lateral lookup from being flattened into that join.
+        one = (
+            select(*T.c)
+            .where(T.c.session_id == bindparam("p_session"), T.c.task_id == k.c.task_id,
+                   T.c.attempt == k.c.attempt)
+            .limit(1)
+            .lateral("t")
+        )  # fmt: skip
+        st.rows = select(*one.c).select_from(k).join(one, true())
     st.emit_complete = (
         update(T)
         .where(T.c.session_id == bindparam("p_session"), keys, T.c.emitted.is_(False), *complete)
@@ -665,11 +726,11 @@ def merge_part(
     key: str,
     now: float,
     cache: IdCache | None = None,
-) -> tuple[int, int, list[Any], list[Any], list[Any]] | None:
-    """Merge one stored part into the tables. Returns (cluster id, session id, job rows,
-    worker rows, touched task keys), or None if this body was merged before. Order: the
-    manifest, then nodes, workers, actors, jobs, tasks, each in key order, so concurrent
-    merges lock rows alike. ``cache`` (the writer's, see ``storage.idcache``) spares the
+) -> tuple[int, int, list[Any], list[Any]] | None:
+    """Merge one stored part into the tables and queue (``ray_ready``) the tasks it
+    completes. Returns (cluster id, session id, job rows, worker rows), or None if this
+    body was merged before. Order: the manifest, then nodes, workers, actors, jobs, tasks,
+    each in key order, so concurrent merges lock rows alike. ``cache`` (the writer's, see ``storage.idcache``) spares the
     cluster and session look-ups once this process has written the session's records."""
     st = _stmts(db)
     part = stored.part
@@ -731,7 +792,7 @@ def merge_part(
         }).all()  # fmt: skip
     if part.tasks:
         patches = [t for _, t in sorted(part.tasks.items())]
-        if st.task_bulk is not None:
+        if st.task_bulk is not None:  # merges, and queues what it completes (see _statements)
             db.execute(
                 st.task_bulk, {"p_rows": _encode(patches).decode(), "p_session": sid, "p_now": now}
             )
@@ -741,6 +802,13 @@ def merge_part(
                 r.update(session_id=sid, first_seen=now, emitted=False, end_seen=(
                     now if r["finished_at"] is not None or r["failed_at"] is not None else None))  # fmt: skip
             db.execute(st.task, rows)
+            for chunk in _chunks(sorted(part.tasks)):
+                _enqueue(db, sid, db.execute(st.emit_complete, {"p_session": sid, **_keys(st, chunk)}).all())  # fmt: skip
+    known = [n for n, patch in sorted(part.nodes.items()) if patch.ip]
+    if known:
+        # Tasks that were complete but for their node's IP (rows held by a concurrent merge
+        # are left to it or to the sweeper).
+        _enqueue(db, sid, _emit_locked(db, sid, [m.RayTask.node_id.in_(known), *st.complete]))
     counts = [
         {"session_id": sid, "kind": kind, "event_type": etype, "count": n}
         for kind, d in (("received", part.received), ("skipped", part.skipped))
@@ -748,7 +816,7 @@ def merge_part(
     ]
     if counts:
         db.execute(st.counts, counts)
-    return cluster_id, sid, job_rows, workers, sorted(part.tasks)
+    return cluster_id, sid, job_rows, workers
 
 
 def index_part(
@@ -766,9 +834,9 @@ def index_part(
 ) -> PartResult:
     """Merge one stored part and write what became complete. The caller has stored the
     raw part (``raw_key``) and owns the transaction. With ``emit=False`` (reindex's first
-    pass) only the merge tables change. With ``defer_tasks`` the tasks that became complete
-    are left for :func:`emit_ready` (a collector with a sweeper): the body's job starts and
-    workers are still written here."""
+    pass) only the merge tables change (complete tasks are queued). With ``defer_tasks``
+    the queued tasks are left for :func:`emit_ready` (a collector with a sweeper): the
+    body's job starts and workers are still written here."""
     part = stored.part
     result = PartResult(part.session, False, len(part.raw), dict(part.skipped))
     if part.session == NO_SESSION:
@@ -779,22 +847,12 @@ def index_part(
     if merged is None:
         result.duplicate = True
         return result
-    _cluster_id, sid, job_rows, worker_rows, touched = merged
+    _cluster_id, sid, job_rows, worker_rows = merged
     result.session_id = sid
     if not emit:
         return result
-    st = _stmts(db)
     derived = Derived()
-    rows: list[Any] = []
-    if not defer_tasks:
-        for chunk in _chunks(touched):
-            rows += db.execute(st.emit_complete, {"p_session": sid, **_keys(st, chunk)}).all()
-    known = [n for n, patch in part.nodes.items() if patch.ip]
-    if known and not defer_tasks:
-        # Tasks that were complete but for their node's IP (rows held by a concurrent
-        # merge are left to it or to the sweeper).
-        T = m.RayTask
-        rows += _emit_locked(db, sid, [T.node_id.in_(known), *st.complete])
+    rows = [] if defer_tasks else take_ready(db, sid)
     derived.tasks = tasks_as_events(db, sid, rows)
     derived.runs = [e for e in (job_started(j) for j in job_rows) if e is not None]
     derived.workers = workers_of(db, sid, worker_rows, stored.part.nodes)
@@ -873,13 +931,60 @@ def _emit_locked(db: Session, session_id: int, where: list[Any], limit: int | No
     return rows
 
 
+def _enqueue(db: Session, session_id: int, rows: list[Any]) -> None:
+    """Queue tasks just taken for writing (``emitted`` flipped) in ``ray_ready``."""
+    if rows:
+        db.execute(_stmts(db).ready, [
+            {"session_id": session_id, "task_id": r.task_id, "attempt": r.attempt, "job_id": r.job_id}
+            for r in rows
+        ])  # fmt: skip
+
+
+def take_ready(db: Session, session_id: int, *, job: str | None = None, limit: int | None = None) -> list[Any]:  # fmt: skip
+    """Take queued tasks of a session (of one job; at most ``limit``) out of ``ray_ready``
+    for writing in this transaction: their ``ray_tasks`` rows as they are now. Queue rows
+    another transaction holds are left to it (SKIP LOCKED)."""
+    R, T = m.RayReady.__table__, m.RayTask.__table__  # Core: the ORM's bulk DELETE costs
+    q = select(R.c.task_id, R.c.attempt).where(R.c.session_id == session_id)
+    if job is not None:
+        q = q.where(R.c.job_id == job)
+    if limit is not None:
+        q = q.limit(limit)
+    taken = delete(R).where(
+        R.c.session_id == session_id, tuple_(R.c.task_id, R.c.attempt).in_(_skip_locked(q, db))
+    ).returning(R.c.task_id, R.c.attempt)
+    st = _stmts(db)
+    if st.dialect == "postgresql":
+        # One statement: the keys never travel to this process and back (one primary-key
+        # lookup each, as in ``st.rows``).
+        d = taken.cte("d")
+        one = (
+            select(*T.c)
+            .where(T.c.session_id == session_id, T.c.task_id == d.c.task_id,
+                   T.c.attempt == d.c.attempt)
+            .limit(1)
+            .lateral("t")
+        )  # fmt: skip
+        return db.execute(select(*one.c).select_from(d).join(one, true())).all()
+    keys = db.execute(taken).all()
+    rows: list[Any] = []
+    for chunk in _chunks(sorted((k.task_id, k.attempt) for k in keys)):
+        rows += db.execute(st.rows, {"p_session": session_id, **_keys(st, chunk)}).all()
+    return rows
+
+
 def _sweep_session(
-    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, where: list[Any],
+    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, where: list[Any] | None,
     now: float, cache: IdCache | None, limit: int | None = None,
 ) -> SweepCounts:  # fmt: skip
+    """Write a session's tasks: those matching ``where`` not yet taken, or (``where`` None)
+    those the merges queued."""
     out = SweepCounts()
     with sessions.begin() as db:
-        rows = _emit_locked(db, session_id, where, limit)
+        if where is None:
+            rows = take_ready(db, session_id, limit=limit)
+        else:
+            rows = _emit_locked(db, session_id, where, limit)
         if rows:
             tenant_id, tenant, cluster, session = _session_names(db, session_id)
             derived = Derived(tasks=tasks_as_events(db, session_id, rows))
@@ -905,7 +1010,8 @@ def _close_job(
         ended = job.end_seen is not None and job.end_seen <= now - settle
         if not ended and job.last_event_at > now - idle:
             return out
-        rows = _emit_locked(db, session_id, [T.job_id == job_id])
+        rows = take_ready(db, session_id, job=job_id)
+        rows += _emit_locked(db, session_id, [T.job_id == job_id])
         end = db.execute(
             select(func.max(func.coalesce(T.failed_at, T.finished_at))).where(
                 T.session_id == session_id, T.job_id == job_id
@@ -1039,22 +1145,20 @@ def emit_ready(
     limit: int = 100,
     batch: int = 20_000,
 ) -> SweepCounts:
-    """Write every task that is complete (defined, RUNNING, ended, its node's IP known) and
-    not yet written, one derived batch per session and pass (of at most ``batch`` tasks):
-    what the merges of ``index_part(defer_tasks=True)`` left. Many bodies' tasks then share
-    one blob and one pass of the writer. Safe in several processes at once (SKIP LOCKED)."""
+    """Write the complete tasks the merges queued (``ray_ready``: defined, RUNNING, ended,
+    their node's IP known), one derived batch per session and pass (of at most ``batch``
+    tasks): what the merges of ``index_part(defer_tasks=True)`` left. Many bodies' tasks
+    then share one blob and one pass of the writer. Safe in several processes at once
+    (SKIP LOCKED)."""
     now = time.time() if now is None else now
     out = SweepCounts()
-    T = m.RayTask
+    R = m.RayReady
     with sessions() as db:
-        complete = _stmts(db).complete
-        sids = db.scalars(
-            select(T.session_id).where(T.emitted.is_(False), *complete).distinct().limit(limit)
-        ).all()
+        sids = db.scalars(select(R.session_id).distinct().limit(limit)).all()
     for sid in _quarantine.ready(sessions, sids, time.monotonic()):
         while True:
             got = _quarantine.run(sessions, sid, "writing complete tasks", lambda sid=sid: _sweep_session(
-                sessions, blobs, sid, list(complete), now, cache, batch))  # fmt: skip
+                sessions, blobs, sid, None, now, cache, batch))  # fmt: skip
             out.add(got)
             if got.failed or got.tasks < batch:
                 break
@@ -1063,9 +1167,10 @@ def emit_ready(
 
 def has_open_work(db: Session) -> bool:
     """Whether anything is left for the sweeper (an open job, an unemitted task)."""
-    J, T = m.RayJob, m.RayTask
+    J, T, R = m.RayJob, m.RayTask, m.RayReady
     return (
         db.scalar(select(J.job_id).where(J.closed_at.is_(None)).limit(1)) is not None
+        or db.scalar(select(R.task_id).limit(1)) is not None
         or db.scalar(select(T.task_id).where(T.emitted.is_(False)).limit(1)) is not None
     )
 
@@ -1137,7 +1242,8 @@ def emit_session(
     st = None
     with sessions.begin() as db:
         st = _stmts(db)
-        rows = db.execute(st.emit_all_complete, {"p_session": session_id}).all()
+        rows = take_ready(db, session_id)
+        rows += db.execute(st.emit_all_complete, {"p_session": session_id}).all()
         derived = Derived(tasks=tasks_as_events(db, session_id, rows))
         J, W = m.RayJob, m.RayWorker
         jobs = db.execute(select(J).where(J.session_id == session_id)).scalars().all()

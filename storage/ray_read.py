@@ -34,6 +34,10 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
             func.sum(case((T.emitted.is_(False), 1), else_=0)),
         ).where(T.session_id == job.session_id, T.job_id == job.job_id)
     ).one()  # fmt: skip
+    R = m.RayReady
+    queued = db.scalar(
+        select(func.count()).where(R.session_id == job.session_id, R.job_id == job.job_id)
+    )
     bodies = db.scalar(
         select(func.count()).select_from(m.RayBody).where(m.RayBody.session_id == job.session_id)
     )
@@ -60,7 +64,7 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
             "without_definition": int(no_def or 0),
             "without_running": int(no_running or 0),
             "without_end": int(no_end or 0),
-            "not_yet_written": int(waiting or 0),
+            "not_yet_written": int(waiting or 0) + int(queued or 0),
         },
         "events_received": sum(counts["received"].values()),
         "events_skipped": counts["skipped"],

@@ -184,8 +184,10 @@ def apply(
             lake.forget_session(db, blobs, tenant, s.id)
             db.execute(delete(m.Session).where(m.Session.id == s.id))
             # After the session (its row lock waits for merges in flight, which cannot
-            # start anew without it): ray_tasks has no foreign key to cascade through.
+            # start anew without it): ray_tasks and ray_ready have no foreign key to cascade
+            # through.
             db.execute(delete(m.RayTask).where(m.RayTask.session_id == s.id))
+            db.execute(delete(m.RayReady).where(m.RayReady.session_id == s.id))
         logger.info(
             "retention: removed session %s of tenant %s (%d runs, %d batches)",
             s.prefix.rstrip("/"), tenant, s.runs, s.batches,
