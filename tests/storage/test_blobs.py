@@ -86,3 +86,60 @@ def test_unreachable_s3_raises_connection_error():
 def test_unsupported_url():
     with pytest.raises(ValueError):
         open_blob_store("ftp://x/y")
+
+
+def test_s3_puts_are_signed_for_an_endpoint_that_checks(monkeypatch):
+    """Puts go out signed (SigV4, as MinIO and AWS check it), not only accepted by a lenient
+    endpoint: moto's server with its authentication on takes the store's puts under a real
+    access key, keys with spaces and '+' included, and refuses them under a wrong secret."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import boto3
+    import requests
+
+    from storage.blobs import S3BlobStore
+    from tests.dask.conftest import free_port, wait_until
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    moto = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+
+        def up() -> bool:
+            try:
+                return requests.get(url + "/moto-api/", timeout=1).ok
+            except requests.RequestException:
+                return False
+
+        wait_until(up, 30, "moto's server to start")
+        # The first four requests go unchecked: a user, its policy, its key, the bucket.
+        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1",
+                           aws_access_key_id="setup", aws_secret_access_key="setup")  # fmt: skip
+        iam.create_user(UserName="hindsight")
+        iam.put_user_policy(UserName="hindsight", PolicyName="all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        ))  # fmt: skip
+        key = iam.create_access_key(UserName="hindsight")["AccessKey"]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="signed")
+
+        store = S3BlobStore("signed", "p", endpoint_url=url)
+        assert store.put("a/b c+d~e.json", b"first", if_absent=True) is True
+        assert store.put("a/b c+d~e.json", b"second", if_absent=True) is False
+        assert store.get("a/b c+d~e.json") == b"first"
+
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"][::-1])
+        with pytest.raises(ConnectionError, match="403"):
+            S3BlobStore("signed", "p", endpoint_url=url).put("x", b"1")
+    finally:
+        moto.terminate()
+        moto.wait(10)
