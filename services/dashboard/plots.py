@@ -47,6 +47,20 @@ class _Phase(msgspec.Struct, gc=False):
 _phases = msgspec.json.Decoder(list[list[_Phase]])
 
 
+@functools.cache
+def warm_up() -> None:
+    """Build and serialise a small run page's figures once (Bokeh fills its per-class
+    property caches on first use)."""
+    from bokeh.layouts import column
+    from bokeh.models import DataRange1d
+
+    x_range = DataRange1d()
+    stream, _ = _stream_figure("warm-up", ["row"], x_range, name="warm-up", source_name="warm-up")
+    line = _time_figure("warm-up", x_range)
+    line.line(x=[0, 1], y=[0, 1])
+    json_item(column(stream, line, sizing_mode="stretch_width"), "warm-up")
+
+
 def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     """A run's task stream, compactly: one rectangle per startstop as typed arrays (base64),
     with task keys, labels and colours sent once and referenced by index. The page expands
@@ -60,7 +74,6 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
 
     t = table.select(["key", "prefix", "worker", "thread", "status", "compute_start", "compute_stop",
                       "transfer", "disk_read", "disk_write", "startstops"])  # fmt: skip
-    n_tasks = t.num_rows
     # A row per worker thread ("worker-thread"); per worker process where the scheduler
     # reports no threads (Ray).
     worker = pc.fill_null(t["worker"], "?")
@@ -69,7 +82,10 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
         worker,
         pc.binary_join_element_wise(worker, pc.cast(t["thread"], pa.string()), "-"),
     )
-    prefixes = t["prefix"].to_pylist()
+    # Per distinct prefix and row, not per task (100,000 tasks, a handful of each).
+    prefix_codes = pc.dictionary_encode(t["prefix"]).combine_chunks()
+    prefix_of = prefix_codes.dictionary.to_pylist()
+    prefix_idx = np.asarray(pc.fill_null(prefix_codes.indices, 0), dtype="i4")
     erred = np.asarray(pc.fill_null(pc.equal(t["status"], "erred"), False), dtype=bool)
     cstart = np.asarray(pc.fill_null(t["compute_start"], np.nan), dtype="f8")
     cstop = np.asarray(pc.fill_null(t["compute_stop"], np.nan), dtype="f8")
@@ -88,11 +104,9 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     # labels and colours: compute phases are labelled by prefix, the rest "action prefix"
     names: dict[str, int] = {}
     colours: dict[tuple[str, float], int] = {}
-    prefix_name = np.fromiter(
-        (names.setdefault(p, len(names)) for p in prefixes), dtype="i4", count=n_tasks
-    )
-    prefix_colour = np.fromiter((colours.setdefault((colour_of(p), 1.0), len(colours)) for p in prefixes),
-                                dtype="i4", count=n_tasks)  # fmt: skip
+    prefix_name = np.asarray([names.setdefault(p, len(names)) for p in prefix_of], dtype="i4")[prefix_idx]
+    prefix_colour = np.asarray([colours.setdefault((colour_of(p), 1.0), len(colours)) for p in prefix_of],
+                               dtype="i4")[prefix_idx]  # fmt: skip
     black = colours.setdefault(("black", 1.0), len(colours))
     compute_c = np.where(erred, black, prefix_colour)
 
@@ -113,7 +127,7 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
             ex_c.append(
                 colours.setdefault(ACTION_COLOURS.get(ph.action, ("gray", 0.4)), len(colours))
             )
-            ex_n.append(names.setdefault(f"{ph.action} {prefixes[ti]}", len(names)))
+            ex_n.append(names.setdefault(f"{ph.action} {prefix_of[prefix_idx[ti]]}", len(names)))
     if not np.isfinite(origin):
         origin = 0.0
 
@@ -127,12 +141,14 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     c = np.concatenate([compute_c[tasks_c], np.asarray(ex_c, dtype="i4")]).astype("i4")
     n = np.concatenate([prefix_name[tasks_c], np.asarray(ex_n, dtype="i4")]).astype("i4")
 
-    drawn = np.unique(task_idx)
-    row_list = row_names.to_pylist()
-    rows = sorted({row_list[i] for i in drawn.tolist()})
-    row_of = {r: i for i, r in enumerate(rows)}
-    task_row = np.fromiter((row_of.get(r, -1) for r in row_list), dtype="i4", count=n_tasks)
-    y = task_row[task_idx]
+    row_codes = pc.dictionary_encode(row_names).combine_chunks()
+    row_idx = np.asarray(row_codes.indices, dtype="i4")
+    row_of_code = row_codes.dictionary.to_pylist()
+    drawn = np.unique(row_idx[task_idx])  # the codes of rows with a rectangle
+    rows = sorted(row_of_code[i] for i in drawn.tolist())
+    order = {r: i for i, r in enumerate(rows)}
+    code_row = np.asarray([order.get(r, -1) for r in row_of_code], dtype="i4")
+    y = code_row[row_idx[task_idx]] if len(task_idx) else np.zeros(0, dtype="i4")
 
     def b64(values: Any, dtype: str) -> str:
         return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode()

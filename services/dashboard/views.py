@@ -57,6 +57,19 @@ COOKIE = "hindsight_token"
 BOKEH_STATIC = Path(bokeh.util.paths.bokehjs_path())
 
 
+@bp.record_once
+def _warm_up(_state: Any) -> None:
+    """Pay at start-up, not on the first run page a user opens, for what the first page
+    loads lazily: pyarrow's dataset module (and pandas with it, ~0.4 s, on the first read
+    of a compacted copy), Bokeh's per-class property defaults (~0.3 s of a first page's
+    figures) and SQLAlchemy's mapper configuration (~0.15 s). Each runs once per process."""
+    import pyarrow.dataset  # noqa: F401
+    from sqlalchemy.orm import configure_mappers
+
+    configure_mappers()
+    plots.warm_up()
+
+
 class LoginRequired(Exception):
     """The page needs a read token the browser has not given."""
 
