@@ -156,9 +156,13 @@ class _PathStylePut:
             maxsize=32,
             timeout=urllib3.Timeout(connect=3, read=20),
             # As the client's "standard" mode: 3 attempts in all, for throttling and 5xx.
-            retries=urllib3.Retry(total=2, connect=2, read=2, backoff_factor=0.1,
-                                  status_forcelist=(429, 500, 502, 503, 504),
-                                  allowed_methods=None, raise_on_status=False),  # fmt: skip
+            retries=urllib3.Retry(
+                total=2,
+                backoff_factor=0.1,
+                status_forcelist=(429, 500, 502, 503, 504),
+                allowed_methods=None,  # PUT too: a repeat is answered 412 or overwrites alike
+                raise_on_status=False,
+            ),
         )
 
     def put(self, key: str, data: bytes, if_absent: bool) -> bool:
@@ -169,7 +173,8 @@ class _PathStylePut:
         # The signer adds the payload's SHA-256 (signed, as botocore does over plain HTTP).
         req = AWSRequest(method="PUT", url=url, data=data,
                          headers={"If-None-Match": "*"} if if_absent else {})  # fmt: skip
-        self._signer_type(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(req)
+        credentials = self._credentials.get_frozen_credentials()
+        self._signer_type(credentials, "s3", self._region).add_auth(req)
         try:
             resp = self._pool.request("PUT", url, body=data, headers=dict(req.headers.items()))
         except urllib3.exceptions.HTTPError as exc:

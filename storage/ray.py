@@ -217,7 +217,7 @@ def _statements(dialect: str) -> SimpleNamespace:
                     bindparam("p_session", type_=t.c.session_id.type),
                     now,
                     ended,
-                    taken(rs, complete_of) if taken is not None else false(),
+                    taken(rs) if taken is not None else false(),
                     false(),
                     *(
                         func.coalesce(rs.c[c.name], false())
@@ -234,7 +234,7 @@ def _statements(dialect: str) -> SimpleNamespace:
         sets.update({c: hi(t.c[c], ex[c]) for c in high})
         sets.update({c: or_(t.c[c], ex[c]) for c in ored})
         if taken is not None:
-            sets.update(emitted=or_(t.c.emitted, taken(None, complete_of)),
+            sets.update(emitted=or_(t.c.emitted, taken(None)),
                         emitted_before=t.c.emitted)  # fmt: skip
         stmt = ins.on_conflict_do_update(index_elements=keys, set_=sets)
         return stmt.returning(*returning) if returning is not None else stmt
@@ -320,8 +320,10 @@ def _statements(dialect: str) -> SimpleNamespace:
         # flips (with the row's lock held, so exactly one merge sees it flip) and the task
         # is queued in ray_ready. Its row is written twice (definition, end), not three
         # times, and nothing scans ray_tasks for complete tasks.
-        def taken(rs: Any, complete_of: Any) -> Any:
-            if rs is not None:  # a new row: the patch alone
+        def taken(rs: Any) -> Any:
+            """Complete after the merge: of a new row (``rs``, the patches) or of the
+            existing row merged with the patch (``rs`` None: ON CONFLICT's SET)."""
+            if rs is not None:
                 return complete_of(bindparam("p_session", type_=T.c.session_id.type), rs.c.node_id,
                                    func.coalesce(rs.c.defined, false()), rs.c.running_at,
                                    rs.c.finished_at, rs.c.failed_at)  # fmt: skip
@@ -348,12 +350,16 @@ def _statements(dialect: str) -> SimpleNamespace:
         up = merged.returning(
             T.c.session_id, T.c.task_id, T.c.attempt, T.c.job_id, T.c.emitted, T.c.emitted_before
         ).cte("up")
-        st.task_bulk = insert(R).from_select(
-            ["session_id", "task_id", "attempt", "job_id"],
-            select(up.c.session_id, up.c.task_id, up.c.attempt, up.c.job_id).where(
-                up.c.emitted.is_(True), up.c.emitted_before.is_(False)
-            ),
-        ).on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
+        st.task_bulk = (
+            insert(R)
+            .from_select(
+                ["session_id", "task_id", "attempt", "job_id"],
+                select(up.c.session_id, up.c.task_id, up.c.attempt, up.c.job_id).where(
+                    up.c.emitted.is_(True), up.c.emitted_before.is_(False)
+                ),
+            )
+            .on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
+        )
     if dialect == "postgresql":
         # A list of (task, attempt) keys as a join against unnest(): one index lookup per
         # key. ``(task_id, attempt) IN ((..), ..)`` made Postgres scan every row of the
@@ -730,8 +736,9 @@ def merge_part(
     """Merge one stored part into the tables and queue (``ray_ready``) the tasks it
     completes. Returns (cluster id, session id, job rows, worker rows), or None if this
     body was merged before. Order: the manifest, then nodes, workers, actors, jobs, tasks,
-    each in key order, so concurrent merges lock rows alike. ``cache`` (the writer's, see ``storage.idcache``) spares the
-    cluster and session look-ups once this process has written the session's records."""
+    each in key order, so concurrent merges lock rows alike. ``cache`` (the writer's, see
+    ``storage.idcache``) spares the cluster and session look-ups once this process has
+    written the session's records."""
     st = _stmts(db)
     part = stored.part
     body = {"sha": stored.sha, "blob_key": key, "events": len(part.raw),
@@ -950,9 +957,13 @@ def take_ready(db: Session, session_id: int, *, job: str | None = None, limit: i
         q = q.where(R.c.job_id == job)
     if limit is not None:
         q = q.limit(limit)
-    taken = delete(R).where(
-        R.c.session_id == session_id, tuple_(R.c.task_id, R.c.attempt).in_(_skip_locked(q, db))
-    ).returning(R.c.task_id, R.c.attempt)
+    taken = (
+        delete(R)
+        .where(
+            R.c.session_id == session_id, tuple_(R.c.task_id, R.c.attempt).in_(_skip_locked(q, db))
+        )
+        .returning(R.c.task_id, R.c.attempt)
+    )
     st = _stmts(db)
     if st.dialect == "postgresql":
         # One statement: the keys never travel to this process and back (one primary-key

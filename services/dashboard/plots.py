@@ -104,9 +104,10 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     # labels and colours: compute phases are labelled by prefix, the rest "action prefix"
     names: dict[str, int] = {}
     colours: dict[tuple[str, float], int] = {}
-    prefix_name = np.asarray([names.setdefault(p, len(names)) for p in prefix_of], dtype="i4")[prefix_idx]
-    prefix_colour = np.asarray([colours.setdefault((colour_of(p), 1.0), len(colours)) for p in prefix_of],
-                               dtype="i4")[prefix_idx]  # fmt: skip
+    name_of = np.asarray([names.setdefault(p, len(names)) for p in prefix_of], dtype="i4")
+    colour_of_prefix = [colours.setdefault((colour_of(p), 1.0), len(colours)) for p in prefix_of]
+    prefix_name = name_of[prefix_idx]
+    prefix_colour = np.asarray(colour_of_prefix, dtype="i4")[prefix_idx]
     black = colours.setdefault(("black", 1.0), len(colours))
     compute_c = np.where(erred, black, prefix_colour)
 
