@@ -136,13 +136,20 @@ class LocalBlobStore:
 
 class _PathStylePut:
     """PutObject without botocore's request pipeline, for an S3-compatible endpoint given
-    by URL (MinIO, moto, Ceph...): path-style URL, signed by botocore's own SigV4 signer
-    with the client's credentials, sent over a urllib3 pool. The write path puts a blob for
-    every batch and Ray body; botocore spent ~2.5 ms of CPU on each (its event hooks,
-    parameter validation, serialisation, response parsing), this ~0.85 ms, and the put's
-    latency fell from ~6.5 to ~3.6 ms (45 KB bodies against moto). Everything else (get,
-    list, delete, and AWS's own endpoints, whose addressing botocore resolves) stays on
-    boto3."""
+    by a plain-HTTP URL (compose's MinIO, moto): path-style URL, signed by botocore's own
+    SigV4 signer with the client's credentials, sent over a urllib3 pool. The write path
+    puts a blob for every batch and Ray body; botocore spent ~2.5 ms of CPU on each (its
+    event hooks, parameter validation, serialisation, response parsing), this ~0.85 ms, and
+    the put's latency fell from ~6.5 to ~3.6 ms (45 KB bodies against moto). Everything else
+    stays on boto3: the other operations, AWS's own endpoints (whose addressing botocore
+    resolves), HTTPS endpoints (CA bundles) and hosts reached through a proxy."""
+
+    @staticmethod
+    def usable(endpoint_url: str | None) -> bool:
+        proxied = any(
+            os.environ.get(v) for v in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+        )
+        return bool(endpoint_url) and endpoint_url.startswith("http://") and not proxied
 
     def __init__(self, credentials: Any, endpoint_url: str, bucket: str, region: str) -> None:
         import urllib3
@@ -219,7 +226,7 @@ class S3BlobStore:
         )
         self._put = None
         credentials = session.get_credentials() if client is None else None
-        if endpoint_url and credentials is not None:
+        if _PathStylePut.usable(endpoint_url) and credentials is not None:
             self._put = _PathStylePut(credentials, endpoint_url, bucket, region)
 
     def _call(self, op: str, **kwargs: Any) -> Any:
