@@ -82,7 +82,8 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
         worker,
         pc.binary_join_element_wise(worker, pc.cast(t["thread"], pa.string()), "-"),
     )
-    # Per distinct prefix and row, not per task (100,000 tasks, a handful of each).
+    # Names, colours and rows per distinct prefix and row, not per task: a 100,000-task run
+    # has a handful of prefixes and a few dozen worker threads.
     prefix_codes = pc.dictionary_encode(t["prefix"]).combine_chunks()
     prefix_of = prefix_codes.dictionary.to_pylist()
     prefix_idx = np.asarray(pc.fill_null(prefix_codes.indices, 0), dtype="i4")
