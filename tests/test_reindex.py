@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import secrets
 from typing import Any
 
@@ -12,7 +13,7 @@ from storage.blobs import open_blob_store
 from storage.db import make_engine, make_sessionmaker, upgrade
 from storage.reindex import reindex
 from storage.tokens import create_token
-from tests.conftest import new_tenant
+from tests.conftest import TEST_DATABASE_URL, new_tenant
 from tests.helpers import auth, example, post
 from tests.query.test_runs import run_batch
 
@@ -41,13 +42,29 @@ def answers(query: Any, token: str) -> dict[str, Any]:
 
 
 def fresh_index(stack: dict[str, Any], tmp_path: Any) -> str:
+    """An empty index next to the stack's: a SQLite file, or a Postgres database that is
+    dropped when the test run ends (each run used to leave its rebuilt databases behind)."""
     url = make_url(stack["database_url"])
     if url.get_backend_name() == "sqlite":
         return f"sqlite:///{tmp_path / 'rebuilt.db'}"
     name = f"{url.database}_re_{secrets.token_hex(3)}"
     with create_engine(url, isolation_level="AUTOCOMMIT").connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
+    # At exit the stack's own database is gone (dropped by its fixture): drop this one
+    # through the database the test fixtures create theirs from.
+    atexit.register(_drop_database, TEST_DATABASE_URL, name)
     return url.set(database=name).render_as_string(hide_password=False)
+
+
+def _drop_database(admin_url: str, name: str) -> None:
+    engine = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    except Exception:  # the server went away first: nothing to clean
+        pass
+    finally:
+        engine.dispose()
 
 
 def test_rebuilt_index_answers_the_same(stack, tmp_path):
