@@ -53,8 +53,6 @@ import zstandard
 from sqlalchemy import (
     Boolean,
     Float,
-    Integer,
-    String,
     Text,
     and_,
     bindparam,
@@ -360,38 +358,16 @@ def _statements(dialect: str) -> SimpleNamespace:
             )
             .on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
         )
-    if dialect == "postgresql":
-        # A list of (task, attempt) keys as a join against unnest(): one index lookup per
-        # key. ``(task_id, attempt) IN ((..), ..)`` made Postgres scan every row of the
-        # session and test each against the list (30 ms a body at 4,000 rows, growing).
-        from sqlalchemy.dialects.postgresql import ARRAY
-
-        k = select(
-            func.unnest(bindparam("p_ids", type_=ARRAY(String()))).label("task_id"),
-            func.unnest(bindparam("p_attempts", type_=ARRAY(Integer()))).label("attempt"),
-        ).subquery("k")
-        keys = and_(T.c.task_id == k.c.task_id, T.c.attempt == k.c.attempt)
-    else:
-        keys = tuple_(T.c.task_id, T.c.attempt).in_(bindparam("p_keys", expanding=True))
+    # Statements on a list of (task, attempt) keys serve SQLite's paths: Postgres merges and
+    # queues in one statement (``task_bulk``), flips with SKIP LOCKED subqueries
+    # (``_emit_locked``) and drains the queue in one (``take_ready``).
+    keys = tuple_(T.c.task_id, T.c.attempt).in_(bindparam("p_keys", expanding=True))
     complete = (
         complete_of(T.c.session_id, T.c.node_id, T.c.defined, T.c.running_at, T.c.finished_at,
                     T.c.failed_at),
     )  # fmt: skip
     st.complete = complete
     st.rows = select(*T.c).where(T.c.session_id == bindparam("p_session"), keys)
-    if dialect == "postgresql":
-        # Rows of a list of keys, one primary-key lookup each whatever the statistics say:
-        # joined plainly, a planner that had not yet seen the table grow hashed all of the
-        # session's rows for 2,000 keys (277 ms, spilling to disk, against 12 ms). LIMIT 1
-        # keeps the lateral lookup from being flattened into that join.
-        one = (
-            select(*T.c)
-            .where(T.c.session_id == bindparam("p_session"), T.c.task_id == k.c.task_id,
-                   T.c.attempt == k.c.attempt)
-            .limit(1)
-            .lateral("t")
-        )  # fmt: skip
-        st.rows = select(*one.c).select_from(k).join(one, true())
     st.emit_complete = (
         update(T)
         .where(T.c.session_id == bindparam("p_session"), keys, T.c.emitted.is_(False), *complete)
@@ -411,13 +387,6 @@ def _statements(dialect: str) -> SimpleNamespace:
         .returning(*T.c)
     )
     return st
-
-
-def _keys(st: SimpleNamespace, keys: list[tuple[str, int]]) -> dict[str, Any]:
-    """Bind a list of (task, attempt) keys the way the dialect's statements take them."""
-    if st.dialect == "postgresql":
-        return {"p_ids": [k[0] for k in keys], "p_attempts": [k[1] for k in keys]}
-    return {"p_keys": keys}
 
 
 def _stmts(db: Session) -> SimpleNamespace:
@@ -810,7 +779,9 @@ def merge_part(
                     now if r["finished_at"] is not None or r["failed_at"] is not None else None))  # fmt: skip
             db.execute(st.task, rows)
             for chunk in _chunks(sorted(part.tasks)):
-                _enqueue(db, sid, db.execute(st.emit_complete, {"p_session": sid, **_keys(st, chunk)}).all())  # fmt: skip
+                _enqueue(
+                    db, sid, db.execute(st.emit_complete, {"p_session": sid, "p_keys": chunk}).all()
+                )
     known = [n for n, patch in sorted(part.nodes.items()) if patch.ip]
     if known:
         # Tasks that were complete but for their node's IP (rows held by a concurrent merge
@@ -934,7 +905,7 @@ def _emit_locked(db: Session, session_id: int, where: list[Any], limit: int | No
     keys = [(t, a) for t, a in db.execute(q)]
     rows: list[Any] = []
     for chunk in _chunks(keys):
-        rows += db.execute(st.emit_keys, {"p_session": session_id, **_keys(st, chunk)}).all()
+        rows += db.execute(st.emit_keys, {"p_session": session_id, "p_keys": chunk}).all()
     return rows
 
 
@@ -966,8 +937,11 @@ def take_ready(db: Session, session_id: int, *, job: str | None = None, limit: i
     )
     st = _stmts(db)
     if st.dialect == "postgresql":
-        # One statement: the keys never travel to this process and back (one primary-key
-        # lookup each, as in ``st.rows``).
+        # One statement: the keys never travel to this process and back. One primary-key
+        # lookup per key whatever the statistics say: joined plainly, a planner that had
+        # not yet seen the table grow hashed all of the session's rows for 2,000 keys
+        # (277 ms, spilling to disk, against 12 ms); LIMIT 1 keeps the lateral lookup from
+        # being flattened into that join.
         d = taken.cte("d")
         one = (
             select(*T.c)
@@ -980,7 +954,7 @@ def take_ready(db: Session, session_id: int, *, job: str | None = None, limit: i
     keys = db.execute(taken).all()
     rows: list[Any] = []
     for chunk in _chunks(sorted((k.task_id, k.attempt) for k in keys)):
-        rows += db.execute(st.rows, {"p_session": session_id, **_keys(st, chunk)}).all()
+        rows += db.execute(st.rows, {"p_session": session_id, "p_keys": chunk}).all()
     return rows
 
 
