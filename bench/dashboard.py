@@ -127,9 +127,19 @@ def main() -> int:
                 glyphs = page.evaluate(
                     "() => Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length"
                 )
+                # Where the time went: the page's own marks (ms from navigation start).
+                marks = page.evaluate(
+                    """() => Object.fromEntries(performance.getEntriesByType('mark')
+                        .map(m => [m.name, Math.round(m.startTime)]))"""
+                )
+                nav = page.evaluate(
+                    "() => { const n = performance.getEntriesByType('navigation')[0];"
+                    " return {response: Math.round(n.responseEnd), dom: Math.round(n.domContentLoadedEventEnd)}; }"
+                )
                 assert not errors, errors
                 print(
-                    f"  {label}: interactive after {elapsed:.2f} s ({glyphs:,} task-stream glyphs)"
+                    f"  {label}: interactive after {elapsed:.2f} s ({glyphs:,} task-stream glyphs);"
+                    f" page ms: {nav | marks}"
                 )
                 figures[f"run_page_{label}_s"] = round(elapsed, 2)
                 page.close()

@@ -151,6 +151,9 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     order = {r: i for i, r in enumerate(rows)}
     code_row = np.asarray([order.get(r, -1) for r in row_of_code], dtype="i4")
     y = code_row[row_idx[task_idx]] if len(task_idx) else np.zeros(0, dtype="i4")
+    # By row, then start: the order in which the page merges what is finer than a pixel.
+    order = np.lexsort((x - width / 2, y))
+    x, width, y, c, task_idx, n = (a[order] for a in (x, width, y, c, task_idx, n))
 
     def b64(values: Any, dtype: str) -> str:
         return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode()
@@ -164,26 +167,37 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     return payload, rows, origin
 
 
+STREAM_HEIGHT = 0.85  # of a row; hindsight.js paints the same
+
+
 def _stream_figure(
     title: str, rows: list[str], x_range: Any, *, name: str, source_name: str
 ) -> tuple[Any, Any]:
-    """A task-stream figure with an empty source: the page fills ``source.data`` from plain
+    """A task-stream figure with empty sources: the page fills ``source.data`` from plain
     arrays after embedding (Bokeh's per-element serialisation of 100k-row columns took
-    seconds in Python and more in the browser)."""
+    seconds in Python and more in the browser), and its painted copy, ``painted-NAME``: an
+    image of them at the screen's resolution (``rasterise`` in hindsight.js). The per-task
+    rectangles are drawn by nothing; they answer the hover."""
     from bokeh.models import FixedTicker, Range1d
 
     empty = {k: [] for k in ("x", "width", "y", "colour", "alpha", "key", "name")}
     source = ColumnDataSource(empty, name=source_name)
+    paint = ColumnDataSource({"image": [], "x": [], "y": [], "dw": [], "dh": []},
+                             name=f"painted-{source_name}")  # fmt: skip
     fig = figure(
         title=title, x_range=x_range, y_range=Range1d(len(rows) - 0.5, -0.5),
         height=max(160, 24 * len(rows) + 80), sizing_mode="stretch_width",
         tools="xpan,xwheel_zoom,box_zoom,reset,save", active_scroll="xwheel_zoom", output_backend="canvas",
         name=name,
     )  # fmt: skip
-    fig.rect(x="x", y="y", width="width", height=0.85, source=source, fill_color="colour",
-             fill_alpha="alpha", line_color=None)  # fmt: skip
+    fig.image_rgba(image="image", x="x", y="y", dw="dw", dh="dh", source=paint)
+    tasks = fig.rect(x="x", y="y", width="width", height=STREAM_HEIGHT, source=source,
+                     fill_color=None, line_color=None)  # fmt: skip
     fig.add_tools(
-        HoverTool(tooltips=[("task", "@name"), ("key", "@key"), ("seconds", "@width{0.000}")])
+        HoverTool(
+            renderers=[tasks],
+            tooltips=[("task", "@name"), ("key", "@key"), ("seconds", "@width{0.000}")],
+        )  # fmt: skip
     )
     fig.yaxis.ticker = FixedTicker(ticks=list(range(len(rows))), name=f"{name}-rows")
     fig.yaxis.major_label_overrides = {i: r for i, r in enumerate(rows)}

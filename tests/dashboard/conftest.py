@@ -3,6 +3,7 @@ test that collects console errors, and screenshots into test-artifacts/dashboard
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,3 +58,64 @@ def sources(page: Any) -> dict[str, Any]:
             return out;
         }"""
     )
+
+
+NAMED = {"red": (255, 0, 0), "orange": (255, 165, 0), "gray": (128, 128, 128), "black": (0, 0, 0)}
+
+
+def rgb(colour: str) -> tuple[int, int, int]:
+    if colour in NAMED:
+        return NAMED[colour]
+    n = int(colour.lstrip("#"), 16)
+    return (n >> 16) & 255, (n >> 8) & 255, n & 255
+
+
+def assert_painted_as_tasks(page: Any, source: str) -> int:
+    """The task stream ``source`` is painted as its per-task rectangles are: in the painted
+    image (``painted-SOURCE``), along the middle of each row, a pixel is coloured exactly
+    where a visible task rectangle of that row covers it, and a pixel one opaque rectangle
+    covers alone has that rectangle's colour. Returns how many pixels were checked for
+    colour."""
+    got = page.evaluate(
+        """(name) => {
+            const find = n => { for (const d of Bokeh.documents) { const m = d.get_model_by_name(n);
+                                if (m) return m.data; } return null; };
+            const t = find(name), p = find('painted-' + name);
+            const img = p.image[0], [H, W] = img.shape, rows = p.dh[0], lines = [];
+            for (let y = 0; y < rows; y++) {
+                const r = Math.min(H - 1, Math.floor((y + 0.5) * H / rows));
+                lines.push(Array.from(img.slice(r * W, (r + 1) * W)));
+            }
+            return {lo: p.x[0], dw: p.dw[0], W, lines,
+                    tasks: {x: Array.from(t.x), width: Array.from(t.width), y: Array.from(t.y),
+                            colour: Array.from(t.colour), alpha: Array.from(t.alpha)}};
+        }""",
+        source,
+    )
+    t, width = got["tasks"], got["W"]
+    scale = width / got["dw"]
+    covers: list[list[list[tuple[float, float, str]]]] = [[[] for _ in range(width)] for _ in got["lines"]]  # fmt: skip
+    for x, w, y, colour, alpha in zip(t["x"], t["width"], t["y"], t["colour"], t["alpha"], strict=True):  # fmt: skip
+        a, b = (x - w / 2 - got["lo"]) * scale, (x + w / 2 - got["lo"]) * scale
+        if alpha <= 0 or b <= a:
+            continue
+        for px in range(max(0, math.floor(a)), min(width - 1, math.ceil(b) - 1) + 1):
+            cover = min(b, px + 1) - max(a, px)
+            if cover > 0:
+                covers[y][px].append((cover, alpha, colour))
+    checked = 0
+    for y, line in enumerate(got["lines"]):
+        for px, value in enumerate(line):
+            shown = value >> 24
+            rects = covers[y][px]
+            if not rects:
+                assert shown == 0, (y, px, "painted where no task is")
+            elif max(c * al for c, al, _ in rects) >= 0.02:
+                assert shown > 0, (y, px, "a task not painted", rects)
+            if len(rects) == 1 and rects[0][0] >= 1 - 1e-9 and rects[0][1] == 1.0:
+                assert (value & 255, (value >> 8) & 255, (value >> 16) & 255, shown) == (
+                    *rgb(rects[0][2]),
+                    255,
+                )
+                checked += 1
+    return checked

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.dashboard.conftest import shoot
+from tests.dashboard.conftest import assert_painted_as_tasks, shoot
 
 pytestmark = pytest.mark.browser
 
@@ -99,6 +99,27 @@ def test_run_page_draws_the_run(recorded, page, name):
     rows = {f"{t['worker']}-{t['thread']}" for t in tasks}
     workers = {t["worker"] for t in tasks}
     assert model["glyphs"] == sum(len(t["startstops"]) for t in tasks)
+    assert assert_painted_as_tasks(page, "task-stream-source") > 0
+    # Zoomed in on a tenth of the run, the stream is painted again at that resolution.
+    lo, hi = page.evaluate(
+        """() => { const s = Bokeh.documents[0].get_model_by_name('task-stream-source').data;
+                   let lo = Infinity, hi = -Infinity;
+                   for (let i = 0; i < s.x.length; i++) { lo = Math.min(lo, s.x[i] - s.width[i] / 2);
+                                                          hi = Math.max(hi, s.x[i] + s.width[i] / 2); }
+                   return [lo, hi]; }"""
+    )
+    start, end = lo + (hi - lo) * 0.45, lo + (hi - lo) * 0.55
+    page.evaluate(
+        """([start, end]) => { for (const m of Bokeh.documents[0].all_models)
+                                 if (m.name === 'run-time') m.setv({start, end}); }""",
+        [start, end],
+    )
+    page.wait_for_function(
+        """(start) => { const p = Bokeh.documents[0].get_model_by_name('painted-task-stream-source');
+                        return p.data.x.length === 1 && p.data.x[0] === start; }""",
+        arg=start,
+    )
+    assert assert_painted_as_tasks(page, "task-stream-source") > 0
     assert model["rows"] == len(rows)
     assert page.locator("#timeline canvas").count() >= 1
     # a line per prefix in progress, per worker in memory/CPU/processing
@@ -150,6 +171,8 @@ def test_compare_two_runs_picked_in_the_table(recorded, page):
                 .filter(m => m.name && m.name.startsWith('compare-stream-') && m.data.x.length > 0).length"""
     )
     assert streams == 2
+    for side in ("compare-stream-0", "compare-stream-1"):
+        assert assert_painted_as_tasks(page, side) > 0
     shoot(page, "compare")
     assert page.errors == []
 

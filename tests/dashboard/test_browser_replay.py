@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.dashboard.conftest import ARTIFACTS, shoot
+from tests.dashboard.conftest import ARTIFACTS, assert_painted_as_tasks, shoot
 
 pytestmark = pytest.mark.browser
 
@@ -119,6 +119,7 @@ def test_moving_the_slider_redraws_the_status_page_at_that_time(recorded, page):
     assert any(int(c.split(",")[0]) + int(c.split(",")[1]) > 0 for c in middle.values())
     drawn = visible_tasks(page)
     assert 0 <= drawn < full
+    assert_painted_as_tasks(page, "task-stream-source")  # the image is cut there too
     busy = page.evaluate(
         "() => Array.from(document.querySelectorAll('#replay-processing .replay-row')).map(r => Number(r.dataset.processing))"
     )
@@ -139,4 +140,5 @@ def test_moving_the_slider_redraws_the_status_page_at_that_time(recorded, page):
     move_slider(page, hi)
     assert progress_rows(page) == end
     assert visible_tasks(page) == full
+    assert assert_painted_as_tasks(page, "task-stream-source") > 0
     assert page.errors == []

@@ -105,7 +105,7 @@ function replaySetup(opts) {
       const end = Math.min(stop, rel);
       x[i] = (start + end) / 2; width[i] = end - start; alpha[i] = stream.alpha[i];
     }
-    source.data = {...source.data, x, width, alpha};
+    setStream("task-stream-source", {...source.data, x, width, alpha});
     for (const doc of Bokeh.documents) {
       const cursor = doc.get_model_by_name("replay-cursor");
       if (cursor) { cursor.location = rel; cursor.visible = true; }
