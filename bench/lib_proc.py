@@ -16,3 +16,55 @@ def rss_bytes(pids: list[int]) -> int:
         except OSError:
             pass
     return total
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (threads' children included)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def named(comm: str) -> list[int]:
+    """Every process whose command name is ``comm`` (e.g. the machine's ``postgres``)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "comm").read_text().strip() == comm:
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def pin(pids: list[int], cpus: set[int]) -> dict[int, set[int]]:
+    """Restrict ``pids`` to ``cpus`` (children forked later inherit it); returns what each
+    had, for :func:`unpin`. Processes that are gone, or not ours to move, are skipped."""
+    import os
+
+    before = {}
+    for p in pids:
+        try:
+            before[p] = os.sched_getaffinity(p)
+            os.sched_setaffinity(p, cpus)
+        except OSError:
+            before.pop(p, None)
+    return before
+
+
+def unpin(before: dict[int, set[int]]) -> None:
+    import os
+
+    for p, cpus in before.items():
+        try:
+            os.sched_setaffinity(p, cpus)
+        except OSError:
+            pass

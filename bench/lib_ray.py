@@ -269,17 +269,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def exporter_env(export_url: str | None) -> dict[str, str]:
-    """The variables docs/ray.md asks for, on every node and every driver (none: export off)."""
+def exporter_env(export_url: str | None, report_ms: int | None = 100) -> dict[str, str]:
+    """The variables docs/ray.md asks for, on every node and every driver (none: export off).
+    ``report_ms``: how often workers report task events (short scripts: 100 ms, not Ray's
+    default second; None keeps Ray's default)."""
     if export_url is None:
         return {}
-    return {
+    env = {
         "RAY_enable_ray_event": "1",
         "RAY_enable_core_worker_ray_event_to_aggregator": "1",
         "RAY_DASHBOARD_AGGREGATOR_AGENT_EVENTS_EXPORT_ADDR": export_url,
-        # Short scripts: report task events every 100 ms, not every second.
-        "RAY_task_events_report_interval_ms": "100",
     }
+    if report_ms is not None:
+        env["RAY_task_events_report_interval_ms"] = str(report_ms)
+    return env
 
 
 class RayHead:
@@ -287,7 +290,8 @@ class RayHead:
     session (stopped by killing that group: ``ray stop`` would stop every Ray on the
     machine), and drivers run against it."""
 
-    def __init__(self, export_url: str | None, *, dashboard: bool = False, cpus: int = 2) -> None:
+    def __init__(self, export_url: str | None, *, dashboard: bool = False, cpus: int = 2,
+                 report_ms: int | None = 100) -> None:  # fmt: skip
         import os
         import sys
         import tempfile
@@ -307,7 +311,7 @@ class RayHead:
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONWARNINGS": "ignore",
-            **exporter_env(export_url),
+            **exporter_env(export_url, report_ms),
         }
         (self.root / "home").mkdir()
         self.proc: Any = None

@@ -2,16 +2,24 @@
 event exporter pointed at Hindsight (gunicorn, Postgres, moto's S3: the full stack, on this
 machine) and one with the exporter off, in interleaved pairs (ON/OFF, OFF/ON, ...).
 
-Reports the job's wall time both ways and their ratio (target <= 1.05), Ray's own CPU for
-the job both ways (the difference is what exporting costs Ray: its aggregator agent and
-workers serialising events), the collector's CPU, and checks every task of every exported
-job was recorded. Both nodes and the collector share this machine's 2 cores, so the
-collector's work competes with Ray's here; on a real deployment it runs elsewhere.
+Reports the job's wall time both ways and their ratio (target <= 1.05), the CPU of the
+node's long-lived processes (GCS, raylet, the agent whose aggregator exports) both ways —
+the difference is what exporting costs them; what it costs the task workers, which exit
+with their job, shows only in the wall time — the collector's CPU, and checks that every
+task of every exported job was recorded with its RUNNING and its end.
+
+On a real deployment the collector, Postgres and S3 run elsewhere, so by default they get
+this machine's last core and Ray the others, for both arms alike (``--no-pin``: everything
+shares every core, and the collector's work counts against Ray's wall time). The job's tasks
+burn CPU time (not wall time), so whatever Ray spends on exporting slows them.
 
     .venv/bin/python bench/ray_overhead.py [--pairs 5] [--tasks 1000] [--task-ms 20]
+        [--report-ms MS] [--no-pin]
 
 The ratio depends on task size: exporting costs Ray a fixed amount of CPU per task (reported
-as ray_export_cpu_ms_per_task), so the finer the tasks, the larger its share.
+as ray_export_cpu_ms_per_task), so the finer the tasks, the larger its share. It also
+depends on how often Ray's workers report (``--report-ms``: 100 as docs/ray.md asks; with
+Ray's default second, workers that exit with their job lose their last events).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.ingest import cpu_seconds  # noqa: E402
+from bench.lib_proc import descendants, named, pin, unpin  # noqa: E402
 from bench.lib_ray import RayHead  # noqa: E402
 from bench.lib_stack import DEFAULT_DB, Stack, full_stack  # noqa: E402
 
@@ -50,6 +59,18 @@ def main() -> int:
     ap.add_argument("--tasks", type=int, default=1000)
     ap.add_argument("--task-ms", type=float, default=20.0, help="CPU milliseconds per task")
     ap.add_argument("--database-url", default=DEFAULT_DB)
+    ap.add_argument(
+        "--report-ms",
+        type=int,
+        default=100,
+        help="RAY_task_events_report_interval_ms on the exporting node, as docs/ray.md asks"
+        " (0: Ray's default, 1,000)",
+    )
+    ap.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let Ray and the stack share every core (default: the stack gets the last core)",
+    )
     args = ap.parse_args()
     heads: list[RayHead] = []
     # Auth disabled: the collector listens on loopback only, for this bench.
@@ -63,9 +84,29 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, stack: Stack, heads: list[RayHead]) -> int:
+    gunicorn = stack.gunicorn
+    cores = sorted(os.sched_getaffinity(0))
+    pinned: dict[int, set[int]] = {}
+    if not args.no_pin and len(cores) >= 2:
+        # On a real deployment the collector, Postgres and S3 run elsewhere: give them the
+        # last core and Ray (this process, so the nodes and drivers it starts) the others,
+        # the same for both arms.
+        stack_pids = [*descendants(gunicorn.pid), *descendants(stack.moto.pid), *named("postgres")]
+        pinned = pin(stack_pids, {cores[-1]})
+        pinned.update(pin([os.getpid()], set(cores[:-1])))
+        print(f"Ray on cores {cores[:-1]}, the stack on core {cores[-1]}", flush=True)
+    try:
+        return measure(args, stack, heads, ray_cores=len(cores) - 1 if pinned else len(cores))
+    finally:
+        unpin(pinned)
+
+
+def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_cores: int) -> int:
     engine, gunicorn, port = stack.engine, stack.gunicorn, stack.url.rsplit(":", 1)[1]
     print("starting two Ray nodes (exporter on / off) ...", flush=True)
-    on = RayHead(f"http://127.0.0.1:{port}/v1/ray/events?cluster=overhead")
+    on = RayHead(
+        f"http://127.0.0.1:{port}/v1/ray/events?cluster=overhead", report_ms=args.report_ms or None
+    )
     off = RayHead(None)
     heads += [on, off]
     for h in heads:
@@ -109,6 +150,10 @@ def run(args: argparse.Namespace, stack: Stack, heads: list[RayHead]) -> int:
                 break
             time.sleep(0.5)
     complete = all(recorded.get(j) == n for j, n in jobs)
+    with engine.connect() as conn:  # every task's RUNNING and end arrived (not just its row)
+        partial = conn.scalar(text(
+            "SELECT count(*) FROM ray_tasks WHERE running_at IS NULL"
+            " OR (finished_at IS NULL AND failed_at IS NULL)"))  # fmt: skip
 
     ratios = [a / b for a, b in zip(walls["on"], walls["off"], strict=True)]
     tasks = jobs[0][1]
@@ -127,12 +172,15 @@ def run(args: argparse.Namespace, stack: Stack, heads: list[RayHead]) -> int:
         "tasks_per_job": tasks,
         "task_ms": args.task_ms,
         "pairs": args.pairs,
+        "ray_cores": ray_cores,
+        "report_interval_ms": args.report_ms or 1000,
         "every_job_recorded": complete,
+        "tasks_missing_running_or_end": partial,
         "load_average": os.getloadavg()[0],
     }
     for k, v in figures.items():
         print(f"  {k:30s} {v}")
-    met = complete and figures["wall_ratio"] <= TARGETS["wall_ratio"]
+    met = complete and not partial and figures["wall_ratio"] <= TARGETS["wall_ratio"]
     print(json.dumps({"bench": "ray_overhead", "figures": figures, "targets": TARGETS, "met": met}))
     return 0
 

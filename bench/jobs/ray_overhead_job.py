@@ -16,8 +16,10 @@ TASK_S = float(sys.argv[2]) / 1000 if len(sys.argv) > 2 else 0.02
 
 @ray.remote
 def work(i):
-    end = time.perf_counter() + TASK_S  # busy: CPU, like real work
-    while time.perf_counter() < end:
+    # busy for TASK_S of this thread's CPU time, like real work: on a busy core it takes
+    # longer (a wall-clock loop would not, and would hide what else takes the core)
+    end = time.thread_time() + TASK_S
+    while time.thread_time() < end:
         pass
     if i % 100 == 99:
         raise ValueError(f"boom {i}")
