@@ -4,6 +4,7 @@
 "use strict";
 
 function typed(b64, T) {
+  if (Uint8Array.fromBase64) return new T(Uint8Array.fromBase64(b64).buffer);  // native decoder
   const bin = atob(b64), bytes = new Uint8Array(bin.length);
   for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
   return new T(bytes.buffer);
