@@ -151,9 +151,6 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
     order = {r: i for i, r in enumerate(rows)}
     code_row = np.asarray([order.get(r, -1) for r in row_of_code], dtype="i4")
     y = code_row[row_idx[task_idx]] if len(task_idx) else np.zeros(0, dtype="i4")
-    # By row, then start: the order in which the page merges what is finer than a pixel.
-    order = np.lexsort((x - width / 2, y))
-    x, width, y, c, task_idx, n = (a[order] for a in (x, width, y, c, task_idx, n))
 
     def b64(values: Any, dtype: str) -> str:
         return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode()

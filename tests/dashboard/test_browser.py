@@ -120,6 +120,15 @@ def test_run_page_draws_the_run(recorded, page, name):
         arg=start,
     )
     assert assert_painted_as_tasks(page, "task-stream-source") > 0
+    # Panned past the run's end: nothing painted, nothing erring.
+    page.evaluate(
+        """([start, end]) => { for (const m of Bokeh.documents[0].all_models)
+                                 if (m.name === 'run-time') m.setv({start, end}); }""",
+        [hi + 10, hi + 20],
+    )
+    page.wait_for_function(
+        "() => Bokeh.documents[0].get_model_by_name('painted-task-stream-source').data.x.length === 0"
+    )
     assert model["rows"] == len(rows)
     assert page.locator("#timeline canvas").count() >= 1
     # a line per prefix in progress, per worker in memory/CPU/processing

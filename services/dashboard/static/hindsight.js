@@ -65,6 +65,7 @@ function rasterise(s, force) {
   const rows = s.rows;
   const lo = Math.max(min, xr.start < xr.end ? xr.start : min);
   const hi = Math.min(max, xr.start < xr.end ? xr.end : max);
+  if (!(hi > lo)) { s.paint.data = {image: [], x: [], y: [], dw: [], dh: []}; return; }  // panned off the data
   const ratio = window.devicePixelRatio || 1;
   const W = Math.max(1, Math.round(bbox.width * ratio * (hi - lo) / ((xr.end - xr.start) || (hi - lo))));
   const H = Math.max(1, Math.round(bbox.height * ratio));
