@@ -25,8 +25,10 @@ At each level, with N runs indexed (VACUUM ANALYZE done, as autovacuum would):
   10,000 of the tenant's runs (median of 20);
 - ``index_bytes_per_run``: every table and index of the database over the runs.
 
-At the end the ingest rate is measured side by side, in alternating rounds, against a
-reference index of 10^3 runs: ``ingest_ratio_1e6_vs_1e3``. Both databases are dropped.
+At the end the ingest rate is measured side by side against a reference index of 10^3
+runs, by two fresh stacks (collector and moto each) in alternating rounds (AB BA AB ...):
+``ingest_ratio_1e6_vs_1e3`` is the median of the rounds' ratios, and the collectors' own
+index step (ms a batch, from ``/metrics``) is reported for both. Both databases are dropped.
 
     .venv/bin/python bench/scale.py [--levels 1e3,1e4,1e5,1e6] [--ingest-seconds 10]
 """
@@ -131,6 +133,20 @@ def measure_ingest(url: str, token: str, frames: SessionFrames, session: str, se
     return accepted[0] / (time.monotonic() - t0)
 
 
+def index_seconds(url: str) -> tuple[float, float]:
+    """The collector's index transactions so far: (seconds, batches), from ``/metrics``
+    (every gunicorn worker's, in prometheus-client's multiprocess mode)."""
+    import requests
+
+    total = count = 0.0
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("hindsight_index_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("hindsight_index_seconds_count"):
+            count += float(line.split()[-1])
+    return total, count
+
+
 def index_bytes(engine: Any) -> tuple[int, int, dict[str, int]]:
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT count(*) FROM runs")).scalar_one()
@@ -219,7 +235,7 @@ def main() -> int:
     ap.add_argument("--levels", default="1e3,1e4,1e5,1e6",
                     help="run counts to measure at, comma-separated (multiples of 100)")  # fmt: skip
     ap.add_argument("--ingest-seconds", type=float, default=10.0)
-    ap.add_argument("--rounds", type=int, default=3, help="side-by-side ingest rounds at the end")
+    ap.add_argument("--rounds", type=int, default=6, help="side-by-side ingest rounds at the end")
     ap.add_argument("--database-url", default=DEFAULT_DB)
     ap.add_argument(
         "--keep", action="store_true", help="leave both databases (for EXPLAIN); drop them by hand"
@@ -307,7 +323,8 @@ def main() -> int:
                 conn.execute(text("ANALYZE"))
 
             frames = SessionFrames(pool=24)
-            main_stack = stack.enter_context(full_stack(existing_db=url_of[main_name]))
+            levels_stack = stack.enter_context(ExitStack())
+            main_stack = levels_stack.enter_context(full_stack(existing_db=url_of[main_name]))
             main_app = _query_app(url_of[main_name], blob_url, tmp.name)
             have = 2
             probe = 0
@@ -349,22 +366,44 @@ def main() -> int:
             figures[f"run_detail_p95_ms_at_{top}"] = figures["levels"][top]["run_detail_p95_ms"]
             figures[f"prefix_history_ms_at_{top}"] = figures["levels"][top]["prefix_history_ms"]
 
-            # ---- ingest side by side: 10^3 runs indexed against the top level
-            ref_stack = stack.enter_context(full_stack(existing_db=url_of[ref_name]))
+            # ---- ingest side by side: 10^3 runs indexed against the top level. The stack
+            # that served the levels is stopped first: its moto server holds every probe's
+            # batches in memory by now, and the comparison must differ only in the index.
+            # Two fresh stacks (collector and moto each) run at once, their rounds
+            # alternate in the order AB BA AB ..., and the ratio is the median of each
+            # round's pair (the machine's speed drifts between minutes, not within one pair).
+            levels_stack.close()
+            side = {}
+            for name, db_name in (("1e3", ref_name), (top, main_name)):
+                prom = stack.enter_context(tempfile.TemporaryDirectory(prefix="hs-scale-prom-"))
+                side[name] = stack.enter_context(full_stack(
+                    existing_db=url_of[db_name], env={"PROMETHEUS_MULTIPROC_DIR": prom}))  # fmt: skip
             rates: dict[str, list[float]] = {"1e3": [], top: []}
+            index_ms: dict[str, list[float]] = {"1e3": [], top: []}
+            pairs: list[float] = []
             for r in range(args.rounds):
-                for name, st in (("1e3", ref_stack), (top, main_stack)):
+                order_r = ("1e3", top) if r % 2 == 0 else (top, "1e3")
+                for name in order_r:
                     probe += 1
-                    rates[name].append(measure_ingest(st.url, tokens[TENANT], frames, f"probe-{probe}",
-                                                      args.ingest_seconds))  # fmt: skip
+                    before = index_seconds(side[name].url)
+                    rates[name].append(measure_ingest(side[name].url, tokens[TENANT], frames,
+                                                      f"probe-{probe}", args.ingest_seconds))  # fmt: skip
+                    after = index_seconds(side[name].url)
+                    index_ms[name].append(
+                        1000 * (after[0] - before[0]) / max(1, after[1] - before[1])
+                    )
+                pairs.append(rates[top][-1] / rates["1e3"][-1])
                 log(
-                    f"  round {r + 1}: 1e3 {rates['1e3'][-1]:,.0f}, {top} {rates[top][-1]:,.0f} events/s; load {load()}"
+                    f"  round {r + 1}: 1e3 {rates['1e3'][-1]:,.0f}, {top} {rates[top][-1]:,.0f} events/s"
+                    f" (ratio {pairs[-1]:.3f}); index step {index_ms['1e3'][-1]:.1f} / "
+                    f"{index_ms[top][-1]:.1f} ms a batch; load {load()}"
                 )
             figures[f"ingest_events_per_s_at_{top}"] = round(statistics.median(rates[top]))
             figures["ingest_events_per_s_at_1e3"] = round(statistics.median(rates["1e3"]))
-            figures[f"ingest_ratio_{top}_vs_1e3"] = round(
-                statistics.median(rates[top]) / statistics.median(rates["1e3"]), 3
-            )
+            figures[f"ingest_ratio_{top}_vs_1e3"] = round(statistics.median(pairs), 3)
+            figures[f"ingest_ratio_{top}_vs_1e3_rounds"] = [round(x, 3) for x in pairs]
+            figures[f"index_ms_per_batch_at_{top}"] = round(statistics.median(index_ms[top]), 1)
+            figures["index_ms_per_batch_at_1e3"] = round(statistics.median(index_ms["1e3"]), 1)
             figures["real_path_unit_s"] = round(real_s, 1)
             figures["load_at_end"] = load()
         met = figures["bulk_equals_real"] and all(
