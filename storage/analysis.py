@@ -716,6 +716,15 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
 PAGE_PROGRESS_BUCKETS = 120
 
 
+def facts_of(data: RunData) -> dict[str, Any]:
+    """The run page's critical path, progress and errors, computed from the run's tables."""
+    return {
+        "critical": critical_path(data),
+        "progress": progress(data, PAGE_PROGRESS_BUCKETS),
+        "errors": errors(data),
+    }
+
+
 def page_facts(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, Any]:
     """What the run page derives from a run's tables: its critical path, progress and
     errors. A finished run's are stored next to its compacted copy (by the finisher below,
@@ -729,11 +738,7 @@ def page_facts(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, 
             return msgspec.json.decode(zstandard.ZstdDecompressor().decompress(blobs.get(key)))
         except FileNotFoundError:
             pass
-    facts = {
-        "critical": critical_path(data),
-        "progress": progress(data, PAGE_PROGRESS_BUCKETS),
-        "errors": errors(data),
-    }
+    facts = facts_of(data)
     if run.status != "running":
         body = zstandard.ZstdCompressor(level=3).compress(msgspec.json.encode(facts))
         blobs.put(key, body, if_absent=True)

@@ -23,7 +23,7 @@ import msgspec
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from hindsight.schema import GraphEvent, MetricEvent, TaskEvent
+from hindsight.schema import GraphEvent, MetricEvent, StartStop, TaskEvent
 from storage import models as m
 from storage.batches import DEFAULT_RUN, decode_stored
 from storage.blobs import BlobStore
@@ -220,6 +220,37 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
             mv.append(float(v))
     metrics_t = pa.table({"worker": mw, "time": mt, "name": mn, "value": mv}, schema=metrics_schema)
     return tasks, graph, metrics_t
+
+
+def sample_run(*, through_parquet: bool = False) -> RunData:
+    """A tiny finished run's tables (three tasks, one of them with a transfer, a graph and
+    two samples of each worker metric the page plots), optionally written and read back
+    as Parquet: what the dashboard builds once at start-up to warm its caches."""
+    import pyarrow as pa
+
+    tasks_schema, graph_schema, metrics_schema = _schemas()
+    t0 = 1.0e9
+    events = [
+        TaskEvent(key=f"warm-{i}", prefix="warm", status="erred" if i == 2 else "memory",
+                  worker="tcp://127.0.0.1:1", thread=i, nbytes=8,
+                  startstops=[StartStop("transfer", t0, t0 + 0.1)] * (i == 1)
+                  + [StartStop("compute", t0 + i, t0 + i + 0.5)])
+        for i in range(3)
+    ]  # fmt: skip
+    cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
+    _task_columns(events, cols)
+    graph = pa.table({"key": ["warm-0", "warm-1", "warm-2"], "prefix": ["warm"] * 3,
+                      "dependencies": [[], ["warm-0"], ["warm-1"]]}, schema=graph_schema)  # fmt: skip
+    names = ("memory.managed", "memory.unmanaged", "memory.spilled", "cpu", "tasks.processing")
+    metrics = pa.table({"worker": ["tcp://127.0.0.1:1"] * 10, "time": [t0, t0 + 1] * 5,
+                        "name": [n for n in names for _ in range(2)], "value": [1.0, 2.0] * 5},
+                       schema=metrics_schema)  # fmt: skip
+    tables = [pa.table(cols, schema=tasks_schema), graph, metrics]
+    if through_parquet:  # as a compacted copy is read (pyarrow's reader and its threads warm)
+        import pyarrow.parquet as pq
+
+        tables = [pq.read_table(io.BytesIO(_parquet(t))) for t in tables]
+    return RunData(*tables, tag="warm", source="compact" if through_parquet else "raw")
 
 
 def _task_columns(tasks: list[TaskEvent], cols: dict[str, list[Any]]) -> None:
