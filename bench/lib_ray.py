@@ -291,7 +291,10 @@ class RayHead:
     machine), and drivers run against it."""
 
     def __init__(self, export_url: str | None, *, dashboard: bool = False, cpus: int = 2,
-                 report_ms: int | None = 100) -> None:  # fmt: skip
+                 report_ms: int | None = 100, env: dict[str, str] | None = None,
+                 driver_env: dict[str, str] | None = None) -> None:  # fmt: skip
+        """``env``: more variables for the node and its drivers; ``driver_env``: for the
+        drivers only (an empty value unsets the variable there)."""
         import os
         import sys
         import tempfile
@@ -312,7 +315,9 @@ class RayHead:
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONWARNINGS": "ignore",
             **exporter_env(export_url, report_ms),
+            **(env or {}),
         }
+        self.driver_env = driver_env or {}
         (self.root / "home").mkdir()
         self.proc: Any = None
 
@@ -362,7 +367,8 @@ class RayHead:
         import subprocess
         import sys
 
-        env = {**self.env, "RAY_ADDRESS": f"127.0.0.1:{self.gcs_port}"}
+        env = {**self.env, **self.driver_env, "RAY_ADDRESS": f"127.0.0.1:{self.gcs_port}"}
+        env = {k: v for k, v in env.items() if v != ""}
         out = subprocess.run([sys.executable, script, *args], env=env, capture_output=True,
                              timeout=timeout, text=True, cwd=self.root)  # fmt: skip
         if out.returncode != 0:

@@ -67,6 +67,20 @@ def main() -> int:
         " (0: Ray's default, 1,000)",
     )
     ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="another variable for the exporting node and its drivers (repeatable)",
+    )
+    ap.add_argument(
+        "--driver-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable for the exporting node's drivers only; NAME= unsets it (repeatable)",
+    )
+    ap.add_argument(
         "--no-pin",
         action="store_true",
         help="let Ray and the stack share every core (default: the stack gets the last core)",
@@ -105,7 +119,10 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
     engine, gunicorn, port = stack.engine, stack.gunicorn, stack.url.rsplit(":", 1)[1]
     print("starting two Ray nodes (exporter on / off) ...", flush=True)
     on = RayHead(
-        f"http://127.0.0.1:{port}/v1/ray/events?cluster=overhead", report_ms=args.report_ms or None
+        f"http://127.0.0.1:{port}/v1/ray/events?cluster=overhead",
+        report_ms=args.report_ms or None,
+        env=dict(v.split("=", 1) for v in args.env),
+        driver_env=dict(v.split("=", 1) for v in args.driver_env),
     )
     off = RayHead(None)
     heads += [on, off]
@@ -174,6 +191,8 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
         "pairs": args.pairs,
         "ray_cores": ray_cores,
         "report_interval_ms": args.report_ms or 1000,
+        "env": args.env,
+        "driver_env": args.driver_env,
         "every_job_recorded": complete,
         "tasks_missing_running_or_end": partial,
         "load_average": os.getloadavg()[0],

@@ -7,6 +7,7 @@ loopback without tokens needs neither.
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -59,22 +60,29 @@ BOKEH_STATIC = Path(bokeh.util.paths.bokehjs_path())
 
 def _warm_up(state: Any) -> None:
     """Pay at start-up, not on the first run page a user opens, for what the first page
-    loads lazily: pyarrow's dataset module (and pandas with it, ~0.4 s, on the first read
-    of a compacted copy) and its Parquet reader (~0.1 s more on a first read), SQLAlchemy's mapper configuration (~0.15 s), the run page's
-    template, and Bokeh's per-class property defaults of every figure the page draws (a
-    tiny run's page built once: the first page of a 100k-task run took ~0.52 s on the
-    server against ~0.37 s for later ones). Each runs once per process."""
+    loads lazily: pyarrow's dataset module (and pandas with it, ~0.4 s) and its Parquet
+    reader (~0.1 s more on a first read), SQLAlchemy's mapper configuration (~0.15 s), the
+    run page's template, and Bokeh's per-class property defaults of every figure the page
+    draws (a tiny run's whole page built once: with only some figures warmed, the first
+    page of a 100k-task run took ~0.52 s on the server, later ones ~0.37 s). The figures
+    are warmed once per process, the template once per app."""
     import pyarrow.dataset  # noqa: F401
     from sqlalchemy.orm import configure_mappers
 
     configure_mappers()
+    _warm_figures()
+    state.app.jinja_env.get_template("run.html")
+
+
+@functools.cache
+def _warm_figures() -> None:
+    """Once per process (tests create many apps)."""
     plots.warm_up()
     data = runfile.sample_run(through_parquet=True)
     facts = analysis.facts_of(data)
     plots.run_page_items(
         data, facts["critical"], facts["progress"], analysis.metric_series(data, 300)
     )
-    state.app.jinja_env.get_template("run.html")
 
 
 class LoginRequired(Exception):
