@@ -269,10 +269,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def exporter_env(export_url: str | None, report_ms: int | None = 100) -> dict[str, str]:
-    """The variables docs/ray.md asks for, on every node and every driver (none: export off).
-    ``report_ms``: how often workers report task events (short scripts: 100 ms, not Ray's
-    default second; None keeps Ray's default)."""
+def exporter_env(
+    export_url: str | None, report_ms: int | None = 100, publish_s: float | None = 1.0
+) -> dict[str, str]:
+    """The variables docs/ray.md asks for on a node (``ray start``), which its workers and
+    its aggregator agent inherit (none: export off). ``report_ms``: how often workers
+    report task events (100 ms, not Ray's default second: Ray force-kills a job's workers
+    when the job ends, and what they had not reported goes with them; None keeps Ray's
+    default). ``publish_s``: how often the agent POSTs what it gathered (Ray's default 0.1
+    s; None keeps it): a second, the agent's JSON and the collector's per-body work for ten
+    POSTs done once."""
     if export_url is None:
         return {}
     env = {
@@ -282,6 +288,10 @@ def exporter_env(export_url: str | None, report_ms: int | None = 100) -> dict[st
     }
     if report_ms is not None:
         env["RAY_task_events_report_interval_ms"] = str(report_ms)
+    if publish_s is not None:
+        env["RAY_DASHBOARD_AGGREGATOR_AGENT_PUBLISHER_MAX_BUFFER_SEND_INTERVAL_SECONDS"] = str(
+            publish_s
+        )
     return env
 
 
@@ -291,7 +301,8 @@ class RayHead:
     machine), and drivers run against it."""
 
     def __init__(self, export_url: str | None, *, dashboard: bool = False, cpus: int = 2,
-                 report_ms: int | None = 100, env: dict[str, str] | None = None,
+                 report_ms: int | None = 100, publish_s: float | None = 1.0,
+                 env: dict[str, str] | None = None,
                  driver_env: dict[str, str] | None = None) -> None:  # fmt: skip
         """``env``: more variables for the node and its drivers; ``driver_env``: for the
         drivers only (an empty value unsets the variable there)."""
@@ -314,7 +325,7 @@ class RayHead:
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONWARNINGS": "ignore",
-            **exporter_env(export_url, report_ms),
+            **exporter_env(export_url, report_ms, publish_s),
             **(env or {}),
         }
         self.driver_env = driver_env or {}

@@ -3,10 +3,12 @@ event exporter pointed at Hindsight (gunicorn, Postgres, moto's S3: the full sta
 machine) and one with the exporter off, in interleaved pairs (ON/OFF, OFF/ON, ...).
 
 Reports the job's wall time both ways and their ratio (target <= 1.05), the CPU of the
-node's long-lived processes (GCS, raylet, the agent whose aggregator exports) both ways —
-the difference is what exporting costs them; what it costs the task workers, which exit
-with their job, shows only in the wall time — the collector's CPU, and checks that every
-task of every exported job was recorded with its RUNNING and its end.
+node's processes both ways — the difference is what exporting costs them, in all and by
+process (GCS, raylet, the dashboard agent whose aggregator turns events into JSON and
+POSTs them; the task workers' share shows in the wall time and, once the raylet has reaped
+them, in its children's time) — the collector's CPU, and counts the tasks whose RUNNING or
+end never arrived (Ray force-kills a job's workers when the job ends, and what a worker had
+not reported yet goes with it).
 
 On a real deployment the collector, Postgres and S3 run elsewhere, so by default they get
 this machine's last core and Ray the others, for both arms alike (``--no-pin``: everything
@@ -14,12 +16,14 @@ shares every core, and the collector's work counts against Ray's wall time). The
 burn CPU time (not wall time), so whatever Ray spends on exporting slows them.
 
     .venv/bin/python bench/ray_overhead.py [--pairs 5] [--tasks 1000] [--task-ms 20]
-        [--report-ms MS] [--no-pin]
+        [--report-ms MS] [--driver-report-ms MS] [--env NAME=VALUE] [--driver-env NAME=VALUE]
+        [--no-pin]
 
 The ratio depends on task size: exporting costs Ray a fixed amount of CPU per task (reported
 as ray_export_cpu_ms_per_task), so the finer the tasks, the larger its share. It also
-depends on how often Ray's workers report (``--report-ms``: 100 as docs/ray.md asks; with
-Ray's default second, workers that exit with their job lose their last events).
+depends on how often Ray's workers report (``--report-ms``: 100 as docs/ray.md asks on
+nodes; with Ray's default second, workers that exit with their job lose their last events);
+drivers keep Ray's default (``--driver-report-ms``), as docs/ray.md says.
 """
 
 from __future__ import annotations
@@ -46,6 +50,42 @@ TARGETS = {"wall_ratio": 1.05}
 JOB = str(ROOT / "bench" / "jobs" / "ray_overhead_job.py")
 
 
+def _kind(pid: int) -> str:
+    """What a Ray node's process is, by its command line."""
+    try:
+        cmd = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return "gone"
+    for needle, kind in (("gcs_server", "gcs"), ("raylet/raylet", "raylet"),
+                         ("ray::DashboardAgent", "dashboard_agent"),
+                         ("ray::RuntimeEnvAgent", "runtime_env_agent"),
+                         ("log_monitor", "log_monitor"), ("dashboard.py", "dashboard_head"),
+                         ("ray::", "workers (alive)"), ("default_worker", "workers (alive)")):  # fmt: skip
+        if needle in cmd:
+            return kind
+    return "other"
+
+
+def cpu_by_kind(pids: list[int]) -> dict[str, float]:
+    """CPU seconds of a node's processes by kind; ``workers (exited)`` is the CPU of worker
+    processes that have exited and been reaped by the raylet (its children's time)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kind = _kind(p)
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        if kind == "raylet":
+            reaped = (int(fields[13]) + int(fields[14])) / tick
+            out["workers (exited)"] = out.get("workers (exited)", 0.0) + reaped
+    return out
+
+
 def children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -65,6 +105,20 @@ def main() -> int:
         default=100,
         help="RAY_task_events_report_interval_ms on the exporting node, as docs/ray.md asks"
         " (0: Ray's default, 1,000)",
+    )
+    ap.add_argument(
+        "--publish-s",
+        type=float,
+        default=1.0,
+        help="how often the exporting node's agent POSTs (docs/ray.md: 1; 0: Ray's default, 0.1)",
+    )
+    ap.add_argument(
+        "--driver-report-ms",
+        type=int,
+        default=0,
+        help="the drivers' RAY_task_events_report_interval_ms (0: Ray's default, 1,000: a driver"
+        " that connects to a running cluster flushes its events when it disconnects, so"
+        " docs/ray.md leaves it alone)",
     )
     ap.add_argument(
         "--env",
@@ -121,8 +175,12 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
     on = RayHead(
         f"http://127.0.0.1:{port}/v1/ray/events?cluster=overhead",
         report_ms=args.report_ms or None,
+        publish_s=args.publish_s or None,
         env=dict(v.split("=", 1) for v in args.env),
-        driver_env=dict(v.split("=", 1) for v in args.driver_env),
+        driver_env={
+            "RAY_task_events_report_interval_ms": str(args.driver_report_ms or ""),
+            **dict(v.split("=", 1) for v in args.driver_env),
+        },
     )
     off = RayHead(None)
     heads += [on, off]
@@ -134,16 +192,20 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
 
     walls: dict[str, list[float]] = {"on": [], "off": []}
     ray_cpu: dict[str, list[float]] = {"on": [], "off": []}
+    by_kind: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
     collector_cpu: list[float] = []
     jobs: list[tuple[str, int]] = []
     for i in range(args.pairs):
         for name in ("on", "off") if i % 2 == 0 else ("off", "on"):
             head = on if name == "on" else off
             c0 = cpu_seconds(head.pids())
+            b0 = cpu_by_kind(head.pids())
             k0 = cpu_seconds(collector)
             out = head.driver(JOB, str(args.tasks), str(args.task_ms))
             # Ray's CPU for the job (every process of the node; the driver is ours).
             ray_cpu[name].append(cpu_seconds(head.pids()) - c0)
+            b1 = cpu_by_kind(head.pids())
+            by_kind[name].append({k: b1.get(k, 0.0) - b0.get(k, 0.0) for k in b1})
             if name == "on":
                 collector_cpu.append(cpu_seconds(collector) - k0)
                 jobs.append((out["job"], out["tasks"]))
@@ -168,9 +230,15 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
             time.sleep(0.5)
     complete = all(recorded.get(j) == n for j, n in jobs)
     with engine.connect() as conn:  # every task's RUNNING and end arrived (not just its row)
-        partial = conn.scalar(text(
-            "SELECT count(*) FROM ray_tasks WHERE running_at IS NULL"
-            " OR (finished_at IS NULL AND failed_at IS NULL)"))  # fmt: skip
+        missing = conn.execute(text(
+            "SELECT coalesce(task_type, '?'), running_at IS NULL, finished_at IS NULL AND failed_at IS NULL,"
+            " count(*) FROM ray_tasks WHERE running_at IS NULL"
+            " OR (finished_at IS NULL AND failed_at IS NULL) GROUP BY 1, 2, 3")).all()  # fmt: skip
+    partial = sum(n for *_, n in missing)
+    missing_detail = {
+        f"{kind} without {' and '.join(w for w, m in (('RUNNING', run), ('end', end)) if m)}": n
+        for kind, run, end, n in missing
+    }
 
     ratios = [a / b for a, b in zip(walls["on"], walls["off"], strict=True)]
     tasks = jobs[0][1]
@@ -185,16 +253,23 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
             (statistics.median(ray_cpu["on"]) - statistics.median(ray_cpu["off"])) / tasks * 1000,
             3,
         ),
+        # what exporting costs each kind of Ray process, per task (on minus off, medians);
+        # "workers" adds the exited workers' and the live ones' (the tasks' own CPU included
+        # in both arms, so the difference is the workers' share of exporting)
+        "ray_cpu_ms_per_task_by_process": _kinds_delta(by_kind, jobs[0][1]),
         "collector_cpu_ms_per_task": round(statistics.median(collector_cpu) / tasks * 1000, 3),
         "tasks_per_job": tasks,
         "task_ms": args.task_ms,
         "pairs": args.pairs,
         "ray_cores": ray_cores,
         "report_interval_ms": args.report_ms or 1000,
+        "driver_report_interval_ms": args.driver_report_ms or 1000,
+        "publish_interval_s": args.publish_s or 0.1,
         "env": args.env,
         "driver_env": args.driver_env,
         "every_job_recorded": complete,
         "tasks_missing_running_or_end": partial,
+        "tasks_missing_detail": missing_detail,
         "load_average": os.getloadavg()[0],
     }
     for k, v in figures.items():
@@ -202,6 +277,29 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
     met = complete and not partial and figures["wall_ratio"] <= TARGETS["wall_ratio"]
     print(json.dumps({"bench": "ray_overhead", "figures": figures, "targets": TARGETS, "met": met}))
     return 0
+
+
+def _kinds_delta(by_kind: dict[str, list[dict[str, float]]], tasks: int) -> dict[str, float]:
+    def merged(d: dict[str, float]) -> dict[str, float]:
+        out = {k: v for k, v in d.items() if not k.startswith("workers")}
+        out["workers"] = sum(v for k, v in d.items() if k.startswith("workers"))
+        return out
+
+    on = [merged(d) for d in by_kind["on"]]
+    off = [merged(d) for d in by_kind["off"]]
+    kinds = sorted({k for d in on + off for k in d})
+    return {
+        k: round(
+            (
+                statistics.median(d.get(k, 0.0) for d in on)
+                - statistics.median(d.get(k, 0.0) for d in off)
+            )
+            / tasks
+            * 1000,
+            3,
+        )
+        for k in kinds
+    }
 
 
 if __name__ == "__main__":
