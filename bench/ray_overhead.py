@@ -234,6 +234,10 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
             "SELECT coalesce(task_type, '?'), running_at IS NULL, finished_at IS NULL AND failed_at IS NULL,"
             " count(*) FROM ray_tasks WHERE running_at IS NULL"
             " OR (finished_at IS NULL AND failed_at IS NULL) GROUP BY 1, 2, 3")).all()  # fmt: skip
+        received = dict(conn.execute(text(
+            "SELECT event_type, sum(count) FROM ray_event_counts WHERE kind = 'received'"
+            " GROUP BY 1")).all())  # fmt: skip
+        all_tasks = conn.scalar(text("SELECT count(*) FROM ray_tasks"))
     partial = sum(n for *_, n in missing)
     missing_detail = {
         f"{kind} without {' and '.join(w for w, m in (('RUNNING', run), ('end', end)) if m)}": n
@@ -268,6 +272,10 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
         "env": args.env,
         "driver_env": args.driver_env,
         "every_job_recorded": complete,
+        # what the agent exported per task, by event type (every job, the warm-up's included)
+        "events_per_task": {
+            k: round(int(v) / max(1, all_tasks), 2) for k, v in sorted(received.items()) if v
+        },
         "tasks_missing_running_or_end": partial,
         "tasks_missing_detail": missing_detail,
         "load_average": os.getloadavg()[0],
