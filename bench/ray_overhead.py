@@ -4,9 +4,9 @@ machine) and one with the exporter off, in interleaved pairs (ON/OFF, OFF/ON, ..
 
 Reports the job's wall time both ways and their ratio (target <= 1.05), the CPU of the
 node's processes both ways — the difference is what exporting costs them, in all and by
-process (GCS, raylet, the dashboard agent whose aggregator turns events into JSON and
-POSTs them; the task workers' share shows in the wall time and, once the raylet has reaped
-them, in its children's time) — the collector's CPU, and counts the tasks whose RUNNING or
+long-lived process (GCS, raylet, the dashboard agent whose aggregator turns events into
+JSON and POSTs them; the task workers' share shows only in the wall time) — the
+collector's CPU, and counts the tasks whose RUNNING or
 end never arrived (Ray force-kills a job's workers when the job ends, and what a worker had
 not reported yet goes with it).
 
@@ -62,15 +62,15 @@ def _kind(pid: int) -> str:
                          ("ray::DashboardAgent", "dashboard_agent"),
                          ("ray::RuntimeEnvAgent", "runtime_env_agent"),
                          ("log_monitor", "log_monitor"), ("dashboard.py", "dashboard_head"),
-                         ("ray::", "workers (alive)"), ("default_worker", "workers (alive)")):  # fmt: skip
+                         ("ray::", "workers"), ("default_worker", "workers")):  # fmt: skip
         if needle in cmd:
             return kind
     return "other"
 
 
 def cpu_by_kind(pids: list[int]) -> dict[str, float]:
-    """CPU seconds of a node's processes by kind; ``workers (exited)`` is the CPU of worker
-    processes that have exited and been reaped by the raylet (its children's time)."""
+    """CPU seconds of a node's long-lived processes by kind (not its workers: a job's
+    workers exit with it, and their CPU is mostly the tasks' own)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for p in pids:
@@ -79,10 +79,8 @@ def cpu_by_kind(pids: list[int]) -> dict[str, float]:
         except OSError:
             continue
         kind = _kind(p)
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-        if kind == "raylet":
-            reaped = (int(fields[13]) + int(fields[14])) / tick
-            out["workers (exited)"] = out.get("workers (exited)", 0.0) + reaped
+        if kind != "workers":
+            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -257,9 +255,7 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
             (statistics.median(ray_cpu["on"]) - statistics.median(ray_cpu["off"])) / tasks * 1000,
             3,
         ),
-        # what exporting costs each kind of Ray process, per task (on minus off, medians);
-        # "workers" adds the exited workers' and the live ones' (the tasks' own CPU included
-        # in both arms, so the difference is the workers' share of exporting)
+        # what exporting costs each long-lived Ray process, per task (on minus off, medians)
         "ray_cpu_ms_per_task_by_process": _kinds_delta(by_kind, jobs[0][1]),
         "collector_cpu_ms_per_task": round(statistics.median(collector_cpu) / tasks * 1000, 3),
         "tasks_per_job": tasks,
@@ -288,13 +284,7 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
 
 
 def _kinds_delta(by_kind: dict[str, list[dict[str, float]]], tasks: int) -> dict[str, float]:
-    def merged(d: dict[str, float]) -> dict[str, float]:
-        out = {k: v for k, v in d.items() if not k.startswith("workers")}
-        out["workers"] = sum(v for k, v in d.items() if k.startswith("workers"))
-        return out
-
-    on = [merged(d) for d in by_kind["on"]]
-    off = [merged(d) for d in by_kind["off"]]
+    on, off = by_kind["on"], by_kind["off"]
     kinds = sorted({k for d in on + off for k in d})
     return {
         k: round(
