@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
-import zstandard
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -62,7 +61,6 @@ sys.path.insert(0, str(ROOT))
 from bench import lib_history as h  # noqa: E402
 from bench.ingest import EVENTS_PER_BATCH, Frames  # noqa: E402
 from bench.lib_stack import DEFAULT_DB, full_stack  # noqa: E402
-from hindsight.sender import ZSTD_LEVEL as AGENT_ZSTD_LEVEL  # noqa: E402
 from hindsight.sender import Sender  # noqa: E402
 from storage.blobs import open_blob_store  # noqa: E402
 from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
@@ -88,17 +86,13 @@ class SessionFrames(Frames):
     def __init__(self, pool: int) -> None:
         super().__init__(pool)
         self.cluster = self.session = "bench"
-        self.local = threading.local()
 
     def body(self, agent: str, seq: int) -> bytes:
         head = (
             f'{{"schema":1,"cluster":"{self.cluster}","session":"{self.session}","agent":"{agent}",'
             f'"seq":{seq},"dropped":{{"buffer_full":0}},"events":'
         ).encode()
-        cctx = getattr(self.local, "cctx", None)
-        if cctx is None:  # a compressor is not thread-safe: one per sender thread
-            cctx = self.local.cctx = zstandard.ZstdCompressor(level=AGENT_ZSTD_LEVEL)
-        return cctx.compress(head) + self.events[seq % len(self.events)] + self.tail
+        return self.compressor().compress(head) + self.events[seq % len(self.events)] + self.tail
 
 
 def measure_ingest(url: str, token: str, frames: SessionFrames, session: str, seconds: float,
