@@ -38,7 +38,7 @@ from sqlalchemy import text
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.ingest import component_pids, cpu_seconds, tree_rss  # noqa: E402
+from bench.ingest import component_pids, cpu_by_pid, cpu_share, tree_rss  # noqa: E402
 from bench.lib_ray import RaySim, b64, job_bytes  # noqa: E402
 from bench.lib_stack import DEFAULT_DB, Stack, full_stack  # noqa: E402
 from storage.db import make_sessionmaker  # noqa: E402
@@ -158,8 +158,7 @@ def run(args: argparse.Namespace, stack: Stack, templates: list[Template]) -> in
             peak_rss[0] = max(peak_rss[0], tree_rss(gunicorn.pid))
             time.sleep(0.5)
 
-    pids = component_pids(gunicorn.pid, stack.moto.pid)
-    cpu_before = {k: cpu_seconds(v) for k, v in pids.items()}
+    cpu_before = cpu_by_pid(component_pids(gunicorn.pid, stack.moto.pid))
     print(f"sending for {args.duration:.0f} s from {args.senders} simulated nodes ...", flush=True)
     threads = [threading.Thread(target=sender, args=(n,)) for n in range(args.senders)]
     threads.append(threading.Thread(target=sample_rss))
@@ -187,7 +186,7 @@ def run(args: argparse.Namespace, stack: Stack, templates: list[Template]) -> in
         distinct = conn.execute(
             text("SELECT count(*), count(*) FILTER (WHERE emitted) FROM ray_tasks")
         ).one()
-    cpu_share = {k: round((cpu_seconds(v) - cpu_before[k]) / done, 2) for k, v in pids.items()}
+    cores = cpu_share(cpu_before, cpu_by_pid(component_pids(gunicorn.pid, stack.moto.pid)), done)
     s3 = stack.s3()
     stored = {"raw": 0, "derived": 0}
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bench"):
@@ -209,7 +208,7 @@ def run(args: argparse.Namespace, stack: Stack, templates: list[Template]) -> in
         "seconds_until_indexed": round(done, 1),
         "collector_rss_mb": round(peak_rss[0] / 2**20, 1),
         "failures": failures,
-        "cores_used": cpu_share,
+        "cores_used": cores,
         "load_average": os.getloadavg()[0],
     }
     ok = run is not None and run[0] == "finished" and run[1] == tasks and distinct == (tasks, tasks)
