@@ -161,6 +161,7 @@ class _Tasks:
     nbytes: Any
     err: Any
     statuses: list[str]
+    all_memory: bool  # every task's status is "memory" (the common case)
     ph_task: Any
     ph_action: Any
     start: Any
@@ -172,10 +173,11 @@ def _codes(values: list[Any]) -> tuple[list[Any], Any]:
     """The distinct values in order of appearance, and each value's index among them
     (None is a value like any other). Pure Python in C loops: pyarrow's dictionary encoding
     was no faster on a batch and hands work to its thread pool, slow on a busy machine."""
-    first = values[0]
-    if values.count(first) == len(values):  # one run, one worker...: the common case
-        return [first], np.zeros(len(values), dtype=np.int64)
-    index = {v: i for i, v in enumerate(dict.fromkeys(values))}
+    index = dict.fromkeys(values)  # hashes each string once (~0.1 ms for 5,000)
+    if len(index) == 1:  # one run, one worker...: the common case
+        return list(index), np.zeros(len(values), dtype=np.int64)
+    for i, v in enumerate(index):
+        index[v] = i
     codes = np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values))
     return list(index), codes
 
@@ -191,9 +193,11 @@ def _columns(tasks: list[TaskEvent]) -> _Tasks:
     # float sums: exact below 2**53 bytes, saturated (not wrapped) beyond; None -> NaN -> 0
     nbytes = np.nan_to_num(np.array([e.nbytes for e in tasks], dtype=np.float64))
     statuses = [e.status for e in tasks]
+    status_names, status = _codes(statuses)
+    all_memory = status_names == ["memory"]
     err = np.zeros(n, dtype=np.float64)
-    if statuses.count("memory") != n:
-        err[[i for i, s in enumerate(statuses) if s == "erred"]] = 1.0
+    if "erred" in status_names:
+        err[status == status_names.index("erred")] = 1.0
     ph_task, actions, start, stop = flatten_phases(tasks)
     if actions:
         action_names, ph_action = _codes(actions)
@@ -213,6 +217,7 @@ def _columns(tasks: list[TaskEvent]) -> _Tasks:
         nbytes,
         err,
         statuses,
+        all_memory,
         ph_task,
         ph_action,
         start,
@@ -302,7 +307,7 @@ def _per_run(c: _Tasks, aggs: list[RunAggregate]) -> None:
         rs.tasks, rs.errors, rs.nbytes = n, int(e), min(int(nb), _INT64_MAX)
         rs.task_start, rs.task_stop = _opt(f), _opt(la)
         rs.statuses = {"memory": n}
-    if c.statuses.count("memory") == c.n:
+    if c.all_memory:
         return
     for i, status in enumerate(c.statuses):
         if status != "memory":
