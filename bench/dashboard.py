@@ -134,7 +134,8 @@ def main() -> int:
                 )
                 nav = page.evaluate(
                     "() => { const n = performance.getEntriesByType('navigation')[0];"
-                    " return {response: Math.round(n.responseEnd), dom: Math.round(n.domContentLoadedEventEnd)}; }"
+                    " return {response: Math.round(n.responseEnd), dom: Math.round(n.domContentLoadedEventEnd),"
+                    " load: Math.round(n.loadEventEnd), now: Math.round(performance.now())}; }"
                 )
                 assert not errors, errors
                 print(
