@@ -62,7 +62,7 @@ def warm_up() -> None:
     json_item(column(stream, line, sizing_mode="stretch_width"), "warm-up")
 
 
-def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
+def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], list[str], float]:
     """A run's task stream, compactly: one rectangle per startstop as typed arrays (base64),
     with task keys, labels and colours sent once and referenced by index. The page expands
     it (``expandStream``) into the columns the figure's source wants. Returns the payload,
@@ -173,9 +173,18 @@ def task_stream_data(table: Any) -> tuple[dict[str, Any], list[str], float]:
         "count": int(len(x)),
         "x": b64(x, "<f8"), "width": b64(width, "<f8"), "y": b64(y, "<i4"),
         "c": b64(c, "<i4"), "k": b64(task_idx, "<i4"), "n": b64(n, "<i4"),
-        "keys": t["key"].to_pylist(), "names": list(names), "colours": [list(ca) for ca in colours],
+        "names": list(names), "colours": [list(ca) for ca in colours],
     }  # fmt: skip
+    if keys:
+        payload["keys"] = stream_keys(table)
+    else:  # the page fetches them (``stream_keys``) once the stream is painted
+        payload["tasks"] = table.num_rows
     return payload, rows, origin
+
+
+def stream_keys(table: Any) -> list[str]:
+    """The task keys :func:`task_stream_data`'s ``k`` indices refer to (the table's rows)."""
+    return table.column("key").to_pylist()
 
 
 STREAM_HEIGHT = 0.85  # of a row; hindsight.js paints the same
@@ -266,12 +275,16 @@ def _series_lines(fig: Any, series: list[dict[str, Any]], origin: float, colours
 
 
 def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any],
-                   metrics: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
-    """Every plot of a run page as Bokeh JSON items: the time plots share one x axis."""
+                   metrics: list[dict[str, Any]], *, inline_keys: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Every plot of a run page as Bokeh JSON items: the time plots share one x axis. The
+    task stream's keys (the hover's) are left out unless ``inline_keys`` (a running run,
+    whose tasks change between requests)."""
     from bokeh.layouts import column
     from bokeh.models import DataRange1d
 
-    cols, rows, origin = task_stream_data(data.tasks)
+    # Without the task keys (the hover's; half of a 100k-task run's page): the page fetches
+    # them from /runs/<id>/stream-keys once the stream is painted.
+    cols, rows, origin = task_stream_data(data.tasks, keys=inline_keys)
     x_range = DataRange1d(name="run-time")
     stream, _ = _stream_figure(
         "Task stream", rows, x_range, name="task-stream", source_name="task-stream-source"

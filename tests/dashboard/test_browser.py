@@ -100,6 +100,12 @@ def test_run_page_draws_the_run(recorded, page, name):
     workers = {t["worker"] for t in tasks}
     assert model["glyphs"] == sum(len(t["startstops"]) for t in tasks)
     assert assert_painted_as_tasks(page, "task-stream-source") > 0
+    # The hover's task keys arrive after the paint: a rectangle per phase of each task.
+    page.wait_for_selector("body[data-keys='1']", timeout=30_000)
+    keys = page.evaluate(
+        "() => Array.from(Bokeh.documents[0].get_model_by_name('task-stream-source').data.key)"
+    )
+    assert sorted(keys) == sorted(t["key"] for t in tasks for _ in t["startstops"])
     # Zoomed in on a tenth of the run, the stream is painted again at that resolution (the
     # range set as Bokeh's zoom and pan tools set it: else it snaps back to the data's extent
     # at the next data change).

@@ -75,8 +75,14 @@ def test_task_keys_cannot_inject_markup(apps, make_token):
     (run,) = query.get("/v1/runs", headers=h).json["runs"]
     html = query.get(f"/runs/{run['id']}", headers=h).data.decode()
     assert evil not in html  # the plot's JSON is escaped for a <script> block
-    item = html.split("const streamData = ", 1)[1].split(";\n", 1)[0]
-    assert evil in json.dumps(json.loads(item))  # ...and still carries the key
+    item = json.loads(html.split("const streamData = ", 1)[1].split(";\n", 1)[0])
+    keys_url = item["task-stream-source"]["keys_url"]  # the hover's keys come separately
+    resp = query.get(keys_url, headers=h)
+    assert resp.status_code == 200 and resp.mimetype == "application/json"
+    assert sum(evil in k for k in resp.json) == sum(e["kind"] == "task" for e in batch["events"])
+    # another tenant's token reads no keys of this run
+    other = make_token()
+    assert query.get(keys_url, headers={"Authorization": f"Bearer {other}"}).status_code == 404
 
 
 def test_bad_filters_are_a_400_page_and_bokeh_is_served_locally(apps, make_token):
@@ -105,3 +111,23 @@ def test_runs_table_shows_each_jobs_makespan_trend(apps, make_token):
     assert html.count('<svg class="trend"') == 3
     assert "makespan of the last 3 runs of this job: 1-4 s" in html
     assert html.count('fill="#d62728"') == 3  # each row marks its own run
+
+
+def test_a_running_runs_page_carries_its_task_keys(apps, make_token):
+    """A finished run's page leaves the hover's task keys to /runs/<id>/stream-keys; a
+    running run's tasks change between requests, so its page carries them itself."""
+    collector, query = apps
+    token = make_token()
+    events = [
+        {"kind": "run", "event": "started", "id": "still-going", "time": 1.8e9},
+        {"kind": "task", "key": "k-live", "prefix": "inc", "status": "memory", "run": "still-going",
+         "startstops": [{"action": "compute", "start": 1.8e9, "stop": 1.8e9 + 1}]},
+    ]  # fmt: skip
+    assert post(collector, example(events=events), token=token).status_code == 202
+    h = {"Authorization": f"Bearer {token}"}
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    assert run["status"] == "running"
+    html = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    stream = json.loads(html.split("const streamData = ", 1)[1].split(";\n", 1)[0])
+    assert stream["task-stream-source"]["keys"] == ["k-live"]
+    assert "keys_url" not in stream["task-stream-source"]

@@ -15,10 +15,35 @@ function expandStream(p) {
   const colour = new Array(p.count), alpha = new Float64Array(p.count), key = new Array(p.count), name = new Array(p.count);
   for (let i = 0; i < p.count; i++) {
     const ca = p.colours[c[i]]; colour[i] = ca[0]; alpha[i] = ca[1];
-    key[i] = p.keys[k[i]]; name[i] = p.names[n[i]];
+    key[i] = p.keys ? p.keys[k[i]] : ""; name[i] = p.names[n[i]];
   }
   return {x: typed(p.x, Float64Array), width: typed(p.width, Float64Array), y: typed(p.y, Int32Array),
-          colour, alpha, key, name};
+          colour, alpha, key, name, k};
+}
+
+// The run page leaves the task keys (the hover's; half of a big run's page) out of the
+// page and fetches them once the stream is painted: ``keys_url`` names them, in the order
+// the payload's ``k`` indexes. Sets body[data-keys] when they are in the source.
+function fillKeys(sources) {
+  const loads = [];
+  for (const [name, payload] of Object.entries(sources)) {
+    const s = streams[name];
+    if (!payload.keys_url || s === undefined) continue;
+    loads.push(fetch(payload.keys_url, {credentials: "same-origin"}).then(r => {
+      if (!r.ok) throw new Error(`task keys: HTTP ${r.status}`);
+      return r.json();
+    }).then(keys => {
+      if (keys.length !== payload.tasks) {  // the run changed since the page was read
+        console.warn(`task keys: ${keys.length} for ${payload.tasks} tasks; hover without keys`);
+        return;
+      }
+      const k = s.data.k, key = new Array(k.length);
+      for (let i = 0; i < k.length; i++) key[i] = keys[k[i]];
+      s.data = {...s.data, key};
+      s.model.data = s.data;
+    }));
+  }
+  return Promise.all(loads).then(() => { performance.mark("hs-keys"); document.body.dataset.keys = "1"; });
 }
 
 // A task stream is painted as an image at the screen's resolution, redrawn when the view
