@@ -22,14 +22,23 @@ function expandStream(p) {
 }
 
 // The run page leaves the task keys (the hover's; half of a big run's page) out of the
-// page and fetches them once the stream is painted: ``keys_url`` names them, in the order
-// the payload's ``k`` indexes. Sets body[data-keys] when they are in the source.
-function fillKeys(sources) {
+// page: ``keys_url`` names them, in the order the payload's ``k`` indexes. fetchKeys starts
+// their requests (the server and the transfer overlap BokehJS building the figures);
+// fillKeys reads them once the stream is painted and sets body[data-keys].
+function fetchKeys(sources) {
+  const out = {};
+  for (const [name, payload] of Object.entries(sources)) {
+    if (payload.keys_url) out[name] = fetch(payload.keys_url, {credentials: "same-origin"});
+  }
+  return out;
+}
+
+function fillKeys(sources, requests) {
   const loads = [];
   for (const [name, payload] of Object.entries(sources)) {
-    const s = streams[name];
-    if (!payload.keys_url || s === undefined) continue;
-    loads.push(fetch(payload.keys_url, {credentials: "same-origin"}).then(r => {
+    const s = streams[name], request = requests[name];
+    if (request === undefined || s === undefined) continue;
+    loads.push(request.then(r => {
       if (!r.ok) throw new Error(`task keys: HTTP ${r.status}`);
       return r.json();
     }).then(keys => {
@@ -37,10 +46,11 @@ function fillKeys(sources) {
         console.warn(`task keys: ${keys.length} for ${payload.tasks} tasks; hover without keys`);
         return;
       }
-      const k = s.data.k, key = new Array(k.length);
+      const k = s.data.k, key = s.model.data.key;
       for (let i = 0; i < k.length; i++) key[i] = keys[k[i]];
-      s.data = {...s.data, key};
-      s.model.data = s.data;
+      // In place, without a change event: the hover reads the column when it shows, and a
+      // new data object made BokehJS redo every column of 130k rectangles.
+      s.data.key = key;
     }));
   }
   return Promise.all(loads).then(() => { performance.mark("hs-keys"); document.body.dataset.keys = "1"; });
