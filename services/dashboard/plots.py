@@ -177,7 +177,7 @@ def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], 
     }  # fmt: skip
     if keys:
         payload["keys"] = stream_keys(table)
-    else:  # the page fetches them (``stream_keys``) once the stream is painted
+    else:  # the page requests them (``stream_keys``) while it builds its figures
         payload["tasks"] = table.num_rows
     return payload, rows, origin
 
@@ -283,7 +283,7 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
     from bokeh.models import DataRange1d
 
     # Without the task keys (the hover's; half of a 100k-task run's page): the page fetches
-    # them from /runs/<id>/stream-keys once the stream is painted.
+    # them from /runs/<id>/stream-keys while it builds its figures.
     cols, rows, origin = task_stream_data(data.tasks, keys=inline_keys)
     x_range = DataRange1d(name="run-time")
     stream, _ = _stream_figure(

@@ -267,7 +267,7 @@ def run_page(run_id: str) -> Any:
 @bp.get("/runs/<run_id>/stream-keys")
 def stream_keys(run_id: str) -> Any:
     """The run's task keys in the order of its task stream's ``k`` indices (a JSON array),
-    which the run page fetches once its stream is painted: they were half of a 100k-task
+    which the run page requests while it builds its figures: they were half of a 100k-task
     run's page (5.7 of 11.3 MB), read before anything was drawn."""
     p = principal()
     found = queries.find_run(db(), p.tenant_id, run_id) if len(run_id) <= 64 else None
