@@ -7,8 +7,8 @@ and times navigation start -> every plot rendered (BokehJS has embedded every it
 server's finished-run work (the run's compacted copy, rollups, profiles, lake) runs when the
 run finishes, not on a view: the bench waits for it (``finished_work.done_at`` in the run
 detail, timed as ``finish_work_s``), then times the first view and a second one, and when
-the hover's task keys are in (``run_page_first_keys_s``: the page fetches them once the
-stream is painted).
+the hover's task keys are in (``run_page_first_keys_s``: the page requests them while it
+builds its figures and sets them once the stream is painted).
 
     .venv/bin/python bench/dashboard.py [--tasks 100000]
 """
@@ -126,7 +126,7 @@ def main() -> int:
                 page.goto(f"{url}/runs/{run['id']}", timeout=120_000)
                 page.wait_for_selector("body[data-rendered='1']", timeout=120_000)
                 elapsed = time.perf_counter() - start
-                # the hover's task keys, fetched once the stream is painted
+                # the hover's task keys, set once the stream is painted
                 page.wait_for_selector("body[data-keys='1']", timeout=120_000)
                 keys_s = time.perf_counter() - start
                 glyphs = page.evaluate(

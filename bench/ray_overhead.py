@@ -71,16 +71,11 @@ def _kind(pid: int) -> str:
 def cpu_by_kind(pids: list[int]) -> dict[str, float]:
     """CPU seconds of a node's long-lived processes by kind (not its workers: a job's
     workers exit with it, and their CPU is mostly the tasks' own)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
         kind = _kind(p)
-        if kind != "workers":
-            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        if kind not in ("workers", "gone"):
+            out[kind] = out.get(kind, 0.0) + cpu_seconds([p])
     return out
 
 

@@ -115,26 +115,24 @@ def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], 
     # run's ~30,000 transfers took ~40 ms of the page.
     counts = np.fromiter(map(len, extra_phases), dtype=np.int64, count=len(extra_phases))
     flat = list(chain.from_iterable(extra_phases))
-    actions = [ph.action for ph in flat]
-    keep = np.fromiter((a != "compute" for a in actions), dtype=bool, count=len(actions))
+    keep = np.fromiter((ph.action != "compute" for ph in flat), dtype=bool, count=len(flat))
+    kept = [ph.action for ph in flat if ph.action != "compute"]
     ex_task = np.repeat(extra, counts)[keep]
     ex_start = np.fromiter((ph.start for ph in flat), dtype="f8", count=len(flat))[keep]
     ex_stop = np.fromiter((ph.stop for ph in flat), dtype="f8", count=len(flat))[keep]
-    action_of = list(dict.fromkeys(a for a in actions if a != "compute"))
+    action_of = list(dict.fromkeys(kept))
     code = {a: i for i, a in enumerate(action_of)}
-    ex_action = np.fromiter(
-        (code[a] for a in actions if a != "compute"), dtype="i8", count=len(ex_task)
-    )
+    ex_action = np.fromiter(map(code.__getitem__, kept), dtype="i8", count=len(kept))
     action_c = np.asarray(
         [colours.setdefault(ACTION_COLOURS.get(a, ("gray", 0.4)), len(colours)) for a in action_of],
         dtype="i4",
     )
     ex_c = action_c[ex_action] if len(ex_task) else np.zeros(0, dtype="i4")
     # labels "action prefix", one per distinct pair
-    pair = ex_action * max(len(prefix_of), 1) + prefix_idx[ex_task]
-    pairs, pair_idx = np.unique(pair, return_inverse=True)
+    n_prefix = max(len(prefix_of), 1)
+    pairs, pair_idx = np.unique(ex_action * n_prefix + prefix_idx[ex_task], return_inverse=True)
     pair_name = np.asarray(
-        [names.setdefault(f"{action_of[q // max(len(prefix_of), 1)]} {prefix_of[q % max(len(prefix_of), 1)]}", len(names))
+        [names.setdefault(f"{action_of[q // n_prefix]} {prefix_of[q % n_prefix]}", len(names))
          for q in pairs.tolist()],
         dtype="i4",
     )  # fmt: skip

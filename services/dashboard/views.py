@@ -222,8 +222,7 @@ def sparkline(
 
 @bp.get("/runs/<run_id>")
 def run_page(run_id: str) -> Any:
-    p = principal()
-    found = queries.find_run(db(), p.tenant_id, run_id) if len(run_id) <= 64 else None
+    found = _found_or_none(principal(), run_id)
     if found is None:
         return render_template("error.html", message=f"no run {run_id!r}"), 404
     run, cluster, session = found
@@ -236,7 +235,7 @@ def run_page(run_id: str) -> Any:
         data, critical, facts["progress"], analysis.metric_series(data, 300), inline_keys=live
     )
     stream = items["stream"]
-    if "keys" not in stream:
+    if not live:  # the page requests the hover's keys (``stream_keys``)
         stream = {**stream, "keys_url": f"/runs/{run.public_id}/stream-keys"}
     same_job = [
         queries.run_summary(r, cluster, session) for r in analysis.previous_runs(db(), run, 19)
@@ -269,8 +268,7 @@ def stream_keys(run_id: str) -> Any:
     """The run's task keys in the order of its task stream's ``k`` indices (a JSON array),
     which the run page requests while it builds its figures: they were half of a 100k-task
     run's page (5.7 of 11.3 MB), read before anything was drawn."""
-    p = principal()
-    found = queries.find_run(db(), p.tenant_id, run_id) if len(run_id) <= 64 else None
+    found = _found_or_none(principal(), run_id)
     if found is None:
         raise ApiError(404, "not_found", f"no run {run_id!r}")
     data = runfile.load_run(db(), store().blobs, found[0])
