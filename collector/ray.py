@@ -23,6 +23,7 @@ import weakref
 from typing import Any
 
 from flask import Blueprint, Flask, current_app, g, request
+from sqlalchemy.exc import DataError
 
 from collector.body import decompress, normalise_encoding
 from collector.ratelimit import enforce
@@ -117,20 +118,28 @@ def post_ray_events() -> Any:
     results = []
     for p in parts:
         t0 = time.perf_counter()
-        results.append(
-            ray.index_part(
-                session,
-                st.blobs,
-                tenant_id=principal.tenant_id,
-                tenant=principal.tenant,
-                cluster=cluster,
-                stored=p,
-                now=time.time(),
-                defer_tasks=sweeper is not None,
-                cache=st.ids,
-            )  # fmt: skip
-        )
-        session.commit()
+        try:
+            results.append(
+                ray.index_part(
+                    session,
+                    st.blobs,
+                    tenant_id=principal.tenant_id,
+                    tenant=principal.tenant,
+                    cluster=cluster,
+                    stored=p,
+                    now=time.time(),
+                    defer_tasks=sweeper is not None,
+                    cache=st.ids,
+                )  # fmt: skip
+            )
+            session.commit()
+        except DataError:
+            # A value the index cannot hold (the reader bounds every one it knows of): the
+            # body is stored, and refusing it would have Ray send it again forever.
+            session.rollback()
+            logger.exception("Ray body %s: the index cannot hold it; stored, not indexed", p.sha)
+            results.append(ray.PartResult(p.session, False, len(p.part.raw),
+                                          {"unindexable": len(p.part.raw)}))  # fmt: skip
         INDEX_SECONDS.observe(time.perf_counter() - t0)
     if sweeper is not None:
         sweeper.wake()

@@ -41,7 +41,8 @@ AttrValue = Label | Int | Annotated[float, msgspec.Meta(ge=-MAX_TIME, le=MAX_TIM
 
 def valid_name(value: str) -> bool:
     """Whether ``value`` may be used as a tenant, cluster, session or agent name."""
-    return bool(_NAME_RE.match(value)) and value not in (".", "..") and ".." not in value
+    # fullmatch: ``$`` alone also matches before a trailing newline ("abc\n")
+    return bool(_NAME_RE.fullmatch(value)) and value not in (".", "..") and ".." not in value
 
 
 # gc=False: decoded events hold only JSON values, so they cannot form reference cycles, and
@@ -347,6 +348,8 @@ def decode_batch(data: bytes) -> Batch:
         raise SchemaError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise SchemaError(f"malformed JSON: {exc}") from None
+    except RecursionError:  # msgspec's limit on nesting, even inside an ignored field
+        raise SchemaError("malformed JSON: nested too deeply") from None
     for field in ("cluster", "session", "agent"):
         if not valid_name(getattr(batch, field)):
             raise SchemaError(f"invalid name - at `$.{field}`")

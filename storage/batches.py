@@ -17,8 +17,10 @@ from hindsight.schema import Batch, decode_batch
 DEFAULT_RUN = "default"
 
 _RUN_NS = uuid.UUID("6f0e4a52-3c9e-4f5b-9a43-1d2f8b7c6e10")
+# seq: 12 digits, zero-padded, or more (up to 2**53, 16 digits) as ``blob_key`` writes them
 _KEY_RE = re.compile(
-    r"^v1/(?P<tenant>[^/]+)/(?P<cluster>[^/]+)/(?P<session>[^/]+)/(?P<agent>[^/]+)/(?P<seq>\d{12})\.json\.zst$"
+    r"v1/(?P<tenant>[^/]+)/(?P<cluster>[^/]+)/(?P<session>[^/]+)/(?P<agent>[^/]+)/"
+    r"(?P<seq>\d{12}|[1-9]\d{12,15})\.json\.zst"
 )
 
 
@@ -40,7 +42,7 @@ def blob_key(tenant: str, batch: Batch) -> str:
 
 def parse_blob_key(key: str) -> BatchKey | None:
     """The identity encoded in a blob key, or None for a key that is not a batch."""
-    match = _KEY_RE.match(key)
+    match = _KEY_RE.fullmatch(key)
     if not match:
         return None
     g = match.groupdict()

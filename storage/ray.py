@@ -70,6 +70,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 
 from hindsight.schema import (
@@ -1204,13 +1205,18 @@ def reindex(
         for stored in parts:
             if stored.session != ident["session"] or stored.session == NO_SESSION:
                 continue
-            with sessions.begin() as db:
-                if tenant not in tenants:
-                    tenants[tenant] = ensure_tenant(db, tenant, time.time())
-                res = index_part(db, blobs, tenant_id=tenants[tenant], tenant=tenant, cluster=cluster,
-                                 stored=stored, now=time.time(), emit=False)  # fmt: skip
-                if res.session_id is not None:
-                    touched[res.session_id] = (tenants[tenant], tenant, cluster, stored.session)
+            try:
+                with sessions.begin() as db:
+                    if tenant not in tenants:
+                        tenants[tenant] = ensure_tenant(db, tenant, time.time())
+                    res = index_part(db, blobs, tenant_id=tenants[tenant], tenant=tenant,
+                                     cluster=cluster, stored=stored, now=time.time(), emit=False)  # fmt: skip
+                    if res.session_id is not None:
+                        touched[res.session_id] = (tenants[tenant], tenant, cluster, stored.session)
+            except DataError as exc:  # a value the index cannot hold: this body, not the rebuild
+                logger.error("skipping Ray body %s: the index cannot hold it: %s", key, exc.orig)
+                counts["ray_skipped"] += 1
+                continue
             counts["ray_already" if res.duplicate else "ray_merged"] += 1
     for sid, (tenant_id, tenant, cluster, session) in touched.items():
         emit_session(sessions, blobs, sid, tenant_id, tenant, cluster, session)

@@ -19,7 +19,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -27,6 +27,11 @@ from hindsight.schema import valid_name
 
 # A refused body blocks a node's exporter for good: this decoder only asks for an array.
 _array = msgspec.json.Decoder(list[msgspec.Raw])
+# ``ray_tasks.attempt`` is a 32-bit integer: an event with an attempt it cannot hold is read
+# as unreadable (counted, skipped), not left to fail the index on every retry of its body.
+Attempt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+#: Ray's ids are 4-28 bytes; the index holds up to 32 (64 hex characters).
+MAX_ID_BYTES = 32
 
 TASK_TYPES = ("TASK_DEFINITION_EVENT", "TASK_LIFECYCLE_EVENT", "ACTOR_TASK_DEFINITION_EVENT")
 INDEXED_TYPES = (
@@ -56,6 +61,8 @@ def split_array(body: bytes) -> list[msgspec.Raw]:
         return _array.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise NotAnArray(str(exc)) from None
+    except RecursionError:  # msgspec's limit on nesting: the array cannot be split
+        raise NotAnArray("nested too deeply") from None
 
 
 # ------------------------------------------------------------------ the wire, leniently
@@ -89,7 +96,7 @@ def _structs(rename: str | None) -> Any:
 
     class TaskDefinition(msgspec.Struct, **opts):  # type: ignore[misc]
         task_id: bytes = b""
-        task_attempt: int = 0
+        task_attempt: Attempt = 0
         task_type: str = ""
         task_func: FuncDescriptor | None = None
         task_name: str = ""
@@ -98,7 +105,7 @@ def _structs(rename: str | None) -> Any:
 
     class ActorTaskDefinition(msgspec.Struct, **opts):  # type: ignore[misc]
         task_id: bytes = b""
-        task_attempt: int = 0
+        task_attempt: Attempt = 0
         actor_func: FuncDescriptor | None = None
         actor_task_name: str = ""
         job_id: bytes = b""
@@ -107,7 +114,7 @@ def _structs(rename: str | None) -> Any:
 
     class TaskLifecycle(msgspec.Struct, **opts):  # type: ignore[misc]
         task_id: bytes = b""
-        task_attempt: int = 0
+        task_attempt: Attempt = 0
         state_transitions: list[Transition] = []
         ray_error_info: ErrorInfo | None = None
         node_id: bytes = b""
@@ -220,9 +227,10 @@ _SNAKE = _structs(None)
 
 @functools.lru_cache(maxsize=8192)
 def _hex(value: bytes) -> str | None:
-    """A Ray id as Ray prints it (hex), or None for an empty or nil (all 0xff) id. Cached:
-    job, node and worker ids repeat in nearly every event."""
-    if not value or value.count(0xFF) == len(value):
+    """A Ray id as Ray prints it (hex), or None for an empty, nil (all 0xff) or over-long
+    id (longer than any Ray id; the index could not hold it). Cached: job, node and worker
+    ids repeat in nearly every event."""
+    if not value or len(value) > MAX_ID_BYTES or value.count(0xFF) == len(value):
         return None
     return value.hex()
 
@@ -411,12 +419,12 @@ def parse(body: bytes, elements: list[msgspec.Raw] | None = None) -> dict[str, S
     many, one = _SNAKE if b'"event_type"' in body[:4096] else _CAMEL
     try:
         events: list[Any] = many.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         events = []
         for raw in elements:
             try:
                 events.append(one.decode(raw))
-            except (msgspec.ValidationError, msgspec.DecodeError):
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
                 events.append(None)
     parts: dict[str, SessionPart] = {}
     last_session, part = None, None  # consecutive events nearly always share a session

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import lake, ray
@@ -53,19 +54,24 @@ def reindex(
             logger.error("skipping blob %s: its content names another batch", key)
             counts["skipped"] += 1
             continue
-        with sessions.begin() as db:
-            tenant = ident.tenant
-            if tenant not in tenants:
-                tenants[tenant] = ensure_tenant(db, tenant, time.time())
-            done = index_batch(
-                db,
-                tenant_id=tenants[tenant],
-                tenant=tenant,
-                batch=batch,
-                blob_key=key,
-                size=len(data),
-                now=time.time(),
-            )
+        try:
+            with sessions.begin() as db:
+                tenant = ident.tenant
+                if tenant not in tenants:
+                    tenants[tenant] = ensure_tenant(db, tenant, time.time())
+                done = index_batch(
+                    db,
+                    tenant_id=tenants[tenant],
+                    tenant=tenant,
+                    batch=batch,
+                    blob_key=key,
+                    size=len(data),
+                    now=time.time(),
+                )
+        except DataError as exc:  # a value the index cannot hold: this batch, not the rebuild
+            logger.error("skipping blob %s: the index cannot hold it: %s", key, exc.orig)
+            counts["skipped"] += 1
+            continue
         counts["indexed" if done else "already"] += 1
         if on_progress:
             on_progress(1)

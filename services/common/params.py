@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 from flask import request
 
-from hindsight.schema import valid_name
+from hindsight.schema import MAX_TIME, valid_name
 from services.common.errors import ApiError
 
 MAX_PARAM = 256
@@ -17,12 +17,12 @@ def bad(name: str, message: str) -> ApiError:
     return ApiError(400, "invalid_parameter", f"{name}: {message}")
 
 
-def arg(name: str) -> str | None:
+def arg(name: str, max_length: int = MAX_PARAM) -> str | None:
     value = request.args.get(name)
     if value is None or value == "":
         return None
-    if len(value) > MAX_PARAM:
-        raise bad(name, f"longer than {MAX_PARAM} characters")
+    if len(value) > max_length:
+        raise bad(name, f"longer than {max_length} characters")
     return value
 
 
@@ -45,18 +45,21 @@ def time_arg(name: str) -> float | None:
     if value is None:
         return None
     try:
-        return float(value)
+        t = float(value)
     except ValueError:
-        pass
-    # An unencoded "+01:00" offset arrives as " 01:00": put the plus back.
-    value = re.sub(r"(T[\d:.]+) (\d{2}:?\d{2})$", r"\1+\2", value.replace("Z", "+00:00"))
-    try:
-        dt = datetime.fromisoformat(value)
-    except ValueError:
-        raise bad(name, "must be epoch seconds or an ISO 8601 time") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
-    return dt.timestamp()
+        # An unencoded "+01:00" offset arrives as " 01:00": put the plus back.
+        value = re.sub(r"(T[\d:.]+) (\d{2}:?\d{2})$", r"\1+\2", value.replace("Z", "+00:00"))
+        try:
+            dt = datetime.fromisoformat(value)
+        except ValueError:
+            raise bad(name, "must be epoch seconds or an ISO 8601 time") from None
+        if dt.tzinfo is None:
+            dt = dt.replace(tzinfo=UTC)
+        t = dt.timestamp()
+    # The times a batch may carry (NaN, infinities and years past 5138 failed date maths)
+    if not 0 <= t <= MAX_TIME:
+        raise bad(name, f"must be a time between 1970 and the year 5138 (0 to {MAX_TIME:.0f} s)")
+    return t
 
 
 def choice_arg(name: str, choices: tuple[str, ...]) -> str | None:
@@ -105,9 +108,7 @@ def bool_arg(name: str) -> bool | None:
 def label_arg(name: str, max_length: int = MAX_PARAM) -> str | None:
     """Free text (a prefix, a worker address, a metric name), length-capped and without
     control characters (Postgres refuses NUL in text; no recorded label holds one)."""
-    value = arg(name)
-    if value is not None and len(value) > max_length:
-        raise bad(name, f"longer than {max_length} characters")
+    value = arg(name, max_length)
     if value is not None and any(ord(ch) < 32 for ch in value):
         raise bad(name, "contains control characters")
     return value

@@ -101,6 +101,42 @@ def test_bad_parameters_are_400(history, query_string):
     assert resp.json["error"]["code"] == "invalid_parameter"
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "1e308", "-1", "0001-01-01"])
+@pytest.mark.parametrize(
+    "route",
+    ["/v1/runs", "/v1/history/clusters", "/v1/history/prefixes?prefix=inc", "/v1/lake/tasks"],
+)
+def test_times_outside_what_a_batch_may_carry_are_400(history, route, value):
+    """Found by a fresh pair of eyes: ``since=nan`` or ``until=1e308`` was a 500 where the
+    routes did date maths (history by hour, the lake's day partitions)."""
+    query, token = history
+    for param in ("since", "until"):
+        sep = "&" if "?" in route else "?"
+        resp = query.get(f"{route}{sep}{param}={value}", headers=auth(token))
+        assert resp.status_code == 400, (param, resp.json)
+        assert resp.json["error"]["code"] == "invalid_parameter"
+        assert resp.json["error"]["message"].startswith(f"{param}: must be a time between")
+
+
+def test_a_label_as_long_as_the_protocol_allows_filters(clients, make_token):
+    """A prefix of up to 1,024 characters is recorded; it must also be a usable filter
+    (every parameter was cut at 256 characters before its own limit applied)."""
+    collector, query = clients
+    token = make_token()
+    long = "p" * 1000
+    body = run_batch("prod", "s1", "r-long", 0)
+    for ev in body["events"]:
+        if ev["kind"] == "task":
+            ev["prefix"] = long
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs?name=job-r-long", headers=auth(token)).json["runs"]
+    resp = query.get(f"/v1/runs/{run['id']}/tasks?prefix={long}", headers=auth(token))
+    assert resp.status_code == 200, resp.json
+    assert len(resp.json["tasks"]) == 3 and {t["prefix"] for t in resp.json["tasks"]} == {long}
+    too_long = query.get(f"/v1/runs/{run['id']}/tasks?prefix={long}{'p' * 25}", headers=auth(token))
+    assert too_long.status_code == 400 and "longer than 1024" in too_long.json["error"]["message"]
+
+
 def test_clusters(history):
     query, token = history
     clusters = query.get("/v1/clusters", headers=auth(token)).json["clusters"]

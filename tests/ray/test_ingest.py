@@ -230,10 +230,35 @@ def test_an_unknown_event_type_is_stored_and_the_rest_indexed(app, token):
     assert c["events_skipped"] == {"QUANTUM_EVENT": 1, "malformed": 3}
 
 
+def test_values_the_index_cannot_hold_are_skipped_not_refused(app, token):
+    """Found by a fresh pair of eyes: an attempt past 2**31 or an id longer than any Ray id
+    passed the reader, then failed the index: 503 on every retry of the body (Ray retries
+    forever) and ``reindex`` stopped at it. Such an event is now unreadable: counted and
+    skipped, the body stored, the rest indexed."""
+    r = Ray(app, token)
+    sim, tasks, events = workload()
+    defn = next(e for e in events if e["eventType"] == "TASK_DEFINITION_EVENT")
+    odd = [
+        {**defn, "taskDefinitionEvent": {**defn["taskDefinitionEvent"], "taskAttempt": 2**31}},
+        {**defn, "taskDefinitionEvent": {**defn["taskDefinitionEvent"], "taskAttempt": -1}},
+        {**defn, "taskDefinitionEvent": {**defn["taskDefinitionEvent"],
+                                         "taskId": base64.b64encode(b"\x01" * 40).decode()}},
+    ]  # fmt: skip
+    resp = r.post(odd + events[:100])
+    assert resp.status_code == 200, resp.json
+    assert resp.json["skipped"] == {"malformed": 2, "TASK_DEFINITION_EVENT": 1}
+    r.post_all(bodies(events[100:]))
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert run["task_count"] == 60
+    assert {t["attrs"]["attempt"] for t in r.tasks(run["id"])} == {0}
+
+
 @pytest.mark.parametrize(
     "body, status, code",
     [
         (b'{"eventType": "TASK_DEFINITION_EVENT"}', 400, "not_an_array"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "not_an_array"),  # past msgspec's nesting limit
         (b"[{", 400, "not_an_array"),
         (b"\xff\xfe", 400, "not_an_array"),
         (b"[]", 200, None),

@@ -19,7 +19,8 @@ from collector.body import decompress
 from collector.views import decode_body
 from hindsight.schema import Batch, SchemaError, decode_batch, encode_batch, valid_name
 from services.common.web import ApiError
-from tests.helpers import example_bytes
+from tests.helpers import example as example_batch
+from tests.helpers import example_bytes, post
 
 NAME = st.from_regex(r"\A[A-Za-z0-9_][A-Za-z0-9_-]{0,20}\Z")
 JSON_SCALARS = (
@@ -238,3 +239,36 @@ def test_values_the_index_cannot_hold_are_400_before_anything_is_stored(stack, m
 
     blobs = open_blob_store(stack["blob_url"], endpoint_url=stack["s3_endpoint_url"])
     assert list(blobs.list("v1/")) == []
+
+
+def _deep(depth: int) -> bytes:
+    """The example batch with an unknown field nested ``depth`` arrays deep."""
+    return example_bytes().replace(b"{", b'{"x": ' + b"[" * depth + b"]" * depth + b",", 1)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (_deep(100_000), "nested too deeply"),
+        (json.dumps(example_batch(cluster="prod\n")).encode(), "invalid name - at `$.cluster`"),
+        (json.dumps(example_batch(agent="a\n")).encode(), "invalid name - at `$.agent`"),
+    ],
+    ids=["nesting", "newline-cluster", "newline-agent"],
+)
+def test_deep_nesting_and_names_ending_in_a_newline_are_400(stack, make_token, body, message):
+    """Found by a fresh pair of eyes: nesting past msgspec's limit (even in a field nobody
+    reads) was a 500, and a name ending in "\\n" passed the name pattern (``$`` matches
+    before a final newline): 503 forever from S3, a directory with a newline on disk."""
+    from collector.app import create_app
+    from storage.blobs import open_blob_store
+
+    token = make_token()
+    client = create_app(stack).test_client()
+    assert post(client, _deep(100), token=token).status_code == 202  # nesting as such is fine
+    resp = post(client, body, token=token, raw=False, encoding="zstd")
+    assert resp.status_code == 400, resp.json
+    assert (
+        resp.json["error"]["code"] == "invalid_batch" and message in resp.json["error"]["message"]
+    )
+    blobs = open_blob_store(stack["blob_url"], endpoint_url=stack["s3_endpoint_url"])
+    assert len(list(blobs.list("v1/"))) == 1
