@@ -35,16 +35,27 @@ class RateLimiter:
             self._buckets[tenant] = (tokens, now)
             return (need - tokens) / self.rate
 
+    def empty(self, tenant: str) -> float:
+        """0 if ``tenant``'s bucket holds an event's worth, else seconds until it does: a
+        request that cannot pass whatever it holds is refused before its body is read."""
+        if not self.enabled:
+            return 0.0
+        with self._lock:
+            tokens, then = self._buckets.get(tenant, (self.burst, time.monotonic()))
+        tokens = min(self.burst, tokens + (time.monotonic() - then) * self.rate)
+        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+
     @staticmethod
     def retry_after(wait: float) -> str:
         return str(max(1, math.ceil(wait)))
 
 
-def enforce(limiter: RateLimiter, tenant: str, events: int) -> None:
-    """429 with ``Retry-After`` if ``tenant`` may not send ``events`` events now."""
+def enforce(limiter: RateLimiter, tenant: str, events: int | None) -> None:
+    """429 with ``Retry-After`` if ``tenant`` may not send ``events`` events now (``None``:
+    before the body is read, if it may send none)."""
     from services.common.web import ApiError
 
-    wait = limiter.take(tenant, events)
+    wait = limiter.empty(tenant) if events is None else limiter.take(tenant, events)
     if wait:
         raise ApiError(
             429,

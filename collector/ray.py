@@ -92,6 +92,8 @@ def post_ray_events() -> Any:
         )
     if request.mimetype not in ("", "application/json"):
         raise ApiError(415, "unsupported_media_type", "Content-Type must be application/json")
+    limiter = current_app.extensions["hindsight.ratelimit"]
+    enforce(limiter, principal.tenant, None)  # an empty bucket: refused before the body is read
     encoding = normalise_encoding(request.headers.get("Content-Encoding"))
     raw = request.get_data(cache=False)
     body = decompress(raw, encoding, settings.max_batch_bytes)
@@ -102,7 +104,7 @@ def post_ray_events() -> Any:
             400, "not_an_array", "a Ray exporter body is a JSON array of events"
         ) from None
 
-    enforce(current_app.extensions["hindsight.ratelimit"], principal.tenant, len(elements))
+    enforce(limiter, principal.tenant, len(elements))
 
     st = store()
     # With a sweeper, tasks are written by it (``emit_ready``), many bodies to a batch.

@@ -70,12 +70,14 @@ def post_batch() -> Any:
     settings = current_app.config["SETTINGS"]
     if request.mimetype != "application/json":
         raise ApiError(415, "unsupported_media_type", "Content-Type must be application/json")
+    limiter = current_app.extensions["hindsight.ratelimit"]
+    enforce(limiter, principal.tenant, None)  # an empty bucket: refused before the body is read
     encoding = normalise_encoding(request.headers.get("Content-Encoding"))
     raw = request.get_data(cache=False)
     body = decompress(raw, encoding, settings.max_batch_bytes)
     batch = decode_body(body)
 
-    enforce(current_app.extensions["hindsight.ratelimit"], principal.tenant, len(batch.events))
+    enforce(limiter, principal.tenant, len(batch.events))
 
     # zstd bodies are stored as received (already compressed); others are compressed here.
     stored = (

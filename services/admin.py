@@ -13,6 +13,7 @@ import ipaddress
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 
 import click
@@ -27,7 +28,7 @@ from storage.db import upgrade as do_upgrade
 from storage.models import Token
 from storage.reindex import reindex as do_reindex
 from storage.retention import apply
-from storage.tokens import create_token
+from storage.tokens import create_token, list_tokens, revoke_token
 
 
 def _settings(**overrides: object) -> Settings:
@@ -189,6 +190,43 @@ def tokens_create(
         click.echo(f"{url.rstrip('/')}/v1/ray/events?cluster={cluster}&token={token}")
     else:
         click.echo(token)
+
+
+@tokens.command("list")
+@click.option("--tenant", default=None, help="Only this tenant's tokens.")
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def tokens_list(tenant: str | None, data_dir: str | None) -> None:
+    """List tokens: id, tenant, scopes, name, created, revoked, and the first 8 hex digits
+    of the token's SHA-256 (the token itself is not stored)."""
+    with _index(data_dir, upgrade=None) as (_, engine):
+        with make_sessionmaker(engine).begin() as session:
+            rows = list_tokens(session, tenant)
+    click.echo("id\ttenant\tscopes\tname\tcreated\trevoked\tsha256")
+    for r in rows:
+        created, revoked = (
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else "-"
+            for t in (r["created_at"], r["revoked_at"])
+        )
+        click.echo(f"{r['id']}\t{r['tenant']}\t{r['scopes']}\t{r['name'] or '-'}\t{created}"
+                   f"\t{revoked}\t{r['hash']}")  # fmt: skip
+
+
+@tokens.command("revoke")
+@click.argument("token_id", type=int, required=False)
+@click.option("--token", "token", default=None,
+              help="Revoke this token itself (a leaked one in hand) rather than an id.")  # fmt: skip
+@click.option("--data-dir", type=click.Path(file_okay=False))
+def tokens_revoke(token_id: int | None, token: str | None, data_dir: str | None) -> None:
+    """Revoke a token by its id (``hindsight tokens list``) or by the token itself. Services
+    refuse it (401) once their token cache expires (HINDSIGHT_TOKEN_CACHE_SECONDS, 10 s)."""
+    if (token_id is None) == (token is None):
+        raise click.UsageError("give a token id or --token TOKEN (one of them)")
+    with _index(data_dir, upgrade=None) as (_, engine):
+        with make_sessionmaker(engine).begin() as session:
+            done = revoke_token(session, token_id=token_id, token=token)
+    if not done:
+        raise click.ClickException("no such token, or it was revoked already")
+    click.echo("revoked")
 
 
 @click.command()

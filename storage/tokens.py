@@ -11,8 +11,9 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from hindsight.schema import valid_name
@@ -69,6 +70,38 @@ def create_token(db: Session, tenant: str, scopes: str, name: str | None = None)
         )
     )
     return token
+
+
+def list_tokens(db: Session, tenant: str | None = None) -> list[dict[str, Any]]:
+    """Every token (of ``tenant``), oldest first: id, tenant, scopes, name, times, and the
+    first 8 hex digits of its hash (``hash_token`` of a token in hand tells which it is)."""
+    q = (
+        select(m.Token, m.Tenant.name)
+        .join(m.Tenant, m.Tenant.id == m.Token.tenant_id)
+        .order_by(m.Token.id)
+    )
+    if tenant is not None:
+        q = q.where(m.Tenant.name == tenant)
+    return [
+        {"id": t.id, "tenant": name, "scopes": t.scopes, "name": t.name,
+         "created_at": t.created_at, "revoked_at": t.revoked_at, "hash": t.token_hash[:8]}
+        for t, name in db.execute(q)
+    ]  # fmt: skip
+
+
+def revoke_token(db: Session, *, token_id: int | None = None, token: str | None = None,
+                 now: float | None = None) -> bool:  # fmt: skip
+    """Revoke the token with id ``token_id``, or the token ``token`` itself (a leaked one in
+    hand); False if there is no such token or it was revoked already. Services stop taking
+    it within their cache's lifetime (``HINDSIGHT_TOKEN_CACHE_SECONDS``)."""
+    q = update(m.Token).where(m.Token.revoked_at.is_(None))
+    if token_id is not None:
+        q = q.where(m.Token.id == token_id)
+    elif token is not None:
+        q = q.where(m.Token.token_hash == hash_token(token))
+    else:
+        raise ValueError("revoke_token needs a token id or a token")
+    return db.execute(q.values(revoked_at=now or time.time())).rowcount == 1
 
 
 def verify_token(db: Session, token: str) -> Principal | None:

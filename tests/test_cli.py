@@ -126,6 +126,36 @@ def test_serve_refuses_a_public_address_without_auth(tmp_path):
     assert out.returncode != 0 and "without auth" in out.stderr
 
 
+def test_tokens_list_and_revoke(tmp_path):
+    """A leaked token can be revoked (found by a fresh pair of eyes: the docs said so, and
+    only SQL could): by its id from ``tokens list``, or by the token itself."""
+    from storage.db import make_engine, make_sessionmaker
+    from storage.tokens import verify_token
+
+    d = ["--data-dir", str(tmp_path)]
+    made = [run("tokens", "create", "--tenant", t, "--name", n, *d, env=env()) for t, n in
+            (("acme", "ci"), ("acme", "laptop"), ("other", "ops"))]  # fmt: skip
+    assert all(m.returncode == 0 for m in made), [m.stderr for m in made]
+    ci, laptop, ops = (m.stdout.strip().splitlines()[-1] for m in made)
+    listed = run("tokens", "list", "--tenant", "acme", *d, env=env())
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split("\t") for line in listed.stdout.strip().splitlines()[1:]]
+    assert [(r[1], r[3], r[5]) for r in rows] == [("acme", "ci", "-"), ("acme", "laptop", "-")]
+    assert ci not in listed.stdout  # only a prefix of the hash is shown
+    by_id = run("tokens", "revoke", rows[1][0], *d, env=env())
+    by_token = run("tokens", "revoke", "--token", ops, *d, env=env())
+    assert by_id.returncode == 0 and by_token.returncode == 0, (by_id.stderr, by_token.stderr)
+    again = run("tokens", "revoke", "--token", ops, *d, env=env())
+    assert again.returncode != 0 and "revoked already" in again.stderr
+    engine = make_engine(f"sqlite:///{tmp_path / 'index.db'}")
+    with make_sessionmaker(engine).begin() as db:
+        assert verify_token(db, ci) is not None
+        assert verify_token(db, laptop) is None and verify_token(db, ops) is None
+    engine.dispose()
+    listed = run("tokens", "list", *d, env=env()).stdout.strip().splitlines()[1:]
+    assert [line.split("\t")[5] != "-" for line in listed] == [False, True, True]
+
+
 def test_tokens_create_rejects_bad_input(tmp_path):
     bad_tenant = run("tokens", "create", "--tenant", "../x", "--data-dir", str(tmp_path), env=env())
     assert bad_tenant.returncode != 0 and "invalid tenant" in bad_tenant.stderr

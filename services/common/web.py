@@ -146,7 +146,10 @@ def make_app(
     ops.configure_logging(settings.log_level, settings.log_format)
     app = Flask(name)
     app.config["SETTINGS"] = settings
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_batch_bytes
+    # One byte past the cap: a chunked body (no Content-Length; gunicorn marks its input
+    # terminated) is then read to cap + 1 and refused 413 by ``collector.body``, rather than
+    # cut at the cap without a word and refused 400 as truncated JSON.
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_batch_bytes + 1
     app.json.sort_keys = False
     app.extensions["hindsight"] = Store.open(settings)
     _register_errors(app)

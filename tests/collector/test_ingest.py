@@ -274,6 +274,9 @@ def test_tenant_over_its_rate_limit_gets_429_with_retry_after(stack, make_token)
     resp = post(collector, example(seq=1), token=token)
     assert_error(resp, 429, "rate_limited")
     assert int(resp.headers["Retry-After"]) >= 1
+    # With its bucket empty, the tenant is refused before the body is read: not even
+    # garbage is decoded (a 400 would say it was).
+    assert_error(post(collector, b"\x00garbage", token=token, raw=True), 429, "rate_limited")
     # Another tenant has its own bucket.
     assert post(collector, example(seq=0), token=other).status_code == 202
 

@@ -272,3 +272,39 @@ def test_deep_nesting_and_names_ending_in_a_newline_are_400(stack, make_token, b
     )
     blobs = open_blob_store(stack["blob_url"], endpoint_url=stack["s3_endpoint_url"])
     assert len(list(blobs.list("v1/"))) == 1
+
+
+def test_a_chunked_body_over_the_cap_is_413_under_gunicorn(pg_url, moto_endpoint):
+    """Found by a fresh pair of eyes: gunicorn marks a chunked body's input terminated, and
+    werkzeug then stopped reading at the cap without a word: a body over the cap was decoded
+    cut short and answered 400 (an agent drops a batch on a 400; a 413 tells it to split)."""
+    import requests
+
+    from bench.lib_faults import Gunicorn, collector_env
+    from bench.lib_faults import make_token as token_for
+    from tests.conftest import make_bucket, new_tenant
+
+    token = token_for(pg_url, new_tenant())
+    env = collector_env(pg_url, f"s3://{make_bucket(moto_endpoint)}/h", moto_endpoint,
+                        HINDSIGHT_MAX_BATCH_BYTES="65536")  # fmt: skip
+    server = Gunicorn(env, workers=1, threads=2)
+
+    def chunked(data: bytes) -> Any:  # requests sends a generator chunked, with no length
+        return (data[i : i + 4096] for i in range(0, len(data), 4096))
+
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    try:
+        for route, fits, over in [
+            ("/v1/batches", json.dumps(example_batch()).encode(),
+             b" " * 70_000 + json.dumps(example_batch(seq=1)).encode()),
+            ("/v1/ray/events", b"[]", b"[" + b" " * 70_000 + b"]"),
+        ]:  # fmt: skip
+            ok = requests.post(server.url + route, data=chunked(fits), headers=headers, timeout=60)
+            assert ok.status_code in (200, 202), ok.text
+            resp = requests.post(
+                server.url + route, data=chunked(over), headers=headers, timeout=60
+            )
+            assert resp.status_code == 413, (route, resp.text)
+            assert resp.json()["error"]["code"] == "batch_too_large"
+    finally:
+        server.stop()
