@@ -480,6 +480,10 @@ def task_event(row: Any, ip: str | None, pid: int | None) -> TaskEvent:
     for k, t in (("pending_at", row.pending_at), ("submitted_at", row.submitted_at)):
         if t is not None and _time_ok(t):
             attrs[k] = t
+    if not startstops and end is not None and _time_ok(end):
+        # Ended without being sent to a worker (cancelled while pending, a call on a dead
+        # actor): no phase to draw, but the end Ray's State API reports as ``end_time_ms``.
+        attrs["ended_at"] = end
     if start is not None:
         attrs["start_from"] = "RUNNING" if running is not None else "SUBMITTED_TO_WORKER"
     if not row.defined:
@@ -531,9 +535,21 @@ def worker_events(w: Any, ip: str | None) -> list[WorkerEvent]:
         )
     if _time_ok(w.ended_at):
         reason = ": ".join(x for x in (w.exit_type, w.exit_detail) if x) or None
+        expected, status = _EXITS.get(w.exit_type or "", (None, None))
         out.append(WorkerEvent(event="left", address=address, time=w.ended_at, name=w.worker_id,
-                               reason=clean(reason, 1024)))  # fmt: skip
+                               reason=clean(reason, 1024), expected=expected, status=status))  # fmt: skip
     return out
+
+
+#: Ray's worker exit types as a departure's ``expected`` and last ``status`` (the run page's
+#: cause: ``storage.runlogs.cause_of``); a crash's reason starts with its exit type.
+_EXITS: dict[str, tuple[bool | None, str | None]] = {
+    "INTENDED_SYSTEM_EXIT": (True, None),  # Ray let it go (idle, or its job ended): retired
+    "INTENDED_USER_EXIT": (False, "closed"),  # it exited on purpose (exit_actor, sys.exit)
+    "SYSTEM_ERROR": (False, "running"),  # crashed or killed: lost
+    "USER_ERROR": (False, "running"),
+    "NODE_OUT_OF_MEMORY": (False, "running"),
+}
 
 
 # ------------------------------------------------------------------ derived batches
@@ -585,9 +601,37 @@ def tasks_as_events(db: Session, session_id: int, rows: list[Any]) -> list[TaskE
         # Plain tuples: a Row's attribute costs ~5x a namedtuple's, and task_event reads ~30.
         make = _row_type(tuple(rows[0]._fields))._make
         rows = [make(r) for r in rows]
+        undefined = [r.task_id for r in rows if not r.defined]
+        if undefined:
+            rows = _borrow_definitions(db, session_id, rows, undefined)
     pids = _Lookups.pids(db, session_id, (r.worker_id for r in rows if not r.pid))
     ips = _Lookups.ips(db, session_id, (r.node_id for r in rows))
     return [task_event(r, ips.get(r.node_id or ""), pids.get(r.worker_id or "")) for r in rows]
+
+
+#: What an attempt whose definition never came takes from another attempt of its task.
+_DEFINED = ("name", "func", "module", "task_type", "parent_id", "actor_id", "job_id")
+
+
+def _borrow_definitions(db: Session, session_id: int, rows: list[Any], task_ids: list[str]) -> list[Any]:  # fmt: skip
+    """Rows whose definition never came, named from another attempt of the same task (Ray
+    sends a restarted actor's creation task's later attempt as a RUNNING alone). They keep
+    ``defined`` false: ``attrs.defined`` still says the definition of this attempt never came."""
+    T = m.RayTask
+    known: dict[str, Any] = {}
+    for chunk in _chunks(sorted(set(task_ids))):
+        q = select(T.task_id, *(getattr(T, c) for c in _DEFINED)).where(
+            T.session_id == session_id, T.task_id.in_(chunk), T.defined.is_(True)
+        )
+        for r in db.execute(q):
+            known.setdefault(r.task_id, r)
+    out = []
+    for r in rows:
+        d = known.get(r.task_id) if not r.defined else None
+        if d is not None:
+            r = r._replace(**{c: getattr(r, c) or getattr(d, c) for c in _DEFINED})
+        out.append(r)
+    return out
 
 
 @dataclass

@@ -504,6 +504,10 @@ def _apply(part: SessionPart, ev: Any, etype: str) -> bool:
         t.module = t.module or module
         t.task_type = t.task_type or clean(d.task_type, 32)
         t.parent_id = t.parent_id or _hex(d.parent_task_id)
+        if d.task_type == "ACTOR_CREATION_TASK" and len(d.task_id) == 24:
+            # Ray's creation task id is 8 nil bytes and the actor's id (TaskID::
+            # ForActorCreationTask); the definition names no actor.
+            t.actor_id = t.actor_id or _hex(d.task_id[8:])
     elif etype == "ACTOR_TASK_DEFINITION_EVENT" and ev.actor_task_definition_event is not None:
         d = ev.actor_task_definition_event
         tid = _hex(d.task_id)

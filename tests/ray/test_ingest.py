@@ -254,6 +254,53 @@ def test_values_the_index_cannot_hold_are_skipped_not_refused(app, token):
     assert {t["attrs"]["attempt"] for t in r.tasks(run["id"])} == {0}
 
 
+def test_what_ray_reports_of_odd_tasks_and_worker_exits(app, token):
+    """Found by a fresh pair of eyes on a real Ray cluster: a task cancelled before it ran
+    lost its end; an actor's creation task had no ``attrs.actor``; a restarted actor's
+    creation task (a RUNNING alone for attempt 1) was named "unknown"; every Ray worker's
+    exit was "an older agent did not say how"."""
+    r = Ray(app, token)
+    sim = RaySim(seed=3)
+    events = sim.node_events(T0 - 5) + sim.worker_events(T0 - 4, ended=T0 + 5)
+    deaths = [e for e in events if e["eventType"] == "WORKER_LIFECYCLE_EVENT"
+              and e["workerLifecycleEvent"]["stateTransitions"][0]["state"] == "DEAD"]  # fmt: skip
+    for e, exit_type in zip(deaths, ("SYSTEM_ERROR", "INTENDED_SYSTEM_EXIT"), strict=False):
+        e["workerLifecycleEvent"]["stateTransitions"][0]["deathInfo"]["exitType"] = exit_type
+    events += sim.job_start(1, T0)
+    cancelled = sim.task(1, "slow", T0 + 0.5, 0.3, failed=True)
+    ended = sim.submitter(cancelled)
+    ended["taskLifecycleEvent"]["stateTransitions"] = [
+        s for s in ended["taskLifecycleEvent"]["stateTransitions"]
+        if s["state"] not in ("SUBMITTED_TO_WORKER",)
+    ]  # fmt: skip
+    events += [sim.definition(cancelled), ended]
+    actor = b"\x42" * 12 + (1).to_bytes(4, "little")
+    create = sim.task(1, "Fragile.__init__", T0 + 0.2, 0.01, func="Fragile.__init__",
+                      task_id=b"\xff" * 8 + actor)  # fmt: skip
+    define = sim.definition(create)
+    define["taskDefinitionEvent"]["taskType"] = "ACTOR_CREATION_TASK"
+    events += [define, sim.running(create), sim.submitter(create)]
+    restarted = sim.task(1, "Fragile.__init__", T0 + 1.0, 0.01, attempt=1, task_id=create.task_id)
+    events += [sim.running(restarted)] + sim.job_end(1, T0 + 2)
+    r.post_all(bodies(events))
+    r.sweep(after=SETTLE + 1)
+    r.sweep(after=IDLE + 1)
+    run = r.run(1)
+    tasks = {(t["key"], t["attrs"]["attempt"]): t for t in r.tasks(run["id"])}
+    c = tasks[(cancelled.hex, 0)]
+    assert c["status"] == "erred" and c["startstops"] == []
+    assert c["attrs"]["ended_at"] == pytest.approx(cancelled.stop, abs=1e-6)
+    first, again = tasks[(create.hex, 0)], tasks[(create.hex, 1)]
+    assert (
+        first["attrs"]["actor"] == actor.hex() and first["attrs"]["type"] == "ACTOR_CREATION_TASK"
+    )
+    assert again["prefix"] == "Fragile.__init__" and again["attrs"]["defined"] is False
+    assert again["status"] == "lost" and "ended_at" not in again["attrs"]
+    workers = r.get(f"/v1/runs/{run['id']}/lifecycle")["workers"]
+    causes = sorted((w["reason"].split(":")[0], w["cause"]) for w in workers)
+    assert causes == [("INTENDED_SYSTEM_EXIT", "retired"), ("SYSTEM_ERROR", "lost")]
+
+
 @pytest.mark.parametrize(
     "body, status, code",
     [
