@@ -24,6 +24,7 @@ import logging
 import re
 import shutil
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -266,6 +267,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self._spans = scheduler.extensions.get("spans")
         self.session = _session_name(str(scheduler.id))
         self.agent = Agent(settings, session=self.session, name="scheduler")
+        self.agent.before_exit.append(self._at_exit)
         self.agent.add(self._session_event(scheduler))
         self._perf = RunPerf(self.agent, scheduler)
         self._states = RunStates(self.agent, scheduler, settings.sample_interval)
@@ -318,6 +320,24 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             time=time.time(), versions=versions, config=config, address=_label(scheduler.address)
         )
 
+    def _at_exit(self) -> None:
+        """The interpreter is exiting with the scheduler up (a script that never closed its
+        cluster): the agent closes before distributed closes the scheduler, so record what
+        finished now, on the scheduler's loop (its thread still runs), waiting a moment."""
+        if self.agent is None or not self._open_runs or self.scheduler is None:
+            return
+        done = threading.Event()
+
+        def check() -> None:
+            try:
+                self._check_runs(closing=True)
+            finally:
+                done.set()
+
+        self.scheduler.loop.add_callback(check)
+        if not done.wait(2.0):  # the loop is not running: nothing else touches the runs
+            self._check_runs(closing=True)
+
     async def close(self) -> None:
         """Record what finished, then flush within the close budget off the event loop."""
         agent = self.agent
@@ -335,7 +355,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         except Exception:
             logger.exception("hindsight: error while closing")
         self.agent = None
-        await asyncio.get_running_loop().run_in_executor(None, agent.close)
+        if not agent.closed:  # closed already by the interpreter's exit (no executor then)
+            await asyncio.get_running_loop().run_in_executor(None, agent.close)
 
     # -- graph -------------------------------------------------------------------------
     def update_graph(

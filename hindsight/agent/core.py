@@ -20,6 +20,7 @@ import time
 import uuid
 import weakref
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -72,6 +73,10 @@ class Agent:
         self._name_prefix = name
         self._closed = False
         self._lock = threading.Lock()  # guards thread start/stop, not the hot path
+        #: Called (never raising) before the interpreter's exit closes this agent: its owner
+        #: records what it still knows (Python runs exit handlers last-registered first, so
+        #: this one runs before those of the libraries its owner lives in).
+        self.before_exit: list[Callable[[], None]] = []
         self._reset(new_agent_name(name))
         _agents.add(self)
         _ensure_atexit()
@@ -157,6 +162,10 @@ class Agent:
                 self._flush_now = True
                 self._wake.set()
         return not self.pending()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def pending(self) -> int:
         """Events not yet acknowledged by the collector (buffered, queued or spooled)."""
@@ -526,6 +535,11 @@ def _reinit_after_fork() -> None:
 
 def _close_all_at_exit() -> None:
     for agent in list(_agents):
+        for hook in list(agent.before_exit):
+            try:
+                hook()
+            except Exception:
+                pass
         try:
             agent.close()
         except Exception:

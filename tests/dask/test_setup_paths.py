@@ -136,3 +136,37 @@ def test_preload_without_a_url_leaves_the_cluster_alone(caplog):
     ):
         assert client.submit(square, 4).result() == 16
     assert "not recorded" in caplog.text
+
+
+SCRIPT_WITHOUT_CLOSE = """
+import dask.array as da
+from distributed import Client, LocalCluster, span
+
+if __name__ == "__main__":
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0",
+                           scheduler_kwargs={"preload": ["hindsight.dask"]})
+    client = Client(cluster)
+    with span("no-close"):
+        print(da.ones((100, 100), chunks=50).sum().compute())
+    # no client.close() or cluster.close(): the interpreter exits here
+"""
+
+
+def test_a_script_that_never_closes_its_cluster_finishes_its_run(hindsight_server, tmp_path):
+    """Found by a fresh pair of eyes: Python runs exit handlers last-registered first, so
+    the agent's (registered when the scheduler started) closed it before distributed's
+    closed the cluster; the scheduler's close then found the agent closed and the run
+    stayed "running" for good, with every batch delivered."""
+    cluster = f"noclose-{uuid.uuid4().hex[:8]}"
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT_WITHOUT_CLOSE)
+    env = {**os.environ, "HINDSIGHT_URL": hindsight_server.url, "HINDSIGHT_CLUSTER": cluster}
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, timeout=180,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "10000.0"
+    assert "Plugin call failed" not in done.stderr, done.stderr
+    # Every batch was sent before the process ended: the run is there now, finished.
+    run = hindsight_server.run_named(cluster, "no-close")
+    assert run is not None and run["status"] == "finished", hindsight_server.runs(cluster)
+    assert run["task_count"] >= 4
