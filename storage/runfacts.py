@@ -30,6 +30,10 @@ def action_index(action: str) -> int:
     return _ACTION_INDEX.get(action, OTHER)
 
 
+#: The span Dask files work outside any ``span(...)`` under.
+DEFAULT_SPAN = "default"
+
+
 def display_name(name: str | None, run_key: str) -> str | None:
     """What a run is called: its span name, else its run key (the default run has none)."""
     return name or (None if run_key == DEFAULT_RUN else run_key)
@@ -51,8 +55,12 @@ def makespan_column() -> Any:
 
 def fingerprint(name: str | None, run_key: str, prefixes: Iterable[str]) -> str:
     """A stable identity of "the same job": its display name when it has one, else its set
-    of task prefixes. 16 hex digits of sha256."""
+    of task prefixes. 16 hex digits of sha256. Dask's span ``default`` (work outside any
+    span) names no job: every such run shared one fingerprint, so regressions, the trend
+    and "the previous run of this job" mixed unrelated work."""
     shown = display_name(name, run_key)
+    if shown == DEFAULT_SPAN:
+        shown = None
     basis = f"name:{shown}" if shown else "prefixes:" + ",".join(sorted(set(prefixes)))
     return hashlib.sha256(basis.encode()).hexdigest()[:16]
 

@@ -204,3 +204,28 @@ def test_openapi_documents_every_route(stack, factory):
     }
     documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
     assert routes == documented
+
+
+def test_runs_outside_any_span_are_fingerprinted_by_their_prefixes(clients, make_token):
+    """Dask files work outside any span under the span ``default``: found by a fresh pair
+    of eyes, every such run shared one fingerprint (``name:default``), so regressions and
+    "the previous run of this job" mixed unrelated work."""
+    collector, query = clients
+    token = make_token()
+    for i, prefix in enumerate(("inc", "sum", "inc")):
+        body = run_batch("prod", "s1", f"span-{i}", 0, t=T0 + 100 * i)
+        body["seq"] = i
+        for ev in body["events"]:
+            if ev["kind"] == "task":
+                ev["prefix"] = prefix
+            if ev["kind"] == "run" and ev["event"] == "started":
+                ev["name"] = "default"
+        assert post(collector, body, token=token).status_code == 202
+    runs = sorted(
+        query.get("/v1/runs", headers=auth(token)).json["runs"], key=lambda r: r["started_at"]
+    )
+    fps = [query.get(f"/v1/runs/{r['id']}", headers=auth(token)).json["fingerprint"] for r in runs]
+    assert [r["name"] for r in runs] == ["default"] * 3
+    assert fps[0] == fps[2] != fps[1]
+    regressions = query.get(f"/v1/runs/{runs[2]['id']}/regressions", headers=auth(token)).json
+    assert regressions["baseline_runs"] == [runs[0]["id"]], regressions
