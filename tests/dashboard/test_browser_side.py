@@ -45,7 +45,9 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, st
             wait_until(streamed, 60, "every emitted value")
             with span("killed"):
                 victim = sorted(client.scheduler_info()["workers"])[0]
-                kept = client.map(inc, range(4), workers=[victim], allow_other_workers=True)
+                # long keys: Dask's log of the lost results lists them, unbroken
+                kept = client.map(inc, range(4), key=[f"kept-{'k' * 400}-{i}" for i in range(4)],
+                                  workers=[victim], allow_other_workers=True)  # fmt: skip
                 doomed = client.submit(die, kept, workers=[victim])
                 with pytest.raises(KilledWorker):
                     doomed.result(timeout=60)
@@ -85,6 +87,8 @@ def test_run_page_shows_logs_emitted_values_and_a_killed_worker(recorded, page):
     assert "results lost, recomputed" in text
     assert page.locator("#session-facts").inner_text().startswith("Scheduler tcp://")
     assert any("marked as failed" in t for t in page.locator("#logs tr.log-row").all_inner_texts())
+    # long keys and log lines wrap: the page is no wider than the window (it was 9,000 px)
+    assert page.evaluate("document.documentElement.scrollWidth") <= page.viewport_size["width"]
     shoot(page, "run-side")
     page.locator("#workers-section").screenshot(path=str(ARTIFACTS / "workers-lifecycle.png"))
     assert page.errors == []
