@@ -71,19 +71,25 @@ def _unzstd(data: bytes, cap: int) -> bytes:
 
 
 def _gunzip(data: bytes, cap: int) -> bytes:
+    """Every member of a gzip stream (RFC 1952 allows several, as ``cat a.gz b.gz`` makes)."""
     out = bytearray()
-    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     buf = data
     try:
-        while buf:
-            out += d.decompress(buf, cap + 1 - len(out))
-            if len(out) > cap:
-                raise too_large(cap)
-            buf = d.unconsumed_tail
-            if d.eof:
-                break
+        while True:
+            d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+            while buf:
+                out += d.decompress(buf, cap + 1 - len(out))
+                if len(out) > cap:
+                    raise too_large(cap)
+                buf = d.unconsumed_tail
+                if d.eof:
+                    break
+            if not d.eof:
+                raise ApiError(400, "bad_encoding", "gzip body is truncated")
+            buf = d.unused_data
+            if not buf:
+                return bytes(out)
+            if not buf.startswith(b"\x1f\x8b"):
+                raise ApiError(400, "bad_encoding", "gzip body has trailing data")
     except zlib.error as exc:
         raise ApiError(400, "bad_encoding", f"body is not valid gzip: {exc}") from None
-    if not d.eof or d.unused_data:
-        raise ApiError(400, "bad_encoding", "gzip body is truncated or has trailing data")
-    return bytes(out)

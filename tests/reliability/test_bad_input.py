@@ -122,6 +122,21 @@ def test_decompress_round_trips_under_the_cap_and_is_413_over_it(data, encoding)
         assert exc.value.status == 413
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=CAP), min_size=1, max_size=4))
+def test_gzip_of_several_members_is_their_concatenation(parts):
+    """RFC 1952: a gzip stream may hold several members (``cat a.gz b.gz``); they were
+    refused as trailing data (found by a fresh pair of eyes)."""
+    body = b"".join(gzip.compress(p) for p in parts)
+    data = b"".join(parts)
+    if len(data) <= CAP:
+        assert decompress(body, "gzip", CAP) == data
+    else:
+        with pytest.raises(ApiError) as exc:
+            decompress(body, "gzip", CAP)
+        assert exc.value.status == 413
+
+
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=3000), st.sampled_from(["zstd", "gzip"]))
 @example(b"\x28\xb5\x2f\xfd", "zstd")  # a zstd magic number and nothing else
