@@ -410,6 +410,12 @@ def lifecycle(
             "joined_during_run": w.joined_at is not None and lo is not None and w.joined_at > lo,
             "left_during_run": during,
         }
+        if not during and d and d["erred"] and lo is not None and (w.left_at or 0) >= lo:
+            # A departure that failed one of the run's tasks is the run's, even after the
+            # run's window closed: the task it killed has no times (Dask marks a run's last
+            # task KilledWorker when the scheduler removes the worker, after its span ended).
+            during = bool(took_down(d, run_tasks())["erred"])
+            entry["left_during_run"] = during
         if w.left_at is not None:
             cause = cause_of(w.left_reason, d.get("expected"), d.get("status"))
             entry.update(

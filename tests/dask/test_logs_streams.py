@@ -76,6 +76,9 @@ def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
             assert client.gather(kept) == list(range(1, 7))
             del kept, doomed
         out["victim"] = victim
+        with span("dies-last"):  # the run's last (and only) task kills its worker
+            with pytest.raises(KilledWorker):
+                client.submit(die, 0, key="die-last").result(timeout=60)
     yield out
 
 
@@ -203,3 +206,14 @@ def test_a_killed_worker_is_in_the_lifecycle_with_what_it_took_down(hindsight_se
     assert any(
         "die-0" in r["message"] and "marked as failed" in r["message"] for r in errors["logs"]
     )
+
+
+def test_a_worker_killed_by_the_runs_last_task_left_during_the_run(hindsight_server, recorded):
+    """Found by a fresh pair of eyes: the task a KilledWorker fails has no times, and Dask
+    removes the worker after the span ended, so the departure fell after the run's window
+    and the run page did not show it, nor what it took down."""
+    run = wait_for_run(hindsight_server, recorded["cluster"], "dies-last", 1, status="erred")
+    _finished(hindsight_server, run)
+    life = hindsight_server.get(f"/v1/runs/{run['id']}/lifecycle")["workers"]
+    (gone,) = [w for w in life if w["left_during_run"]]
+    assert gone["cause"] == "lost" and gone["took_down"]["erred"] == ["die-last"]
