@@ -385,12 +385,15 @@ def run_fingerprint(db: Session, run: m.Run) -> str:
 def _prefix_stats(db: Session, run_ids: list[int], action: str) -> dict[str, dict[str, Any]]:
     hists = _hists(db, run_ids)
     out: dict[str, dict[str, Any]] = {}
-    for p, count, total in db.execute(
-        select(m.RunPrefixAction.prefix, func.sum(m.RunPrefixAction.count), func.sum(m.RunPrefixAction.total))
-        .where(m.RunPrefixAction.run_id.in_(run_ids), m.RunPrefixAction.action == action)
-        .group_by(m.RunPrefixAction.prefix)
+    A = m.RunPrefixAction
+    for p, count, total, lo, hi in db.execute(
+        select(A.prefix, func.sum(A.count), func.sum(A.total), func.min(A.min), func.max(A.max))
+        .where(A.run_id.in_(run_ids), A.action == action)
+        .group_by(A.prefix)
     ):  # fmt: skip
-        p50, p90, p99 = sketch.quantiles(hists.get((p, action), {}), QUANTILES)
+        # clamped to the exact min and max, as the run summary's (a one-task prefix's p90 is
+        # its duration, not the histogram bucket's value)
+        p50, p90, p99 = sketch.quantiles(hists.get((p, action), {}), QUANTILES, lo, hi)
         out[p] = {"count": int(count), "total": float(total), "mean": float(total) / int(count),
                   "p50": p50, "p90": p90, "p99": p99}  # fmt: skip
     counts = db.execute(

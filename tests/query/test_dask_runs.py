@@ -281,6 +281,14 @@ def test_time_breakdown_compare_regressions(history):
     db_ = get(h, f"/v1/runs/{b}")
     assert cmp["makespan"]["delta"] == pytest.approx(db_["makespan"] - detail["makespan"])
     assert all(p["tasks"]["delta"] == 0 for p in cmp["prefixes"])
+    # the same quantiles as the run's summary (both clamped to the exact min and max)
+    summary = {
+        p["prefix"]: p["actions"].get("compute")
+        for p in get(h, f"/v1/runs/{a}/summary")["prefixes"]
+    }
+    for p in cmp["prefixes"]:
+        if summary.get(p["prefix"]):
+            assert p["p90"]["a"] == summary[p["prefix"]]["p90"], p["prefix"]
     f = history["runs"]["failing"]["id"]
     cmp2 = get(h, "/v1/compare", a=a, b=f)
     assert "boom" in cmp2["new_prefixes"]
