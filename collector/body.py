@@ -37,10 +37,12 @@ def normalise_encoding(header: str | None) -> str:
 
 
 def decompress(data: bytes, encoding: str, cap: int) -> bytes:
-    """The decoded body; 413 past ``cap`` bytes, 400 if the compressed stream is corrupt."""
+    """The decoded body; 413 past ``cap`` bytes, 400 if the compressed stream is corrupt.
+    A body over the cap as sent is 413 too: a chunked one is read to ``cap + 1`` bytes
+    (``MAX_CONTENT_LENGTH``), and cut there it would otherwise read as truncated (a 400)."""
+    if len(data) > cap:
+        raise too_large(cap)
     if encoding == "identity":
-        if len(data) > cap:
-            raise too_large(cap)
         return data
     if encoding == "zstd":
         return _unzstd(data, cap)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from typing import Any
 
 import pytest
@@ -265,10 +266,17 @@ def _deep(depth: int) -> bytes:
     "body, message",
     [
         (_deep(100_000), "nested too deeply"),
+        # NUL deep inside: the check for it walked the value recursively (a 500 past ~300)
+        (
+            example_bytes().replace(
+                b"{", b'{"x": ' + b"[" * 900 + b'"\\u0000"' + b"]" * 900 + b",", 1
+            ),
+            "NUL",
+        ),
         (json.dumps(example_batch(cluster="prod\n")).encode(), "invalid name - at `$.cluster`"),
         (json.dumps(example_batch(agent="a\n")).encode(), "invalid name - at `$.agent`"),
     ],
-    ids=["nesting", "newline-cluster", "newline-agent"],
+    ids=["nesting", "deep-nul", "newline-cluster", "newline-agent"],
 )
 def test_deep_nesting_and_names_ending_in_a_newline_are_400(stack, make_token, body, message):
     """Found by a fresh pair of eyes: nesting past msgspec's limit (even in a field nobody
@@ -316,6 +324,11 @@ def test_a_chunked_body_over_the_cap_is_413_under_gunicorn(pg_url, moto_endpoint
         ]:  # fmt: skip
             ok = requests.post(server.url + route, data=chunked(fits), headers=headers, timeout=60)
             assert ok.status_code in (200, 202), ok.text
+            # compressed, and over the cap as sent: cut at the cap, it inflated to less
+            big = gzip.compress(os.urandom(90_000))  # incompressible
+            resp = requests.post(server.url + route, data=chunked(big), timeout=60,
+                                 headers={**headers, "Content-Encoding": "gzip"})  # fmt: skip
+            assert resp.status_code == 413, (route, resp.text)
             resp = requests.post(
                 server.url + route, data=chunked(over), headers=headers, timeout=60
             )
