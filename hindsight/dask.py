@@ -218,6 +218,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self.agent: Agent | None = None
         self.settings: Settings | None = None
         self.scheduler: Any = None
+        self._final_recorded = False
         self._tasks: dict[Any, Any] = {}
         self._spans: Any = None
         self._span_runs: dict[str, str] = {}
@@ -320,29 +321,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             time=time.time(), versions=versions, config=config, address=_label(scheduler.address)
         )
 
-    def _at_exit(self) -> None:
-        """The interpreter is exiting with the scheduler up (a script that never closed its
-        cluster): the agent closes before distributed closes the scheduler, so record what
-        finished now, on the scheduler's loop (its thread still runs), waiting a moment."""
-        if self.agent is None or not self._open_runs or self.scheduler is None:
+    def _record_final(self) -> None:
+        """What the scheduler still knows as it goes, once: the graph queue pumped, the
+        open runs finished (or erred), the last activity sample."""
+        if self._final_recorded:
             return
-        done = threading.Event()
-
-        def check() -> None:
-            try:
-                self._check_runs(closing=True)
-            finally:
-                done.set()
-
-        self.scheduler.loop.add_callback(check)
-        if not done.wait(2.0):  # the loop is not running: nothing else touches the runs
-            self._check_runs(closing=True)
-
-    async def close(self) -> None:
-        """Record what finished, then flush within the close budget off the event loop."""
-        agent = self.agent
-        if agent is None:
-            return
+        self._final_recorded = True
         try:
             if self._sampler is not None:
                 self._sampler.stop()
@@ -354,6 +338,37 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 self._perf.sample((), closing=True)
         except Exception:
             logger.exception("hindsight: error while closing")
+
+    def _at_exit(self) -> None:
+        """The interpreter is exiting with the scheduler up (a script that never closed its
+        cluster): the agent closes before distributed closes the scheduler, so record the
+        final state now, on the scheduler's loop while its thread runs (waiting up to 2 s;
+        the loop alone touches the plugin's state then), else here."""
+        if self.agent is None or self.scheduler is None or self._final_recorded:
+            return
+        loop = self.scheduler.loop
+        running = getattr(getattr(loop, "asyncio_loop", None), "is_running", lambda: False)()
+        if not running:
+            self._record_final()
+            return
+        done = threading.Event()
+
+        def record() -> None:
+            try:
+                self._record_final()
+            finally:
+                done.set()
+
+        loop.add_callback(record)
+        if not done.wait(2.0):
+            logger.warning("hindsight: the scheduler's loop did not record the runs at exit")
+
+    async def close(self) -> None:
+        """Record what finished, then flush within the close budget off the event loop."""
+        agent = self.agent
+        if agent is None:
+            return
+        self._record_final()
         self.agent = None
         if not agent.closed:  # closed already by the interpreter's exit (no executor then)
             await asyncio.get_running_loop().run_in_executor(None, agent.close)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from storage import models as m
 from storage import sketch
 from storage.batches import DEFAULT_RUN
-from storage.runfacts import fingerprint, makespan
+from storage.runfacts import DEFAULT_SPAN, fingerprint, makespan
 from storage.runfile import RunData, compact_prefix
 
 logger = logging.getLogger(__name__)
@@ -450,7 +450,7 @@ def previous_runs(db: Session, run: m.Run, n: int, scan: int = 1000) -> list[m.R
     q = select(m.Run).where(
         m.Run.tenant_id == run.tenant_id, m.Run.id != run.id, m.Run.started_at <= run.started_at
     )
-    if run.name:
+    if run.name and run.name != DEFAULT_SPAN:  # the default span names no job
         q = q.where(m.Run.name == run.name)  # ix_runs_tenant_name
     candidates = list(db.execute(q.order_by(m.Run.started_at.desc()).limit(scan)).scalars())
     if not candidates:

@@ -45,6 +45,9 @@ MAX_LIMIT = 1000
 #: (worker times are already on the scheduler's clock; a wider margin would hand a run
 #: the records of the next one started right after it).
 WINDOW_SLACK_S = 0.01
+#: How long after a run's end a departure that killed one of its tasks may come (Dask's
+#: default worker-ttl: a hung worker is removed after 5 minutes).
+KILLED_AFTER_S = 300.0
 _CACHE_SIZE = 8
 # A batch is decoded only if its JSON holds one of these (a cheap test on the raw bytes;
 # a false positive costs one decode, nothing else).
@@ -410,11 +413,15 @@ def lifecycle(
             "joined_during_run": w.joined_at is not None and lo is not None and w.joined_at > lo,
             "left_during_run": during,
         }
-        if not during and d and d["erred"] and lo is not None and (w.left_at or 0) >= lo:
+        down = None
+        if (not during and d and d["erred"] and lo is not None and hi is not None
+                and w.left_at is not None and lo <= w.left_at <= hi + KILLED_AFTER_S):  # fmt: skip
             # A departure that failed one of the run's tasks is the run's, even after the
-            # run's window closed: the task it killed has no times (Dask marks a run's last
-            # task KilledWorker when the scheduler removes the worker, after its span ended).
-            during = bool(took_down(d, run_tasks())["erred"])
+            # run's window closed: Dask marks a run's last task KilledWorker when it removes
+            # the worker, after the span ended, and that task has no times. Only a task the
+            # run recorded so (erred, no phases): the same key may be another run's too.
+            down = took_down(d, run_tasks())
+            during = bool(_killed_here(run_tasks(), down["erred"]))
             entry["left_during_run"] = during
         if w.left_at is not None:
             cause = cause_of(w.left_reason, d.get("expected"), d.get("status"))
@@ -427,9 +434,21 @@ def lifecycle(
             )
             if during and d:
                 listed = d["processing"] or d["lost"]
-                entry["took_down"] = took_down(d, run_tasks() if listed else None)
+                entry["took_down"] = down or took_down(d, run_tasks() if listed else None)
         out.append(entry)
     return out
+
+
+def _killed_here(tasks: Any, keys: list[str]) -> list[str]:
+    """Of ``keys``, those the run recorded as erred without phases (a KilledWorker)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not keys or tasks is None or not len(tasks):
+        return []
+    rows = tasks.filter(pc.is_in(tasks["key"], value_set=pa.array(sorted(keys), pa.string())))
+    return [r["key"] for r in rows.select(["key", "status", "stop"]).to_pylist()
+            if r["status"] == "erred" and r["stop"] is None]  # fmt: skip
 
 
 def took_down(departure: dict[str, Any], tasks: Any) -> dict[str, Any]:

@@ -112,6 +112,7 @@ class Agent:
         # The parent keeps delivering what it buffered; the child starts clean under a
         # new identity so the two never send different batches with the same seq.
         self._lock = threading.Lock()
+        self.before_exit = []  # the parent's owners are not the child's
         if self._closed:
             return
         self._reset(new_agent_name(self._name_prefix))

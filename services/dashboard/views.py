@@ -43,7 +43,7 @@ from storage import (
 )
 from storage import models as m
 from storage.queries import BadCursor, RunFilters
-from storage.runfacts import display_name, makespan_column
+from storage.runfacts import DEFAULT_SPAN, display_name, makespan_column
 from storage.tokens import Principal
 
 bp = Blueprint(
@@ -158,9 +158,11 @@ def runs_page() -> Any:
         return render_template("error.html", message=message), 400
     clusters = [c["name"] for c in queries.list_clusters(db(), p.tenant_id)]
     args = {k: v for k, v in request.args.items() if k != "cursor" and v}
-    trends = name_trends(p.tenant_id, {r["name"] for r in runs if r["name"]})
+    # Dask's span "default" names no job (its runs are fingerprinted by their prefixes)
+    named = {r["name"] for r in runs if r["name"] and r["name"] != DEFAULT_SPAN}
+    trends = name_trends(p.tenant_id, named)
     for r in runs:
-        r["trend"] = sparkline(trends.get(r["name"], []), r["id"]) if r["name"] else None
+        r["trend"] = sparkline(trends.get(r["name"], []), r["id"]) if r["name"] in named else None
     return render_template(
         "runs.html",
         runs=runs,
