@@ -20,13 +20,17 @@ class RateLimiter:
     def enabled(self) -> bool:
         return self.rate > 0
 
+    def _level(self, tenant: str, now: float) -> float:
+        """The tenant's tokens now (call with the lock held)."""
+        tokens, then = self._buckets.get(tenant, (self.burst, now))
+        return min(self.burst, tokens + (now - then) * self.rate)
+
     def take(self, tenant: str, n: int) -> float:
         if not self.enabled:
             return 0.0
         now = time.monotonic()
         with self._lock:
-            tokens, then = self._buckets.get(tenant, (self.burst, now))
-            tokens = min(self.burst, tokens + (now - then) * self.rate)
+            tokens = self._level(tenant, now)
             # A batch larger than the burst passes when the bucket is full (never starves).
             need = min(n, self.burst)
             if tokens >= need:
@@ -36,13 +40,11 @@ class RateLimiter:
             return (need - tokens) / self.rate
 
     def empty(self, tenant: str) -> float:
-        """0 if ``tenant``'s bucket holds an event's worth, else seconds until it does: a
-        request that cannot pass whatever it holds is refused before its body is read."""
+        """0 if ``tenant``'s bucket holds an event's worth, else seconds until it does."""
         if not self.enabled:
             return 0.0
         with self._lock:
-            tokens, then = self._buckets.get(tenant, (self.burst, time.monotonic()))
-        tokens = min(self.burst, tokens + (time.monotonic() - then) * self.rate)
+            tokens = self._level(tenant, time.monotonic())
         return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
 
     @staticmethod
@@ -50,12 +52,22 @@ class RateLimiter:
         return str(max(1, math.ceil(wait)))
 
 
-def enforce(limiter: RateLimiter, tenant: str, events: int | None) -> None:
-    """429 with ``Retry-After`` if ``tenant`` may not send ``events`` events now (``None``:
-    before the body is read, if it may send none)."""
+#: Bodies up to this size are read even from a tenant with an empty bucket: an agent's
+#: last batch (often no events) costs nothing to read and passes with none.
+SMALL_BODY = 4096
+
+
+def enforce(limiter: RateLimiter, tenant: str, events: int | None,
+            body_bytes: int | None = None) -> None:  # fmt: skip
+    """429 with ``Retry-After`` if ``tenant`` may not send ``events`` events now. With
+    ``events`` None, before the body is read: 429 if the tenant's bucket is empty, unless
+    the body is small (``body_bytes``, the request's Content-Length)."""
     from services.common.web import ApiError
 
-    wait = limiter.empty(tenant) if events is None else limiter.take(tenant, events)
+    if events is None:
+        wait = 0.0 if body_bytes is not None and body_bytes <= SMALL_BODY else limiter.empty(tenant)
+    else:
+        wait = limiter.take(tenant, events)
     if wait:
         raise ApiError(
             429,

@@ -93,7 +93,8 @@ def post_ray_events() -> Any:
     if request.mimetype not in ("", "application/json"):
         raise ApiError(415, "unsupported_media_type", "Content-Type must be application/json")
     limiter = current_app.extensions["hindsight.ratelimit"]
-    enforce(limiter, principal.tenant, None)  # an empty bucket: refused before the body is read
+    # an empty bucket: refused before the body is read
+    enforce(limiter, principal.tenant, None, request.content_length)
     encoding = normalise_encoding(request.headers.get("Content-Encoding"))
     raw = request.get_data(cache=False)
     body = decompress(raw, encoding, settings.max_batch_bytes)
