@@ -136,11 +136,13 @@ def post_ray_events() -> Any:
                 )  # fmt: skip
             )
             session.commit()
-        except DataError:
+        except DataError as exc:
             # A value the index cannot hold (the reader bounds every one it knows of): the
-            # body is stored, and refusing it would have Ray send it again forever.
+            # body is stored, and refusing it would have Ray send it again forever. Logged
+            # without the statement's parameters (the body's values).
             session.rollback()
-            logger.exception("Ray body %s: the index cannot hold it; stored, not indexed", p.sha)
+            logger.error("Ray body %s: the index cannot hold it; stored, not indexed: %s",
+                         p.sha, exc.orig)  # fmt: skip
             results.append(ray.PartResult(p.session, False, len(p.part.raw),
                                           {"unindexable": len(p.part.raw)}))  # fmt: skip
         INDEX_SECONDS.observe(time.perf_counter() - t0)

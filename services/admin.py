@@ -214,13 +214,16 @@ def tokens_list(tenant: str | None, data_dir: str | None) -> None:
 @tokens.command("revoke")
 @click.argument("token_id", type=int, required=False)
 @click.option("--token", "token", default=None,
-              help="Revoke this token itself (a leaked one in hand) rather than an id.")  # fmt: skip
+              help="Revoke this token itself (a leaked one in hand) rather than an id; "
+                   "'-' reads it from stdin (out of ps and shell history).")  # fmt: skip
 @click.option("--data-dir", type=click.Path(file_okay=False))
 def tokens_revoke(token_id: int | None, token: str | None, data_dir: str | None) -> None:
     """Revoke a token by its id (``hindsight tokens list``) or by the token itself. Services
     refuse it (401) once their token cache expires (HINDSIGHT_TOKEN_CACHE_SECONDS, 10 s)."""
     if (token_id is None) == (token is None):
         raise click.UsageError("give a token id or --token TOKEN (one of them)")
+    if token == "-":
+        token = sys.stdin.readline().strip()
     with _index(data_dir, upgrade=None) as (_, engine):
         with make_sessionmaker(engine).begin() as session:
             done = revoke_token(session, token_id=token_id, token=token)

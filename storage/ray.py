@@ -97,6 +97,7 @@ from storage.ray_events import (
     parse,
     split_array,
 )
+from storage.runlogs import LOST_RAY_EXITS
 from storage.tokens import ensure_tenant
 
 logger = logging.getLogger(__name__)
@@ -546,9 +547,8 @@ def worker_events(w: Any, ip: str | None) -> list[WorkerEvent]:
 _EXITS: dict[str, tuple[bool | None, str | None]] = {
     "INTENDED_SYSTEM_EXIT": (True, None),  # Ray let it go (idle, or its job ended): retired
     "INTENDED_USER_EXIT": (False, "closed"),  # it exited on purpose (exit_actor, sys.exit)
-    "SYSTEM_ERROR": (False, "running"),  # crashed or killed: lost
-    "USER_ERROR": (False, "running"),
-    "NODE_OUT_OF_MEMORY": (False, "running"),
+    # crashed or killed: lost
+    **dict.fromkeys(LOST_RAY_EXITS, (False, "running")),
 }
 
 
@@ -601,16 +601,17 @@ def tasks_as_events(db: Session, session_id: int, rows: list[Any]) -> list[TaskE
         # Plain tuples: a Row's attribute costs ~5x a namedtuple's, and task_event reads ~30.
         make = _row_type(tuple(rows[0]._fields))._make
         rows = [make(r) for r in rows]
-        undefined = [r.task_id for r in rows if not r.defined]
-        if undefined:
-            rows = _borrow_definitions(db, session_id, rows, undefined)
+    undefined = [r.task_id for r in rows if not r.defined]
+    if undefined:
+        rows = _borrow_definitions(db, session_id, rows, undefined)
     pids = _Lookups.pids(db, session_id, (r.worker_id for r in rows if not r.pid))
     ips = _Lookups.ips(db, session_id, (r.node_id for r in rows))
     return [task_event(r, ips.get(r.node_id or ""), pids.get(r.worker_id or "")) for r in rows]
 
 
-#: What an attempt whose definition never came takes from another attempt of its task.
-_DEFINED = ("name", "func", "module", "task_type", "parent_id", "actor_id", "job_id")
+#: What an attempt whose definition never came takes from another attempt of its task
+#: (not its job: the run's counts select tasks by their own row's job).
+_DEFINED = ("name", "func", "module", "task_type", "parent_id", "actor_id")
 
 
 def _borrow_definitions(db: Session, session_id: int, rows: list[Any], task_ids: list[str]) -> list[Any]:  # fmt: skip
@@ -620,8 +621,10 @@ def _borrow_definitions(db: Session, session_id: int, rows: list[Any], task_ids:
     T = m.RayTask
     known: dict[str, Any] = {}
     for chunk in _chunks(sorted(set(task_ids))):
-        q = select(T.task_id, *(getattr(T, c) for c in _DEFINED)).where(
-            T.session_id == session_id, T.task_id.in_(chunk), T.defined.is_(True)
+        q = (
+            select(T.task_id, *(getattr(T, c) for c in _DEFINED))
+            .where(T.session_id == session_id, T.task_id.in_(chunk), T.defined.is_(True))
+            .order_by(T.task_id, T.attempt)  # the first attempt defined
         )
         for r in db.execute(q):
             known.setdefault(r.task_id, r)

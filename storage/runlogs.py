@@ -347,7 +347,7 @@ CAUSES = {
 }
 _LOST_REASONS = ("handle-worker-cleanup", "worker-send-comm-fail", "send-all-comm-fail")
 #: Ray's worker exit types of a crash (``storage.ray``: the reason starts with one).
-_LOST_RAY_EXITS = ("SYSTEM_ERROR", "USER_ERROR", "NODE_OUT_OF_MEMORY")
+LOST_RAY_EXITS = ("SYSTEM_ERROR", "USER_ERROR", "NODE_OUT_OF_MEMORY")
 
 
 def cause_of(reason: str | None, expected: bool | None, status: str | None) -> str:
@@ -359,7 +359,7 @@ def cause_of(reason: str | None, expected: bool | None, status: str | None) -> s
         return "timed-out"
     if expected is None and status is None:
         return "unknown"
-    if reason in _LOST_REASONS or (reason or "").partition(":")[0] in _LOST_RAY_EXITS:
+    if reason in _LOST_REASONS or (reason or "").partition(":")[0] in LOST_RAY_EXITS:
         return "lost"
     return "removed"
 
