@@ -104,10 +104,10 @@ def plan(
         .join(m.Cluster, m.Cluster.id == m.Session.cluster_id)
         .where(m.Cluster.tenant_id == tenant_id)
     )
+    cutoff = None
     if max_age is not None:
         cutoff = now - max_age
         expired |= set(db.scalars(base.where(m.Session.last_seen < cutoff)))
-        out.hour_cutoff = int(cutoff // 3600)
     if max_runs is not None:
         started = func.coalesce(m.Run.started_at, m.Run.first_seen)
         newest = (
@@ -121,6 +121,16 @@ def plan(
             db.scalars(select(m.Run.session_id).where(m.Run.tenant_id == tenant_id).distinct())
         )
         expired |= with_runs - keep
+    if cutoff is not None:
+        # The cluster hours (by event time) go before the cut-off, but not those of a kept
+        # session: one delivered late (a spool pushed from a kept volume) lost its runs'
+        # history for good, kept runs and all (reindex does not redo what it has).
+        kept_first = db.scalar(
+            select(func.min(m.Batch.t_min))
+            .join(m.Agent, m.Agent.id == m.Batch.agent_id)
+            .where(m.Agent.session_id.in_(base), m.Agent.session_id.not_in(expired))
+        )
+        out.hour_cutoff = int(min(cutoff, kept_first if kept_first is not None else cutoff) // 3600)
     if not expired:
         return out
     runs = dict(

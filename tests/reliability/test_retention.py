@@ -93,6 +93,29 @@ def test_dry_run_changes_nothing_then_max_age_removes_blobs_and_rows(world):
     assert apply(w["blobs"], w["sessions"], t, max_age=7 * DAY).sessions == []
 
 
+def test_max_age_keeps_the_history_of_the_sessions_it_keeps(world, stack):
+    """Found by a fresh pair of eyes: cluster hours older than the age cut-off were deleted
+    whatever their sessions, so a session delivered late (a spool pushed long after) kept
+    its runs and lost their history, for good (reindex does not redo what it has)."""
+    from collector.app import create_app as collector_app
+
+    w, (t, _) = world, world["tenants"]
+    late = run_batch("late", "s-late", "r-late", 0, t=time.time() - 30 * DAY)
+    assert post(collector_app(stack).test_client(), late, token=w["tokens"][t]).status_code == 202
+
+    def tasks(bucket: str) -> int:
+        resp = w["query"].get(f"/v1/history/clusters?cluster=late&bucket={bucket}",
+                              headers=auth(w["tokens"][t]))  # fmt: skip
+        assert resp.status_code == 200, resp.json
+        return sum(p["tasks"] for p in resp.json["points"])
+
+    assert tasks("hour") == tasks("day") == 3
+    done = apply(w["blobs"], w["sessions"], t, max_age=7 * DAY)
+    assert [s.name for s in done.sessions] == ["s0"]
+    assert "job-r-late" in run_names(w, t)
+    assert tasks("hour") == tasks("day") == 3
+
+
 def test_max_runs_keeps_the_sessions_of_the_newest_runs(world):
     w, (t, _) = world, world["tenants"]
     done = apply(w["blobs"], w["sessions"], t, max_runs=1)
