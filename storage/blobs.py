@@ -40,6 +40,10 @@ class BlobStore(Protocol):
     def list(self, prefix: str = "") -> Iterator[str]:
         """Every key that starts with ``prefix``, in lexicographic order."""
 
+    def listed(self, prefix: str = "") -> Iterator[tuple[str, float]]:
+        """:meth:`list` with the time each object was stored (epoch seconds): when its
+        batch arrived, for ``reindex``."""
+
     def delete(self, key: str) -> None:
         """Remove ``key``; no error if it is already gone."""
 
@@ -122,6 +126,13 @@ class LocalBlobStore:
                 if key.startswith(prefix):
                     keys.append(key)
         yield from sorted(keys)
+
+    def listed(self, prefix: str = "") -> Iterator[tuple[str, float]]:
+        for key in self.list(prefix):
+            try:
+                yield key, self._path(key).stat().st_mtime
+            except FileNotFoundError:  # deleted since it was listed
+                continue
 
     def delete(self, key: str) -> None:
         try:
@@ -266,6 +277,9 @@ class S3BlobStore:
         return True
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        return (key for key, _ in self.listed(prefix))
+
+    def listed(self, prefix: str = "") -> Iterator[tuple[str, float]]:
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Prefix": self.prefix + prefix}
@@ -273,7 +287,7 @@ class S3BlobStore:
                 kwargs["ContinuationToken"] = token
             page = self._call("list_objects_v2", **kwargs)
             for item in page.get("Contents", []):
-                yield item["Key"][len(self.prefix) :]
+                yield item["Key"][len(self.prefix) :], item["LastModified"].timestamp()
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]

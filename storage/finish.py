@@ -97,6 +97,9 @@ class ReadOnce:
     def list(self, prefix: str = "") -> Iterator[str]:
         return self.blobs.list(prefix)
 
+    def listed(self, prefix: str = "") -> Iterator[tuple[str, float]]:
+        return self.blobs.listed(prefix)
+
     def ping(self) -> None:
         self.blobs.ping()
 

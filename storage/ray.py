@@ -1230,7 +1230,7 @@ def reindex(
     counts = {"ray_bodies": 0, "ray_merged": 0, "ray_already": 0, "ray_skipped": 0}
     touched: dict[int, tuple[int, str, str, str]] = {}
     tenants: dict[str, int] = {}
-    for key in blobs.list(f"{RAW_PREFIX}/"):
+    for key, stored_at in blobs.listed(f"{RAW_PREFIX}/"):  # merged as of when it arrived
         counts["ray_bodies"] += 1
         ident = parse_raw_key(key)
         if ident is None:
@@ -1257,7 +1257,8 @@ def reindex(
                     if tenant not in tenants:
                         tenants[tenant] = ensure_tenant(db, tenant, time.time())
                     res = index_part(db, blobs, tenant_id=tenants[tenant], tenant=tenant,
-                                     cluster=cluster, stored=stored, now=time.time(), emit=False)  # fmt: skip
+                                     cluster=cluster, stored=stored, emit=False,
+                                     now=min(stored_at, time.time()))  # fmt: skip
                     if res.session_id is not None:
                         touched[res.session_id] = (tenants[tenant], tenant, cluster, stored.session)
             except DataError as exc:  # a value the index cannot hold: this body, not the rebuild

@@ -32,7 +32,9 @@ def reindex(
     each batch and body count once. Returns counts."""
     counts = {"blobs": 0, "indexed": 0, "already": 0, "skipped": 0}
     tenants: dict[str, int] = {}
-    for key in blobs.list(prefix):
+    # Each batch indexed as of when it arrived (the object's stored time): sessions, runs
+    # and batches keep their ages, which retention goes by (a rebuild made them all new).
+    for key, stored_at in blobs.listed(prefix):
         counts["blobs"] += 1
         ident = parse_blob_key(key)
         if ident is None:
@@ -66,7 +68,7 @@ def reindex(
                     batch=batch,
                     blob_key=key,
                     size=len(data),
-                    now=time.time(),
+                    now=min(stored_at, time.time()),
                 )
         except DataError as exc:  # a value the index cannot hold: this batch, not the rebuild
             logger.error("skipping blob %s: the index cannot hold it: %s", key, exc.orig)

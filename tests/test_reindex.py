@@ -6,6 +6,7 @@ import atexit
 import secrets
 from typing import Any
 
+import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
@@ -182,3 +183,38 @@ def test_a_rebuild_years_later_still_finds_a_runs_metrics(stack, tmp_path):
     before = metrics(stack["database_url"], index=True)
     assert len(before) == 6
     assert metrics(fresh_index(stack, tmp_path), index=False) == before
+
+
+def test_a_rebuilt_index_keeps_when_each_batch_arrived(stack, tmp_path):
+    """Found by a fresh pair of eyes: reindex indexed every batch as arriving at the time of
+    the rebuild, so afterwards every session was new and retention by age kept everything
+    for another term. A batch is indexed as of when it was stored."""
+    import os
+    import time
+
+    from collector.app import create_app as collector_app
+    from storage.retention import plan
+
+    if not stack["blob_url"].startswith("file://"):
+        pytest.skip("the stored time is set here on the batch's file (S3 sets its own)")
+    tenant = new_tenant()
+    engine = make_engine(stack["database_url"])
+    upgrade(engine)
+    with make_sessionmaker(engine).begin() as db:
+        token = create_token(db, tenant, "ingest,read")
+    engine.dispose()
+    assert post(collector_app(stack).test_client(), example(), token=token).status_code == 202
+    blobs = open_blob_store(stack["blob_url"])
+    (key,) = list(blobs.list(f"v1/{tenant}/"))
+    month_ago = time.time() - 30 * 86400
+    os.utime(blobs._path(key), (month_ago, month_ago))
+
+    rebuilt = make_engine(fresh_index(stack, tmp_path))
+    upgrade(rebuilt)
+    sessions = make_sessionmaker(rebuilt)
+    assert reindex(blobs, sessions, prefix=f"v1/{tenant}/")["indexed"] == 1
+    with sessions() as db:
+        expired = plan(db, tenant, max_age=7 * 86400).sessions
+        assert [s.name for s in expired] == [example()["session"]]
+        assert expired[0].last_seen == pytest.approx(month_ago, abs=1)
+    rebuilt.dispose()
