@@ -112,6 +112,30 @@ def run_tag(db: Session, run: m.Run) -> str:
     return f"{n}-{hi or 0}"
 
 
+def _tag_order(tag: str) -> tuple[int, int] | None:
+    n, _, hi = tag.partition("-")
+    return (int(n), int(hi)) if n.isdigit() and hi.isdigit() else None
+
+
+def prune_tags(blobs: BlobStore, base: str, current: str) -> int:
+    """Delete the files of the versions under ``base`` that ``current`` (a ``run_tag``)
+    supersedes: fewer batches, or as many under other ids (a rebuilt index renumbers
+    them). A version with more batches is another process's newer one, and stays.
+    Without this every new version (a late batch, every rebuild) left a full copy behind.
+    Returns how many files went."""
+    cur = _tag_order(current)
+    if cur is None:
+        return 0
+    gone = 0
+    for key in list(blobs.list(f"{base}/")):
+        tag = key[len(base) + 1 :].partition("/")[0]
+        order = _tag_order(tag)
+        if order is not None and tag != current and order[0] <= cur[0]:
+            blobs.delete(key)
+            gone += 1
+    return gone
+
+
 def compact_prefix(db: Session, run: m.Run) -> str:
     tenant, cluster, session = db.execute(
         select(m.Tenant.name, m.Cluster.name, m.Session.name)
@@ -321,6 +345,7 @@ def load_run(
             for n, table in (("graph", graph), ("metrics", metrics), ("tasks", tasks)):
                 blobs.put(f"{cache_key}/{n}.parquet", _parquet(table), if_absent=True)
             logger.info("compacted run %s (%d tasks) at %s", run.public_id, len(tasks), cache_key)
+            prune_tags(blobs, base, tag)
     if cache and (data.source == "compact" or run.status != "running"):
         _cache.put(cache_key, data)
     return data

@@ -36,7 +36,7 @@ from hindsight.schema import CustomEvent, LogEvent, WorkerEvent, decode_batch
 from storage import models as m
 from storage.batches import DEFAULT_RUN, stored_json
 from storage.blobs import BlobStore
-from storage.runfile import RecentCache, _parquet, batch_keys, compact_prefix
+from storage.runfile import RecentCache, _parquet, batch_keys, compact_prefix, prune_tags
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,8 @@ def load(db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True) -> Ex
 
     found = batch_keys(db, run)
     tag = f"{len(found)}-{max((i for i, _, _ in found), default=0)}"
-    base = f"{compact_prefix(db, run)}/extras/{tag}"
+    extras_base = f"{compact_prefix(db, run)}/extras"
+    base = f"{extras_base}/{tag}"
     hit = _cache.get(base)
     if hit is not None:
         return hit
@@ -193,6 +194,7 @@ def load(db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True) -> Ex
         if write and run.status != "running":
             for n in ("streams", "workers", "logs"):
                 blobs.put(f"{base}/{n}.parquet", _parquet(tables[n]), if_absent=True)
+            prune_tags(blobs, extras_base, tag)
         extras = Extras(tag, tables)
     _cache.put(base, extras)
     return extras
