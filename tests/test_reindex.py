@@ -185,7 +185,7 @@ def test_a_rebuild_years_later_still_finds_a_runs_metrics(stack, tmp_path):
     assert metrics(fresh_index(stack, tmp_path), index=False) == before
 
 
-def test_a_rebuilt_index_keeps_when_each_batch_arrived(stack, tmp_path):
+def test_a_rebuilt_index_keeps_when_each_batch_arrived(stack, make_token, tmp_path):
     """Found by a fresh pair of eyes: reindex indexed every batch as arriving at the time of
     the rebuild, so afterwards every session was new and retention by age kept everything
     for another term. A batch is indexed as of when it was stored."""
@@ -198,11 +198,7 @@ def test_a_rebuilt_index_keeps_when_each_batch_arrived(stack, tmp_path):
     if not stack["blob_url"].startswith("file://"):
         pytest.skip("the stored time is set here on the batch's file (S3 sets its own)")
     tenant = new_tenant()
-    engine = make_engine(stack["database_url"])
-    upgrade(engine)
-    with make_sessionmaker(engine).begin() as db:
-        token = create_token(db, tenant, "ingest,read")
-    engine.dispose()
+    token = make_token(tenant)
     assert post(collector_app(stack).test_client(), example(), token=token).status_code == 202
     blobs = open_blob_store(stack["blob_url"])
     (key,) = list(blobs.list(f"v1/{tenant}/"))
