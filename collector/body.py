@@ -10,6 +10,8 @@ import io
 import zlib
 
 import zstandard
+from flask import request
+from werkzeug.exceptions import ClientDisconnected
 
 from services.common.errors import ApiError
 
@@ -34,6 +36,33 @@ def normalise_encoding(header: str | None) -> str:
         "unsupported_encoding",
         f"Content-Encoding {header!r} is not one of zstd, gzip, identity",
     )
+
+
+def read_body(cap: int, timeout: float) -> tuple[bytes, bytes, str]:
+    """The request's body as sent, decoded, and its encoding.
+
+    Each read of the socket waits at most ``timeout`` seconds for the next bytes: a body
+    shorter than its Content-Length, or a client gone quiet mid-body, is answered 408 and
+    its connection closed, rather than holding one of the process's threads until the
+    client hangs up. gunicorn hands the app its socket; the embedded server sets the same
+    timeout on its connections."""
+    encoding = normalise_encoding(request.headers.get("Content-Encoding"))
+    sock = request.environ.get("gunicorn.socket")
+    if sock is not None and timeout > 0:
+        sock.settimeout(timeout)  # gthread sets its connections blocking again on reuse
+    try:
+        raw = request.get_data(cache=False)
+    except (ClientDisconnected, TimeoutError) as exc:
+        if isinstance(exc, TimeoutError) or isinstance(exc.__context__, TimeoutError):
+            raise ApiError(
+                408,
+                "body_timeout",
+                f"no bytes of the request body for {timeout:g} s "
+                "(is Content-Length larger than the body?)",
+                {"Connection": "close"},
+            ) from None
+        raise
+    return raw, decompress(raw, encoding, cap), encoding
 
 
 def decompress(data: bytes, encoding: str, cap: int) -> bytes:

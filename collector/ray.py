@@ -25,7 +25,7 @@ from typing import Any
 from flask import Blueprint, Flask, current_app, g, request
 from sqlalchemy.exc import DataError
 
-from collector.body import decompress, normalise_encoding
+from collector.body import read_body
 from collector.ratelimit import enforce
 from hindsight.schema import valid_name
 from services.common.ops import BLOB_SECONDS, INDEX_SECONDS, timed
@@ -95,9 +95,7 @@ def post_ray_events() -> Any:
     limiter = current_app.extensions["hindsight.ratelimit"]
     # an empty bucket: refused before the body is read
     enforce(limiter, principal.tenant, None, request.content_length)
-    encoding = normalise_encoding(request.headers.get("Content-Encoding"))
-    raw = request.get_data(cache=False)
-    body = decompress(raw, encoding, settings.max_batch_bytes)
+    raw, body, _ = read_body(settings.max_batch_bytes, settings.body_timeout)
     try:
         elements = split_array(body)
     except NotAnArray:

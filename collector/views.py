@@ -12,7 +12,7 @@ import zstandard
 from flask import Blueprint, current_app, request
 from sqlalchemy.exc import IntegrityError
 
-from collector.body import decompress, normalise_encoding
+from collector.body import read_body
 from collector.ratelimit import enforce
 from hindsight.schema import Batch, SchemaError, decode_batch
 from services.common.ops import BATCHES, BLOB_SECONDS, BYTES, EVENTS, INDEX_SECONDS, timed
@@ -80,9 +80,7 @@ def post_batch() -> Any:
     limiter = current_app.extensions["hindsight.ratelimit"]
     # an empty bucket: refused before the body is read
     enforce(limiter, principal.tenant, None, request.content_length)
-    encoding = normalise_encoding(request.headers.get("Content-Encoding"))
-    raw = request.get_data(cache=False)
-    body = decompress(raw, encoding, settings.max_batch_bytes)
+    raw, body, encoding = read_body(settings.max_batch_bytes, settings.body_timeout)
     batch = decode_body(body)
 
     enforce(limiter, principal.tenant, len(batch.events))

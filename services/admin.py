@@ -71,7 +71,7 @@ def _is_loopback(host: str) -> bool:
 def serve(data_dir: str | None, host: str, port: int) -> None:
     """Run collector and query service in one process (embedded mode)."""
     # The web stack is loaded only to serve, not for every admin command.
-    from werkzeug.serving import make_server
+    from werkzeug.serving import WSGIRequestHandler, make_server
 
     from services.embedded import create_app
 
@@ -94,7 +94,13 @@ def serve(data_dir: str | None, host: str, port: int) -> None:
                 f"  hindsight tokens create --tenant NAME --scopes ingest,read"
                 + (f" --data-dir {data_dir}" if data_dir else "")
             )
-    server = make_server(host, port, app, threaded=True)
+
+    class Handler(WSGIRequestHandler):
+        # each read of a connection waits at most this long: a body shorter than its
+        # Content-Length is answered 408 (collector.body.read_body), an idle connection closed
+        timeout = settings.body_timeout
+
+    server = make_server(host, port, app, threaded=True, request_handler=Handler)
     gc.collect()
     gc.freeze()  # long-lived start-up objects out of the collector's reach (services/gunicorn_conf.py)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{server.port}"

@@ -25,6 +25,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_RATE_LIMIT_EVENTS": ("rate_limit_events", float, 0.0),
     "HINDSIGHT_RATE_LIMIT_BURST": ("rate_limit_burst", float, 0.0),
     "HINDSIGHT_RETRY_AFTER": ("retry_after", int, 5),
+    "HINDSIGHT_BODY_TIMEOUT": ("body_timeout", float, 60.0),
     "HINDSIGHT_AUTO_UPGRADE": ("auto_upgrade", bool, True),
     "HINDSIGHT_TOKEN_CACHE_SECONDS": ("token_cache_seconds", float, 10.0),
     "HINDSIGHT_LOG_LEVEL": ("log_level", str, "INFO"),
@@ -57,6 +58,7 @@ class Settings:
     rate_limit_events: float
     rate_limit_burst: float
     retry_after: int
+    body_timeout: float
     auto_upgrade: bool
     token_cache_seconds: float
     log_level: str
@@ -130,6 +132,8 @@ def load_settings(
         )
     if values["max_in_flight"] < 0 or values["max_in_flight_bytes"] < 0:
         raise ConfigError("HINDSIGHT_MAX_IN_FLIGHT and ..._BYTES must not be negative (0: no cap)")
+    if not 0 < values["body_timeout"] < 1e6:  # NaN fails too
+        raise ConfigError("HINDSIGHT_BODY_TIMEOUT must be a positive number of seconds")
     if values["finish_settle_seconds"] < 0:
         raise ConfigError("HINDSIGHT_FINISH_SETTLE_SECONDS must not be negative")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:

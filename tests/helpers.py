@@ -114,3 +114,25 @@ class TcpProxy:
     def close(self) -> None:
         self.cut()
         self._listener.close()
+
+
+def short_body_answer(
+    url: str, route: str, headers: dict[str, str]
+) -> tuple[int, dict[str, Any], bytes]:
+    """POST a body 10 bytes long that says it is 1,000, over a raw socket, and read the answer:
+    (status, JSON body, the rest the server sent before closing)."""
+    host, port = url.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1000\r\n{head}\r\n".encode()
+            + b'{"events":'
+        )
+        data = b""
+        while chunk := sock.recv(65536):  # the server answers, then closes
+            data += chunk
+    head_bytes, _, rest = data.partition(b"\r\n\r\n")
+    status = int(head_bytes.split(b" ", 2)[1])
+    length = int(next(line.split(b":")[1] for line in head_bytes.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))  # fmt: skip
+    return status, json.loads(rest[:length]), rest[length:]

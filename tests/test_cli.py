@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from hindsight.sender import Sender
-from tests.helpers import example, example_bytes
+from tests.helpers import example, example_bytes, short_body_answer
 
 HINDSIGHT = [sys.executable, "-m", "hindsight.cli"]
 
@@ -79,6 +79,22 @@ def test_serve_on_loopback_without_tokens_round_trips_over_http(tmp_path):
     assert f"{server.url}/v1/batches" in out
     assert "DISABLED" in out  # it says it runs without tokens
     assert (tmp_path / "index.db").exists() and (tmp_path / "blobs" / "v1").is_dir()
+
+
+def test_serve_answers_408_to_a_body_shorter_than_its_content_length(tmp_path):
+    """The embedded server, like gunicorn: a body that stops short of its Content-Length gets
+    408 after HINDSIGHT_BODY_TIMEOUT (it held a thread until the client hung up), and the
+    server goes on serving."""
+    server = Served(tmp_path, environ=env(HINDSIGHT_BODY_TIMEOUT="1"))
+    try:
+        headers = {"Content-Type": "application/json"}
+        for route in ("/v1/batches", "/v1/ray/events"):
+            status, body, rest = short_body_answer(server.url, route, headers)
+            assert (status, body["error"]["code"], rest) == (408, "body_timeout", b"")
+        with Sender(server.url) as sender:
+            assert sender.send(example_bytes()).status == 202
+    finally:
+        server.stop()
 
 
 def test_tokens_create_then_serve_with_auth_required(tmp_path):

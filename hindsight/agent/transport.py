@@ -14,8 +14,9 @@ from hindsight.sender import Sender
 
 logger = logging.getLogger(__name__)
 
-#: Statuses worth another try: the collector is overloaded or a proxy could not reach it.
-RETRYABLE = frozenset({429, 502, 503, 504})
+#: Statuses worth another try: the collector is overloaded, a proxy could not reach it, or
+#: the body stopped arriving before its end (408).
+RETRYABLE = frozenset({408, 429, 502, 503, 504})
 
 Verdict = Literal["ok", "retry", "too_large", "reject"]
 

@@ -21,7 +21,7 @@ from collector.views import decode_body
 from hindsight.schema import Batch, SchemaError, decode_batch, encode_batch, valid_name
 from services.common.web import ApiError
 from tests.helpers import example as example_batch
-from tests.helpers import example_bytes, post
+from tests.helpers import example_bytes, post, short_body_answer
 
 NAME = st.from_regex(r"\A[A-Za-z0-9_][A-Za-z0-9_-]{0,20}\Z")
 JSON_SCALARS = (
@@ -334,5 +334,33 @@ def test_a_chunked_body_over_the_cap_is_413_under_gunicorn(pg_url, moto_endpoint
             )
             assert resp.status_code == 413, (route, resp.text)
             assert resp.json()["error"]["code"] == "batch_too_large"
+    finally:
+        server.stop()
+
+
+def test_a_body_shorter_than_its_content_length_is_408_under_gunicorn(pg_url, moto_endpoint):
+    """Found by a fresh pair of eyes: a body shorter than its Content-Length held one of the
+    collector's threads until the client hung up. Now each read waits HINDSIGHT_BODY_TIMEOUT,
+    then 408 (an agent retries it) and the connection closes; the thread serves again."""
+    import requests
+
+    from bench.lib_faults import Gunicorn, collector_env
+    from bench.lib_faults import make_token as token_for
+    from tests.conftest import make_bucket, new_tenant
+
+    token = token_for(pg_url, new_tenant())
+    env = collector_env(pg_url, f"s3://{make_bucket(moto_endpoint)}/h", moto_endpoint,
+                        HINDSIGHT_BODY_TIMEOUT="1")  # fmt: skip
+    server = Gunicorn(env, workers=1, threads=1)  # one thread: a held thread would starve it
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    try:
+        for route in ("/v1/batches", "/v1/ray/events"):
+            status, body, rest = short_body_answer(server.url, route, headers)
+            assert status == 408, body
+            assert body["error"]["code"] == "body_timeout"
+            assert rest == b""  # closed after the answer: no second answer to stray bytes
+            ok = requests.post(server.url + "/v1/batches", data=json.dumps(example_batch()),
+                               headers=headers, timeout=60)  # fmt: skip
+            assert ok.status_code == 202, ok.text
     finally:
         server.stop()

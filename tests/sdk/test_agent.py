@@ -90,7 +90,8 @@ def test_an_event_that_cannot_be_built_is_counted_not_raised(collector, tmp_path
 
 
 @pytest.mark.parametrize(
-    "status,headers", [(503, {"Retry-After": "0.2"}), (429, {"Retry-After": "0"}), (502, {})]
+    "status,headers",
+    [(503, {"Retry-After": "0.2"}), (429, {"Retry-After": "0"}), (502, {}), (408, {})],
 )
 def test_retryable_answers_are_retried_until_accepted(collector, tmp_path, status, headers):
     collector.script.extend([(status, headers), (status, headers)])
