@@ -41,11 +41,13 @@ def normalise_encoding(header: str | None) -> str:
 def read_body(cap: int, timeout: float) -> tuple[bytes, bytes, str]:
     """The request's body as sent, decoded, and its encoding.
 
-    Each read of the socket waits at most ``timeout`` seconds for the next bytes: a body
-    shorter than its Content-Length, or a client gone quiet mid-body, is answered 408 and
-    its connection closed, rather than holding one of the process's threads until the
-    client hangs up. gunicorn hands the app its socket; the embedded server sets the same
-    timeout on its connections."""
+    Each read of the socket waits at most ``timeout`` seconds for the next bytes: a client
+    gone quiet mid-body is answered 408 and its connection closed, rather than holding one
+    of the process's threads until it hangs up. gunicorn hands the app its socket; the
+    embedded server sets the same timeout on its connections. A body that ends before its
+    Content-Length (the connection closed mid-body) is 408 too, and nothing of it is
+    stored: gunicorn hands over what arrived, and a cut that happened to be valid JSON
+    was stored as a batch."""
     encoding = normalise_encoding(request.headers.get("Content-Encoding"))
     sock = request.environ.get("gunicorn.socket")
     if sock is not None and timeout > 0:
@@ -54,15 +56,24 @@ def read_body(cap: int, timeout: float) -> tuple[bytes, bytes, str]:
         raw = request.get_data(cache=False)
     except (ClientDisconnected, TimeoutError) as exc:
         if isinstance(exc, TimeoutError) or isinstance(exc.__context__, TimeoutError):
-            raise ApiError(
-                408,
+            raise _incomplete(
                 "body_timeout",
                 f"no bytes of the request body for {timeout:g} s "
                 "(is Content-Length larger than the body?)",
-                {"Connection": "close"},
             ) from None
-        raise
+        raise _incomplete("body_incomplete", "the request body ended early") from None
+    expected = request.content_length
+    if expected is not None and len(raw) < expected:
+        raise _incomplete(
+            "body_incomplete",
+            f"the request body ended after {len(raw)} of its {expected} bytes (Content-Length)",
+        )
     return raw, decompress(raw, encoding, cap), encoding
+
+
+def _incomplete(code: str, message: str) -> ApiError:
+    """408: the client may send the request again; its connection is closed."""
+    return ApiError(408, code, message, {"Connection": "close"})
 
 
 def decompress(data: bytes, encoding: str, cap: int) -> bytes:

@@ -42,6 +42,10 @@ PATHS = {
                 ),
                 "400": error("malformed batch; the message names the field; never retry"),
                 **AUTH_ERRORS,
+                "408": error(
+                    "the body stopped arriving, or ended before its Content-Length; "
+                    "nothing stored: send it again"
+                ),
                 "413": error("larger than the cap after decompression"),
                 "415": error("unknown Content-Type or Content-Encoding"),
                 "429": error("tenant over its rate limit; retry after Retry-After seconds"),
@@ -102,6 +106,10 @@ PATHS = {
                 ),
                 "400": error("the body is not a JSON array, or the cluster name is invalid"),
                 **AUTH_ERRORS,
+                "408": error(
+                    "the body stopped arriving, or ended before its Content-Length; "
+                    "nothing stored: send it again"
+                ),
                 "413": error("larger than the cap after decompression"),
                 "415": error("unknown Content-Type or Content-Encoding"),
                 "429": error("tenant over its rate limit; retry after Retry-After seconds"),

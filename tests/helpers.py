@@ -117,17 +117,21 @@ class TcpProxy:
 
 
 def short_body_answer(
-    url: str, route: str, headers: dict[str, str]
-) -> tuple[int, dict[str, Any], bytes]:
-    """POST a body 10 bytes long that says it is 1,000, over a raw socket, and read the answer:
+    url: str, route: str, headers: dict[str, str], body: bytes = b'{"events":', *,
+    length: int = 1000, close: bool = False,
+) -> tuple[int, dict[str, Any], bytes]:  # fmt: skip
+    """POST ``body`` saying it is ``length`` bytes long, over a raw socket (``close``: then
+    shut the sending side, as a connection cut mid-body does), and read the answer:
     (status, JSON body, the rest the server sent before closing)."""
     host, port = url.removeprefix("http://").split(":")
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(
-            f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1000\r\n{head}\r\n".encode()
-            + b'{"events":'
+            f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {length}\r\n{head}\r\n".encode()
+            + body
         )
+        if close:
+            sock.shutdown(socket.SHUT_WR)
         data = b""
         while chunk := sock.recv(65536):  # the server answers, then closes
             data += chunk

@@ -83,14 +83,18 @@ def test_serve_on_loopback_without_tokens_round_trips_over_http(tmp_path):
 
 def test_serve_answers_408_to_a_body_shorter_than_its_content_length(tmp_path):
     """The embedded server, like gunicorn: a body that stops short of its Content-Length gets
-    408 after HINDSIGHT_BODY_TIMEOUT (it held a thread until the client hung up), and the
-    server goes on serving."""
+    408 after HINDSIGHT_BODY_TIMEOUT (it held a thread until the client hung up), or at once
+    when the connection is cut; nothing is stored, and the server goes on serving."""
     server = Served(tmp_path, environ=env(HINDSIGHT_BODY_TIMEOUT="1"))
     try:
         headers = {"Content-Type": "application/json"}
-        for route in ("/v1/batches", "/v1/ray/events"):
+        for route, valid in (("/v1/batches", example_bytes()), ("/v1/ray/events", b"[]")):
             status, body, rest = short_body_answer(server.url, route, headers)
             assert (status, body["error"]["code"], rest) == (408, "body_timeout", b"")
+            status, body, _ = short_body_answer(server.url, route, headers, valid,
+                                                length=len(valid) + 100, close=True)  # fmt: skip
+            assert (status, body["error"]["code"]) == (408, "body_incomplete")
+        assert requests.get(server.url + "/v1/runs", timeout=10).json()["runs"] == []
         with Sender(server.url) as sender:
             assert sender.send(example_bytes()).status == 202
     finally:

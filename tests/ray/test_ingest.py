@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import requests
+from sqlalchemy import text
 from werkzeug.serving import make_server
 
 from bench.lib_ray import RaySim, bodies
@@ -476,6 +477,47 @@ def test_events_after_the_job_closed_are_still_written_once(app, token):
     r.sweep(after=SETTLE + 1)
     run = r.run(1)
     assert run["task_count"] == 12 and len(r.tasks(run["id"])) == 12
+
+
+def test_a_value_postgres_refuses_is_stored_and_skipped_not_refused(stack, tmp_path):
+    """The net under the reader's bounds: a value the index still cannot hold (here Postgres
+    refuses a job's entrypoint, its column narrowed by hand) is stored, answered 200 with
+    what was skipped (Ray retries a refused body forever), and the next body indexes."""
+    if make_engine(stack["database_url"]).dialect.name != "postgresql":
+        pytest.skip("SQLite does not hold strings to a column's length")
+    from services.embedded import create_app
+
+    url = fresh_index(stack, tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE ray_jobs ALTER COLUMN entrypoint TYPE varchar(20)"))
+    with make_sessionmaker(engine).begin() as db:
+        t = create_token(db, new_tenant(), "ray,read")
+    r = Ray(create_app({**stack, "database_url": url, "ray_sweeper": False}), t)
+    odd = RaySim(seed=8)
+    started = odd.job_start(1, T0, "python " + "x" * 40)
+    body = json.dumps(started).encode()
+    resp = r.post(body)
+    assert resp.status_code == 200, resp.json
+    assert resp.json["skipped"] == {"unindexable": len(started)}
+    assert resp.json["duplicate"] is False
+    (key,) = r.store.blobs.list(f"{ray.RAW_PREFIX}/")
+    assert ray.read_stored(r.store.blobs.get(key)) == body  # stored as sent
+    _, _, events = workload()
+    r.post_all(bodies(events))
+    r.sweep(after=SETTLE + 1)
+    assert r.run(1)["task_count"] == 60
+    # A rebuild into an index with the same limit skips that body and indexes the rest.
+    again = fresh_index(stack, tmp_path)
+    upgrade(again)
+    narrowed = make_engine(again)
+    with narrowed.begin() as conn:
+        conn.execute(text("ALTER TABLE ray_jobs ALTER COLUMN entrypoint TYPE varchar(20)"))
+    counts = reindex(r.store.blobs, make_sessionmaker(narrowed))
+    assert counts["ray_skipped"] == 1 and counts["ray_merged"] == len(bodies(events))
+    narrowed.dispose()
+    engine.dispose()
 
 
 def test_reindex_rebuilds_the_same_runs(stack, app, token, tmp_path):

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+import boto3
 import pytest
 import zstandard
 from hypothesis import HealthCheck, example, given, settings
@@ -339,9 +340,11 @@ def test_a_chunked_body_over_the_cap_is_413_under_gunicorn(pg_url, moto_endpoint
 
 
 def test_a_body_shorter_than_its_content_length_is_408_under_gunicorn(pg_url, moto_endpoint):
-    """Found by a fresh pair of eyes: a body shorter than its Content-Length held one of the
-    collector's threads until the client hung up. Now each read waits HINDSIGHT_BODY_TIMEOUT,
-    then 408 (an agent retries it) and the connection closes; the thread serves again."""
+    """Found by fresh pairs of eyes: a body shorter than its Content-Length held one of the
+    collector's threads until the client hung up; cut by a closed connection, gunicorn
+    handed over what had arrived, and a cut that was valid JSON was stored as a batch. Now
+    each read waits HINDSIGHT_BODY_TIMEOUT, a short body is 408 (an agent retries it),
+    nothing of it is stored, and the connection closes; the thread serves again."""
     import requests
 
     from bench.lib_faults import Gunicorn, collector_env
@@ -349,18 +352,23 @@ def test_a_body_shorter_than_its_content_length_is_408_under_gunicorn(pg_url, mo
     from tests.conftest import make_bucket, new_tenant
 
     token = token_for(pg_url, new_tenant())
-    env = collector_env(pg_url, f"s3://{make_bucket(moto_endpoint)}/h", moto_endpoint,
-                        HINDSIGHT_BODY_TIMEOUT="1")  # fmt: skip
+    bucket = make_bucket(moto_endpoint)
+    env = collector_env(pg_url, f"s3://{bucket}/h", moto_endpoint, HINDSIGHT_BODY_TIMEOUT="1")
     server = Gunicorn(env, workers=1, threads=1)  # one thread: a held thread would starve it
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    whole = json.dumps(example_batch()).encode()
     try:
-        for route in ("/v1/batches", "/v1/ray/events"):
+        for route, valid in (("/v1/batches", whole), ("/v1/ray/events", b"[]")):
             status, body, rest = short_body_answer(server.url, route, headers)
-            assert status == 408, body
-            assert body["error"]["code"] == "body_timeout"
+            assert (status, body["error"]["code"]) == (408, "body_timeout"), body
             assert rest == b""  # closed after the answer: no second answer to stray bytes
-            ok = requests.post(server.url + "/v1/batches", data=json.dumps(example_batch()),
-                               headers=headers, timeout=60)  # fmt: skip
-            assert ok.status_code == 202, ok.text
+            # valid JSON, cut short by a closed connection
+            status, body, _ = short_body_answer(server.url, route, headers, valid,
+                                                length=len(valid) + 100, close=True)  # fmt: skip
+            assert (status, body["error"]["code"]) == (408, "body_incomplete"), body
+        s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+        assert s3.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # nothing stored
+        ok = requests.post(server.url + "/v1/batches", data=whole, headers=headers, timeout=60)
+        assert ok.status_code == 202, ok.text
     finally:
         server.stop()
