@@ -204,14 +204,16 @@ def run_due(
             same = and_(F.run_id == run_id, F.due_at == due_at)
             if errors:
                 attempts = db.execute(select(F.attempts).where(F.run_id == run_id)).scalar() or 1
+                # The error and the end of the claim go to the job whatever its due time: a
+                # late batch that moved it meanwhile keeps its own (sooner) due time, and the
+                # job no longer waits out the lease with its failure unrecorded.
                 db.execute(
                     update(F)
-                    .where(same)
-                    .values(
-                        due_at=time.time() + RETRY_SECONDS * attempts,
-                        claimed_until=None,
-                        error="; ".join(errors)[:4000],
-                    )
+                    .where(F.run_id == run_id)
+                    .values(claimed_until=None, error="; ".join(errors)[:4000])
+                )
+                db.execute(
+                    update(F).where(same).values(due_at=time.time() + RETRY_SECONDS * attempts)
                 )
             else:
                 db.execute(delete(F).where(same))

@@ -167,6 +167,34 @@ def test_a_failing_finisher_is_retried_and_does_not_stop_the_others(apps, make_t
     assert detail(query, token, run["id"])["finished_work"]["pending"] is False
 
 
+def test_a_finisher_failing_as_a_late_batch_arrives_leaves_the_job_due(
+    apps, make_token, monkeypatch
+):
+    """Found by a fresh pair of eyes: a late batch moves the job's due time; when a finisher
+    failed meanwhile, its error was written to no row and the job stayed claimed for the
+    whole lease (10 minutes), its failure nowhere to be seen."""
+    collector, query, app = apps
+    token = make_token()
+    st = store_of(app)
+    assert post(collector, run_batch("c", "s", "r", 0), token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+
+    def late_then_fail(fr: finish.FinishedRun) -> None:
+        late = run_batch("c", "s", "r", 1, t=T0 + 100, status=None)
+        assert post(collector, late, token=token).status_code == 202
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(finish, "_failing", late_then_fail, raising=False)
+    monkeypatch.setattr(finish, "FINISHERS", (f"{finish.__name__}:_failing", *finish.FINISHERS))
+    finish.run_due(st.sessions, st.blobs, limit=1000)
+    job = job_of(app, run["id"])
+    assert job.claimed_until is None and "disk on fire" in job.error
+    monkeypatch.setattr(finish, "FINISHERS", finish.FINISHERS[1:])
+    assert finish.run_due(st.sessions, st.blobs, now=job.due_at, limit=1000) == 1
+    assert detail(query, token, run["id"])["finished_work"]["pending"] is False
+    assert query.get(f"/v1/runs/{run['id']}/tasks", headers=auth(token)).json["total"] == 6
+
+
 ANSWERS = (
     "/v1/runs/{a}",
     "/v1/runs/{a}/summary",
