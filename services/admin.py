@@ -254,7 +254,9 @@ def reindex(data_dir: str | None, skip_finish: bool) -> None:
         total = sum(1 for _ in blobs.list("v1/"))
         with click.progressbar(length=total, label="reindexing", file=sys.stderr) as bar:
             sessions = make_sessionmaker(engine)
-            counts = do_reindex(blobs, sessions, on_progress=bar.update)
+            counts = do_reindex(blobs, sessions, on_progress=bar.update,
+                                ray_settle=settings.ray_settle_seconds,
+                                ray_idle=settings.ray_idle_close_seconds)  # fmt: skip
         click.echo(
             f"{counts['blobs']} blobs: {counts['indexed']} indexed, {counts['already']} already "
             f"indexed, {counts['skipped']} skipped"

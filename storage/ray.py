@@ -1220,13 +1220,16 @@ def reindex(
     blobs: BlobStore,
     sessions: sessionmaker[Session],
     *,
-    settle: float = 0.0,
-    idle: float = 900.0,
+    settle: float,
+    idle: float,
 ) -> dict[str, int]:
     """Rebuild the Ray side of the index from the stored bodies. Two passes, so the result
     does not depend on the order bodies are listed in: merge every body not yet merged,
-    then emit what is complete, the workers, the jobs' starts, and close the jobs whose end
-    is known (``settle`` 0: the bodies are all here). Safe on a live index and to repeat."""
+    then emit what is complete, the workers, the jobs' starts, and sweep as the collector
+    does. Each body is merged as of when it was stored, so ``settle`` (the collector's)
+    keeps a job whose end arrived moments ago open for its late events, as the live
+    sweeper would (with 0 a rebuild on a live index closed it and wrote its tasks still
+    under way as lost, for good). Safe on a live index and to repeat."""
     counts = {"ray_bodies": 0, "ray_merged": 0, "ray_already": 0, "ray_skipped": 0}
     touched: dict[int, tuple[int, str, str, str]] = {}
     tenants: dict[str, int] = {}

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage import lake, ray
 from storage.batches import decode_stored, parse_blob_key
 from storage.blobs import BlobStore
+from storage.config import ENVIRONMENT
 from storage.finish import queue_finished
 from storage.ingest import index_batch
 from storage.tokens import ensure_tenant
@@ -25,11 +26,15 @@ def reindex(
     *,
     prefix: str = "v1/",
     on_progress: Callable[[int], None] | None = None,
+    ray_settle: float = ENVIRONMENT["HINDSIGHT_RAY_SETTLE_SECONDS"][2],
+    ray_idle: float = ENVIRONMENT["HINDSIGHT_RAY_IDLE_CLOSE_SECONDS"][2],
 ) -> dict[str, int]:
     """Index every stored batch not yet in the index, then Ray's stored exporter bodies,
     and queue every finished run's finished-run work (``storage.finish``: whatever it
     writes is rebuilt too). Safe to run on a live index and to repeat: the manifests make
-    each batch and body count once. Returns counts."""
+    each batch and body count once. ``ray_settle`` and ``ray_idle`` are the collector's
+    (``HINDSIGHT_RAY_SETTLE_SECONDS``, ``..._IDLE_CLOSE_SECONDS``); a ``ray_settle`` of 0
+    says every body is in (nothing is sending). Returns counts."""
     counts = {"blobs": 0, "indexed": 0, "already": 0, "skipped": 0}
     tenants: dict[str, int] = {}
     # Each batch indexed as of when it arrived (the object's stored time): sessions, runs
@@ -79,7 +84,7 @@ def reindex(
             on_progress(1)
     if prefix == "v1/":
         # Ray's exporter bodies live beside the batches (``storage/ray.py``).
-        ray_counts = ray.reindex(blobs, sessions)
+        ray_counts = ray.reindex(blobs, sessions, settle=ray_settle, idle=ray_idle)
         if ray_counts["ray_bodies"]:
             counts.update(ray_counts)
         # A full rebuild: the lake drops the runs the index no longer has and gets its

@@ -535,7 +535,7 @@ def test_reindex_rebuilds_the_same_runs(stack, app, token, tmp_path):
     rebuilt_url = fresh_index(stack, tmp_path)
     upgrade(rebuilt_url)
     engine = make_engine(rebuilt_url)
-    counts = reindex(r.store.blobs, make_sessionmaker(engine))
+    counts = reindex(r.store.blobs, make_sessionmaker(engine), ray_settle=0)  # all are in
     assert counts["ray_merged"] == len(bodies(mixed, 90)) and counts["ray_skipped"] == 0
     # Tokens are not in the blob store: one for the same tenant in the rebuilt index.
     principal = r.store.principal_for(token)
@@ -549,6 +549,33 @@ def test_reindex_rebuilds_the_same_runs(stack, app, token, tmp_path):
         for part in before["runs"][job]:
             assert after["runs"][job][part] == before["runs"][job][part], (job, part)
     assert after == before
+
+
+def test_reindex_on_a_live_index_leaves_a_job_that_just_ended_to_settle(app, token):
+    """Found by a fresh pair of eyes: reindex swept with no settle time, so on a live index
+    it closed a job whose end had just arrived and wrote its tasks still under way (one
+    with only its definition: lost; one without its RUNNING: timed from its submission),
+    for good. It now settles as the collector's sweeper does."""
+    r = Ray(app, token)
+    sim = RaySim(seed=3)
+    t0 = time.time() - 2
+    early = sim.node_events(t0 - 5) + sim.worker_events(t0 - 4) + sim.job_start(1, t0)
+    a = sim.task(1, "work-a", t0 + 0.1, 0.5, func="work")  # complete in the first bodies
+    b = sim.task(1, "work-b", t0 + 0.2, 0.5, func="work")  # only its definition so far
+    c = sim.task(1, "work-c", t0 + 0.3, 0.5, func="work")  # its RUNNING comes late
+    early += sim.task_events(a) + [sim.definition(b), sim.definition(c), sim.submitter(c)]
+    early += sim.job_end(1, t0 + 1.0)
+    r.post_all(bodies(early))
+    r.sweep()
+    reindex(r.store.blobs, r.store.sessions, ray_settle=SETTLE, ray_idle=IDLE)
+    r.post_all(bodies([sim.running(b), sim.submitter(b), sim.running(c)]))  # another node's
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert run["status"] == "finished" and run["task_count"] == 3
+    for t in r.tasks(run["id"]):
+        (phase,) = t["startstops"]
+        assert t["status"] == "memory", t
+        assert phase["stop"] - phase["start"] == pytest.approx(0.5, abs=1e-6), t
 
 
 def test_tasks_wait_for_their_nodes_address(app, token):
