@@ -180,7 +180,7 @@ PATHS = {
             _run_id,
             _q("points", {"type": "integer", "minimum": 2, "maximum": 10000, "default": 500}),
             _q("worker", _str()),
-            _q("name", _str(256), "metric name, e.g. managed_bytes"),
+            _q("name", _str(256), "metric name, e.g. memory.managed"),
         ],
         {"type": "object", "properties": {"series": _arr}},
         _not_found,
