@@ -248,7 +248,8 @@ def critical_path(data: RunData) -> dict[str, Any]:
     each step goes to the dependency that finished last (the one the task waited for).
     Between a dependency's end and the task's compute, the time is split into the task's
     transfers and disk reads (the phases recorded in that gap) and waiting (queued, or no
-    free thread). Segments are in time order."""
+    free thread); after its compute, its own phases up to its stop (a disk-write of its
+    result). Segments are in time order."""
     rows = data.tasks.select(["key", "prefix", "worker", "start", "stop", "compute_start",
                               "compute_stop", "startstops"]).to_pylist()  # fmt: skip
     tasks = {r["key"]: r for r in rows if r["stop"] is not None}
@@ -271,8 +272,22 @@ def critical_path(data: RunData) -> dict[str, Any]:
         phases = json.loads(node["startstops"])
         cstart = node["compute_start"] if node["compute_start"] is not None else node["start"]
         cstop = node["compute_stop"] if node["compute_stop"] is not None else node["stop"]
-        mine = [{"kind": "compute", "key": node["key"], "prefix": node["prefix"],
-                 "worker": node["worker"], "start": cstart, "stop": cstop}]  # fmt: skip
+        # After compute: the task's own recorded phases (a disk-write of its result) up to
+        # its stop, latest first; they were counted as waiting.
+        mine = []
+        upper = node["stop"]
+        for ph in sorted(phases, key=lambda p: -p["stop"]):
+            if ph["action"] == "compute" or ph["start"] < cstop:
+                continue
+            hi = min(ph["stop"], upper)
+            if hi <= ph["start"]:
+                continue
+            mine.append({"kind": ph["action"], "key": node["key"], "prefix": node["prefix"],
+                         "worker": node["worker"], "start": ph["start"], "stop": hi,
+                         "source": ph.get("source")})  # fmt: skip
+            upper = ph["start"]
+        mine.append({"kind": "compute", "key": node["key"], "prefix": node["prefix"],
+                     "worker": node["worker"], "start": cstart, "stop": cstop})  # fmt: skip
         preds = [tasks[d] for d in deps.get(node["key"], ()) if d in tasks]
         pred = max(preds, key=lambda r: r["stop"]) if preds else None
         ready = pred["stop"] if pred is not None else t0

@@ -61,6 +61,27 @@ def test_critical_path_segments_compute_transfer_and_wait():
     assert cp["clock_skew_seconds"] == 0.0
 
 
+def test_critical_path_names_a_tasks_own_phases_after_its_compute():
+    """Found by a fresh pair of eyes: the last task's disk-write after its compute (it sets
+    the task's stop) was counted as waiting."""
+    tasks = [
+        {"key": "load-1", "worker": "a", "startstops": [
+            c(0.0, 1.0), {"action": "disk-write", "start": 1.0, "stop": 1.25}]},
+        {"key": "save-1", "worker": "a", "startstops": [
+            c(1.5, 2.0), {"action": "disk-write", "start": 2.0, "stop": 2.5}]},
+    ]  # fmt: skip
+    cp = critical_path(run_data(tasks, {"save-1": ["load-1"]}))
+    got = [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
+    assert got == [
+        ("compute", "load-1", 0.0, 1.0),
+        ("disk-write", "load-1", 1.0, 1.25),
+        ("wait", "save-1", 1.25, 1.5),
+        ("compute", "save-1", 1.5, 2.0),
+        ("disk-write", "save-1", 2.0, 2.5),
+    ]
+    assert cp["totals"] == {"compute": 1.5, "disk-write": 0.75, "wait": 0.25}
+
+
 def test_critical_path_clips_clock_skew_between_workers():
     # b's clock runs 0.25 s behind: its task appears to start before its dependency ended.
     tasks = [
