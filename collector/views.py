@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
-import msgspec
 import zstandard
 from flask import Blueprint, current_app, request
 from sqlalchemy.exc import IntegrityError
 
 from collector.body import read_body
 from collector.ratelimit import enforce
-from hindsight.schema import Batch, SchemaError, decode_batch
+from hindsight.schema import Batch, SchemaError, decode_batch, has_nul
 from services.common.ops import BATCHES, BLOB_SECONDS, BYTES, EVENTS, INDEX_SECONDS, timed
 from services.common.web import ApiError, db, require, store
 from storage.aggregate import aggregate
@@ -26,24 +24,6 @@ logger = logging.getLogger(__name__)
 bp = Blueprint("collector", __name__)
 
 STORE_LEVEL = 3
-_NUL_ESCAPE = re.compile(rb"\\u0000")  # a regex finds it ~2x faster than bytes.find
-
-
-def _has_nul(value: Any) -> bool:
-    """Whether any string in a decoded JSON value holds U+0000. A walk with its own stack:
-    a recursive one overflowed Python's on nesting msgspec accepts (a 500)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            if "\x00" in v:
-                return True
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return False
 
 
 def check_no_nul(body: bytes) -> None:
@@ -51,7 +31,7 @@ def check_no_nul(body: bytes) -> None:
     stored and then failed the index with a 500 on every retry (found by the OpenAPI fuzz).
     JSON can only carry it as the escape ``\\u0000``; the full walk runs only then. A body
     without a backslash (most task batches) is ruled out by one memchr."""
-    if b"\\" in body and _NUL_ESCAPE.search(body) and _has_nul(msgspec.json.decode(body)):
+    if has_nul(body):
         raise ApiError(400, "invalid_batch", "strings must not contain NUL (U+0000)")
 
 

@@ -31,7 +31,7 @@ from hindsight.agent.kinds import UNKNOWN_KIND, decompress, kind_of
 from hindsight.agent.spool import Spool, SpooledBatch
 from hindsight.agent.transport import Outcome, Transport, retry_delay
 from hindsight.config import Settings
-from hindsight.schema import LATER_KINDS, SCHEMA_VERSION, Batch, decode_batch
+from hindsight.schema import LATER_KINDS, SCHEMA_VERSION, Batch, decode_batch, replace_nul
 from hindsight.sender import compress
 
 logger = logging.getLogger(__name__)
@@ -306,7 +306,10 @@ class Agent:
             final=final,
             dropped=dropped,
         )
-        return compress(_encoder.encode(batch), self.settings.encoding, self.settings.zstd_level)
+        # A NUL in a key, a log message or a value (Dask takes them) would have the collector
+        # refuse the whole batch: U+FFFD in its place.
+        body = replace_nul(_encoder.encode(batch))
+        return compress(body, self.settings.encoding, self.settings.zstd_level)
 
     def _spool_or_memory(self) -> Spool:
         if self._spool is None:

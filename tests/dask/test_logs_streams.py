@@ -31,6 +31,13 @@ def inc(i: int) -> int:
     return i + 1
 
 
+def odd_text(i: int) -> int:
+    hindsight.emit("odd", f"value\x00{i}")
+    if i == 0:
+        logging.getLogger("user.task").warning("a NUL\x00in a log")
+    return i
+
+
 def die(_: Any) -> None:
     os._exit(1)  # the worker process ends here, as a segfault or the OOM killer would end it
 
@@ -57,6 +64,9 @@ def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
             keys = [f"emitting-{i}" for i in range(20)]
             assert client.gather(client.map(emitting, range(20), key=keys)) == list(range(20))
         out["workers"] = set(client.scheduler_info()["workers"])
+        with span("nul-in-text"):  # Dask takes a NUL in a key, a log message, a value
+            keys = [f"odd\x00key-{i}" for i in range(10)]
+            assert client.gather(client.map(odd_text, range(10), key=keys)) == list(range(10))
         # A worker's events leave with its agent's next batch: wait for both workers' before
         # one is killed (what a killed worker had not sent yet is lost with it).
         first = wait_for_run(hindsight_server, cluster, "emits-and-logs", 20)
@@ -163,6 +173,26 @@ def test_a_workers_warning_comes_back_from_the_logs_route(hindsight_server, reco
     assert hindsight_server.get(base, worker=record["worker"], q="odd")["logs"] == [record]
     logs = hindsight.Client(hindsight_server.url).logs(run["id"], level="warning")
     assert logs[logs.logger == "user.task"].to_dict("records") == [record]
+
+
+def test_a_nul_in_a_key_a_log_or_a_value_loses_nothing(hindsight_server, recorded):
+    """Found by a fresh pair of eyes: the collector refuses a batch holding U+0000, and a
+    NUL in one task's key lost its whole run (in a log or a value, the batch's other
+    events). The agent sends U+FFFD in its place."""
+    run = wait_for_run(hindsight_server, recorded["cluster"], "nul-in-text", 10)
+    keys = {t["key"] for t in hindsight_server.get(f"/v1/runs/{run['id']}/tasks")["tasks"]}
+    assert keys == {f"odd\ufffdkey-{i}" for i in range(10)}
+
+    def logged() -> list[dict[str, Any]]:
+        return hindsight_server.get(f"/v1/runs/{run['id']}/logs", q="in a log")["logs"]
+
+    (record,) = wait_until(logged, 60, "the worker's warning")
+    assert record["message"] == "a NUL\ufffdin a log"
+    wait_until(lambda: _values(hindsight_server, run) == 10, 60, "10 emitted values")
+    values = hindsight_server.get(f"/v1/runs/{run['id']}/streams/odd", limit=100)["values"]
+    assert sorted(v["value"] for v in values) == sorted(f"value\ufffd{i}" for i in range(10))
+    agents = hindsight_server.get(f"/v1/runs/{run['id']}")["completeness"]["agents"]
+    assert not [a for a in agents if "http_400" in a["events_dropped"]]  # no batch refused
 
 
 def test_a_killed_worker_is_in_the_lifecycle_with_what_it_took_down(hindsight_server, recorded):
