@@ -68,14 +68,24 @@ def store() -> Store:
     return current_app.extensions["hindsight"]
 
 
+#: The dashboard's login cookie: the token pasted once at /login (HttpOnly, SameSite=Strict).
+LOGIN_COOKIE = "hindsight_token"
+
+
 def require(scope: str) -> Principal:
-    """The caller's principal, if its token carries ``scope``; else 401/403."""
+    """The caller's principal, if its token carries ``scope``; else 401/403. The token comes
+    from an ``Authorization: Bearer`` header or, for reading (GET), from the dashboard's
+    login cookie: the pages' own requests (replay, live refresh) and their data and export
+    links answered 401 to a signed-in user. SameSite=Strict keeps other sites' pages from
+    sending it, and a GET changes nothing."""
     st = store()
     if st.open_principal is not None:
         g.principal = st.open_principal
         return st.open_principal
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
+    if not header and scope == "read" and request.method in ("GET", "HEAD"):
+        scheme, token = "bearer", request.cookies.get(LOGIN_COOKIE, "")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "unauthorized", "missing bearer token", {"WWW-Authenticate": "Bearer"})
     principal = st.principal_for(token.strip())

@@ -28,7 +28,7 @@ from markupsafe import Markup
 from sqlalchemy import func, select
 
 from services.common.params import arg, choice_arg, name_arg, time_arg
-from services.common.web import ApiError, db, store
+from services.common.web import LOGIN_COOKIE, ApiError, db, store
 from services.dashboard import plots, side_plots, why_plots
 from storage import (
     activity,
@@ -54,7 +54,7 @@ bp = Blueprint(
     static_url_path="/assets/ui",
 )
 
-COOKIE = "hindsight_token"
+COOKIE = LOGIN_COOKIE
 BOKEH_STATIC = Path(bokeh.util.paths.bokehjs_path())
 
 
@@ -452,6 +452,12 @@ def login() -> Any:
         max_age=30 * 86400,
     )
     return resp
+
+
+@bp.app_context_processor
+def _signed_in() -> dict[str, bool]:
+    """Whether the page offers "sign out": a login cookie on a server that needs tokens."""
+    return {"signed_in": bool(request.cookies.get(COOKIE)) and store().open_principal is None}
 
 
 @bp.post("/logout")

@@ -40,6 +40,25 @@ def test_pages_need_a_read_token_and_login_sets_an_httponly_cookie(apps, make_to
     assert query.get("/").status_code == 302
 
 
+def test_a_signed_in_user_reads_the_api_the_pages_use_and_can_sign_out(apps, make_token):
+    """Found by a fresh pair of eyes: signed in at /login, the pages' own requests (replay,
+    live refresh) and their data and export links answered 401: the API read only the
+    bearer header. Reading takes the login cookie now; writing never does."""
+    collector, query = apps
+    token = make_token(scopes="ingest,read")
+    assert post(collector, example(), token=token).status_code == 202
+    assert query.get("/v1/runs").status_code == 401
+    login(query, token)
+    (run,) = query.get("/v1/runs").json["runs"]
+    assert query.get(f"/v1/runs/{run['id']}/tasks").status_code == 200
+    assert query.get(f"/v1/runs/{run['id']}/trace").status_code == 200
+    assert b"sign out" in query.get(f"/runs/{run['id']}").data
+    collector.set_cookie("hindsight_token", token)  # the cookie never authorises a write
+    assert collector.post("/v1/batches", json=example(seq=1)).status_code == 401
+    assert query.post("/logout").status_code == 302
+    assert query.get("/v1/runs").status_code == 401
+
+
 def test_login_redirects_only_to_local_paths(apps, make_token):
     _, query = apps
     token = make_token()
