@@ -105,7 +105,16 @@ def principal() -> Principal:
     return found
 
 
-def script_json(obj: Any) -> Markup:
+class ScriptJson(Markup):
+    """JSON text for a <script> block, false when it is ``null`` (nothing to draw): the
+    templates' ``{% if plot %}`` then show their "nothing to show" text (the string "null"
+    was true, and an empty box was drawn instead)."""
+
+    def __bool__(self) -> bool:
+        return str(self) != "null"
+
+
+def script_json(obj: Any) -> ScriptJson:
     """JSON for a <script> block: key order kept (BokehJS needs each model defined before it
     is referenced, which sorted keys break) and ``<>&`` escaped so data cannot close the
     block or open a comment (quotes are harmless inside a script). msgspec encodes a run
@@ -113,7 +122,7 @@ def script_json(obj: Any) -> Markup:
     text = _encode(obj)
     for ch, esc in ((b"<", b"\\u003c"), (b">", b"\\u003e"), (b"&", b"\\u0026")):
         text = text.replace(ch, esc)
-    return Markup(text.decode())
+    return ScriptJson(text.decode())
 
 
 _encode = msgspec.json.Encoder().encode

@@ -59,6 +59,20 @@ def test_a_signed_in_user_reads_the_api_the_pages_use_and_can_sign_out(apps, mak
     assert query.get("/v1/runs").status_code == 401
 
 
+def test_pages_say_when_there_is_nothing_to_draw(apps, make_token):
+    """Found in a browser by a fresh pair of eyes: every "nothing to show" text was dead
+    (the template tested the figure's JSON text, and "null" is true): empty boxes instead."""
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    assert b"No runs recorded yet." in query.get("/history", headers=h).data
+    assert post(collector, example(), token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    page = query.get(f"/runs/{run['id']}", headers=h).data
+    assert b'id="no-profile"' in page and b'<div id="profile">' not in page  # none in the example
+    assert b'id="no-activity-history"' in query.get("/history?prefix=nope", headers=h).data
+
+
 def test_login_redirects_only_to_local_paths(apps, make_token):
     _, query = apps
     token = make_token()
