@@ -384,6 +384,10 @@ def compare_page() -> Any:
     found = [_found_or_none(p, i) for i in ids]
     if any(f is None for f in found):
         return render_template("error.html", message="no such run"), 404
+    if request.args.getlist("run"):  # ticked in the runs list: the earlier run is A, as
+        # on a run page's "compare with the previous run" (newest-first order made a
+        # slowdown read as "better")
+        found.sort(key=lambda f: (f[0].started_at is None, f[0].started_at or 0.0))
     (a, ca, sa), (b, cb, sb) = found  # type: ignore[misc]
     result = analysis.compare(db(), a, b)
     streams, stream_data = plots.side_by_side(

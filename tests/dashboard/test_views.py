@@ -73,6 +73,32 @@ def test_pages_say_when_there_is_nothing_to_draw(apps, make_token):
     assert b'id="no-activity-history"' in query.get("/history?prefix=nope", headers=h).data
 
 
+def test_two_runs_ticked_in_the_list_compare_the_earlier_as_a(apps, make_token):
+    """Found in a browser by a fresh pair of eyes: the list is newest first, so the newer run
+    became A and a slowdown read as "better"; a run page's link has the previous run as A."""
+    from tests.query.test_runs import T0, run_batch
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    for seq, (run, t) in enumerate((("old", T0), ("new", T0 + 3600))):
+        body = run_batch("c", "s", run, 0, t=t)
+        body["seq"] = seq
+        assert post(collector, body, token=token).status_code == 202
+    runs = query.get("/v1/runs", headers=h).json["runs"]  # newest first, as the list ticks them
+    assert [r["name"] for r in runs] == ["job-new", "job-old"]
+    page = query.get("/compare", query_string={"run": [r["id"] for r in runs]}, headers=h)
+    head = page.data.split(b"</thead>")[0]
+    assert (
+        head.index(b"A: <a")
+        < head.index(b"job-old")
+        < head.index(b"B: <a")
+        < head.index(b"job-new")
+    )
+    explicit = query.get(f"/compare?a={runs[0]['id']}&b={runs[1]['id']}", headers=h).data
+    assert explicit.index(b"job-new") < explicit.index(b"job-old")  # a= and b= as given
+
+
 def test_login_redirects_only_to_local_paths(apps, make_token):
     _, query = apps
     token = make_token()
