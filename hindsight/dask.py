@@ -50,7 +50,7 @@ from hindsight.schema import (
     WorkerEvent,
     valid_name,
 )
-from hindsight.streams import current_task, scheduler_time
+from hindsight.streams import current_task, owns_record, scheduler_time
 
 logger = logging.getLogger(__name__)
 
@@ -744,6 +744,8 @@ class _LogHandler(logging.Handler):
                 message = f"{message}\n{logging.Formatter().formatException(record.exc_info)}"
             if self.worker is None:
                 at, key, run = record.created, None, None
+            elif not owns_record(self.worker):
+                return  # another worker's in this process (processes=False): its own handler
             else:
                 at = scheduler_time(self.worker, record.created)
                 key, run = current_task(self.worker)

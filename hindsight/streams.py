@@ -29,20 +29,51 @@ class _Context:
         self.address = str(worker.address)
 
 
-_context: _Context | None = None
+# Per worker: several workers share a process in a LocalCluster(processes=False) (the
+# usual notebook cluster), and one process-wide context sent every worker's values to the
+# last one set up (the others' were lost) and recorded each log record once per worker.
+_contexts: dict[int, _Context] = {}
 
 
 def set_worker_context(agent: Any, worker: Any) -> None:
-    """Route :func:`emit` on this process to ``agent`` (called by the worker plugin)."""
-    global _context
-    _context = _Context(agent, worker)
+    """Route :func:`emit` from ``worker``'s tasks to ``agent`` (called by the worker plugin)."""
+    _contexts[id(worker)] = _Context(agent, worker)
 
 
 def clear_worker_context(agent: Any) -> None:
     """Stop routing :func:`emit` to ``agent``."""
-    global _context
-    if _context is not None and _context.agent is agent:
-        _context = None
+    for wid, ctx in list(_contexts.items()):
+        if ctx.agent is agent:
+            _contexts.pop(wid, None)
+
+
+def running_worker() -> Any | None:
+    """The worker whose task is running here (Dask's ``get_worker``), or None."""
+    try:
+        from distributed.worker import _worker_cvar
+
+        return _worker_cvar.get(None)
+    except Exception:  # not in a worker, or a distributed without it
+        return None
+
+
+def _current() -> _Context | None:
+    contexts = list(_contexts.values())
+    if len(contexts) <= 1:
+        return contexts[0] if contexts else None
+    worker = running_worker()
+    return _contexts.get(id(worker)) if worker is not None else None
+
+
+def owns_record(worker: Any) -> bool:
+    """Whether a log record made now is ``worker``'s to keep: one made by a task belongs to
+    that task's worker; one made outside any task to the process's first worker only, so
+    workers sharing a process do not each keep it."""
+    running = running_worker()
+    if running is not None:
+        return running is worker
+    first = next(iter(list(_contexts.values())), None)
+    return first is None or first.worker is worker
 
 
 def scheduler_time(worker: Any, at: float | None = None) -> float:
@@ -86,7 +117,7 @@ def emit(stream: str, value: Any = None) -> bool:
     ``value`` should be JSON-like (numbers, strings, lists, dicts); anything else is
     recorded as its ``repr``.  Never raises, never blocks.
     """
-    ctx = _context
+    ctx = _current()
     if ctx is None:
         return False
     try:

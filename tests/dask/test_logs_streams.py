@@ -247,3 +247,42 @@ def test_a_worker_killed_by_the_runs_last_task_left_during_the_run(hindsight_ser
     life = hindsight_server.get(f"/v1/runs/{run['id']}/lifecycle")["workers"]
     (gone,) = [w for w in life if w["left_during_run"]]
     assert gone["cause"] == "lost" and gone["took_down"]["erred"] == ["die-last"]
+
+
+def in_process_task(i: int) -> int:
+    hindsight.emit("rows", i)
+    if i % 5 == 0:
+        logging.getLogger("user.task").warning("warning from task %d", i)
+    return i
+
+
+def test_workers_sharing_a_process_keep_their_own_values_and_logs(hindsight_server):
+    """Found by a fresh pair of eyes: in a LocalCluster(processes=False), the usual notebook
+    cluster, one process-wide context sent every value to the last worker set up (the other
+    worker's were lost) and each log record was kept once per worker, under both."""
+    import dask
+    from distributed import Client, LocalCluster, span
+
+    cluster = f"inproc-{uuid.uuid4().hex[:8]}"
+    with dask.config.set({"hindsight.url": hindsight_server.url, "hindsight.cluster": cluster}):
+        with LocalCluster(
+            n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0",
+            scheduler_kwargs={"preload": ["hindsight.dask"]},
+        ) as lc, Client(lc) as client:  # fmt: skip
+            with span("in-process"):
+                keys = [f"in-process-{i}" for i in range(40)]
+                futures = client.map(in_process_task, range(40), key=keys)
+                assert client.gather(futures) == list(range(40))
+                where = {k: next(iter(ws)) for k, ws in client.who_has(futures).items()}
+            assert len(set(where.values())) == 2  # both workers ran some
+    run = wait_for_run(hindsight_server, cluster, "in-process", 40)
+    wait_until(lambda: _values(hindsight_server, run) == 40, 60, "40 emitted values")
+    values = hindsight_server.get(f"/v1/runs/{run['id']}/streams/rows", limit=100)["values"]
+    assert {v["key"]: v["worker"] for v in values} == where
+
+    def logged() -> list[dict[str, Any]] | None:
+        got = hindsight_server.get(f"/v1/runs/{run['id']}/logs", q="warning from task")["logs"]
+        return got if len(got) >= 8 else None
+
+    logs = wait_until(logged, 60, "the tasks' 8 warnings")
+    assert sorted((r["key"], r["worker"]) for r in logs) == sorted((k, where[k]) for k in keys[::5])
