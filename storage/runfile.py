@@ -203,6 +203,7 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     g_key: list[str] = []
     g_prefix: list[str] = []
     g_deps: list[list[str]] = []
+    g_seen: set[str] = set()
     metrics: list[tuple[str, float, dict[str, float]]] = []
     run_key = run.run_key
     for _, key, mine in batch_keys(db, run):
@@ -212,7 +213,13 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
             t = type(ev)
             if t is TaskEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
                 tasks.append(ev)
-            elif t is GraphEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
+            elif (
+                t is GraphEvent
+                and mine
+                and (ev.run or DEFAULT_RUN) == run_key
+                and ev.key not in g_seen  # a later submission that touched it sent it again
+            ):
+                g_seen.add(ev.key)
                 g_key.append(ev.key)
                 g_prefix.append(ev.prefix)
                 g_deps.append(list(ev.dependencies))
@@ -352,8 +359,17 @@ def load_run(
 
 
 def finish(fr: FinishedRun) -> None:
-    """Finisher: write the compacted copy when the run finishes, so no view waits for it."""
-    fr.data()
+    """Finisher: write the compacted copy when the run finishes, so no view waits for it,
+    and count the run's graph tasks once each: the index adds up graph events, and Dask's
+    agent sends one for every task a submission touched, those of earlier submissions too
+    (a ``client.submit(total, *futures)`` counted the futures twice)."""
+    import pyarrow.compute as pc
+
+    graph = fr.data().graph
+    if graph.num_rows:
+        distinct = pc.count_distinct(graph["key"]).as_py()
+        if distinct != fr.run.graph_count:
+            fr.run.graph_count = distinct
 
 
 def compacted_tasks_key(db: Session, blobs: BlobStore, run: m.Run) -> str | None:

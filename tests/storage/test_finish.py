@@ -195,6 +195,33 @@ def test_a_finisher_failing_as_a_late_batch_arrives_leaves_the_job_due(
     assert query.get(f"/v1/runs/{run['id']}/tasks", headers=auth(token)).json["total"] == 6
 
 
+def test_a_finished_run_counts_each_graph_task_once(apps, make_token):
+    """Found by a fresh pair of eyes: Dask's agent sends a graph event for every task a
+    submission touched, earlier submissions' too, and graph_count added them up: a
+    ``client.submit(total, *futures)`` counted the futures twice (41 for 21 tasks)."""
+    collector, query, app = apps
+    token = make_token()
+    st = store_of(app)
+
+    def graph(key: str, deps: list[str]) -> dict[str, Any]:
+        return {"kind": "graph", "key": key, "prefix": key.split("-")[0], "run": "r",
+                "dependencies": deps}  # fmt: skip
+
+    first = run_batch("c", "s", "r", 0, status=None)
+    first["events"] += [graph(f"inc-{i}", []) for i in range(3)]
+    second = run_batch("c", "s", "r", 1, n_tasks=0)
+    second["events"] += [graph(f"inc-{i}", []) for i in range(3)]  # touched again
+    second["events"].append(graph("total-0", [f"inc-{i}" for i in range(3)]))
+    for body in (first, second):
+        assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    finish.run_due(st.sessions, st.blobs, limit=1000)
+    assert detail(query, token, run["id"])["graph_count"] == 4
+    nodes = query.get(f"/v1/runs/{run['id']}/graph", headers=auth(token)).json["nodes"]
+    keys = [n["key"] for n in nodes]
+    assert len(keys) == len(set(keys)) and {"inc-0", "inc-1", "inc-2", "total-0"} <= set(keys)
+
+
 ANSWERS = (
     "/v1/runs/{a}",
     "/v1/runs/{a}/summary",
