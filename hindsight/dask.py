@@ -111,8 +111,9 @@ def _task_event(
     startstops: Any,
     exception_text: Any,
     traceback_text: Any,
+    attrs: dict[str, Any] | None = None,
 ) -> TaskEvent:
-    return TaskEvent(
+    ev = TaskEvent(
         key=_key(key),
         prefix=_label(prefix) or "",
         status=status,
@@ -131,6 +132,9 @@ def _task_event(
         exception=_text(exception_text),
         traceback=_text(traceback_text),
     )
+    if attrs:
+        ev.attrs = attrs
+    return ev
 
 
 def _graph_event(key: Any, prefix: str, group: str, run: str | None, deps: list[Any]) -> GraphEvent:
@@ -473,9 +477,11 @@ class SchedulerAgentPlugin(SchedulerPlugin):
 
     # -- tasks -------------------------------------------------------------------------
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        """Queue a task record when a task finishes (``processing -> memory | erred``)."""
+        """Queue a task record when a task finishes (``processing -> memory | erred``), or
+        errs without running (its dependency erred: ``released | queued | no-worker ->
+        erred``; Dask's futures of those tasks raise, its task stream has no entry)."""
         # Hot path: called for every transition of every task; most return here.
-        if start != "processing" or (finish != "memory" and finish != "erred"):
+        if finish != "erred" and (finish != "memory" or start != "processing"):
             return
         agent = self.agent
         if agent is None:
@@ -490,11 +496,20 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 run = self._run_of(group)
             get = kwargs.get
             exception_text = get("exception_text")
+            traceback_text = get("traceback_text")
+            attrs = None
             if finish == "erred":
                 state = self._open_runs.get(run)
                 if state is not None:
                     state.erred += 1
-                if exception_text is None:
+                blame = ts.exception_blame
+                if start != "processing" and blame is not None and blame is not ts:
+                    # erred because ``blame`` did: its error, and which task it was
+                    attrs = {"blame": _key(blame.key)}
+                    if exception_text is None:
+                        exception_text = blame.exception_text
+                        traceback_text = blame.traceback_text
+                elif exception_text is None:
                     exception_text = _killed_worker_text(key, ts, get("exception"), get("worker"))
             # Keep only what the record needs: the pickled type bytes and the exception
             # objects in kwargs are dropped here rather than held until the batch is cut.
@@ -512,7 +527,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     get("typename"),
                     get("startstops"),
                     exception_text,
-                    get("traceback_text"),
+                    traceback_text,
+                    attrs,
                 )
             )
         except Exception:

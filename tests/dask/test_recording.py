@@ -115,11 +115,21 @@ def test_delayed_graph_with_a_failing_task(recorded, hindsight_server):
     with span("delayed-error"), get_task_stream(client) as ts:
         with pytest.raises(ValueError, match="boom on 4"):
             dask.compute(total, optimize_graph=False)
-    run = check_against_task_stream(hindsight_server, cluster, "delayed-error", ts.data, "erred")
-    (erred,) = [t for t in hindsight_server.tasks(run["id"]) if t["status"] == "erred"]
+    # Dask's stream has the tasks that ran; the sum, erred because ``bad`` did, never ran
+    run = wait_for_run(hindsight_server, cluster, "delayed-error", len(ts.data) + 1, "erred")
+    tasks = hindsight_server.tasks(run["id"])
+    ran = [t for t in tasks if t["startstops"]]
+    assert recorded_view(ran) == stream_view(ts.data)
+    (erred,) = [t for t in ran if t["status"] == "erred"]
     assert erred["key"] == str(bad.key)
     assert "boom on 4" in erred["exception"]
     assert "raise ValueError" in erred["traceback"]
+    # Found by a fresh pair of eyes: the task that erred without running was not recorded,
+    # while Dask's future of it raises (it was missing from tasks, counts and /errors).
+    (blamed,) = [t for t in tasks if not t["startstops"]]
+    assert (blamed["key"], blamed["status"]) == (str(total.key), "erred")
+    assert blamed["attrs"] == {"blame": str(bad.key)} and "boom on 4" in blamed["exception"]
+    assert run["error_count"] == 2
     recorded_graph = graph_of(stored_events(hindsight_server, cluster), run["run_key"])
     expected = expected_edges(dsk)
     assert {k: recorded_graph[k] for k in expected} == expected
