@@ -20,6 +20,7 @@ events.  Nothing here raises into Dask or holds a TaskState.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import shutil
@@ -87,7 +88,15 @@ def _label(value: Any) -> str | None:
 
 def _key(key: Any) -> str:
     s = key if type(key) is str else str(key)
-    return s if len(s) <= KEY_MAX else s[:KEY_MAX]
+    return s if len(s) <= KEY_MAX else _long_key(s)
+
+
+def _long_key(s: str) -> str:
+    """A key past the protocol's 4,096 characters: its start, ``#`` and 32 hex digits of its
+    hash, so distinct keys stay distinct (cut alone, keys sharing their first 4,096
+    characters became one task) and the same key always gives the same text (edges)."""
+    digest = hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{s[: KEY_MAX - 33]}#{digest}"
 
 
 def _text(value: Any) -> str | None:

@@ -244,3 +244,24 @@ def test_reduce_of_a_tree(recorded, hindsight_server):
     stream = {str(r["key"]): [dict(s) for s in r["startstops"]] for r in ts.data}
     for t in tasks:
         assert [s["action"] for s in t["startstops"]] == [s["action"] for s in stream[t["key"]]]
+
+
+def test_keys_past_the_protocols_limit_stay_distinct(recorded, hindsight_server):
+    """Found by a fresh pair of eyes: keys longer than 4,096 characters were cut there, so
+    keys sharing their first 4,096 characters came back as one task."""
+    from hindsight.dask import KEY_MAX, _key
+
+    client, cluster = recorded
+    keys = [f"long-{'x' * 5000}-{i}" for i in range(3)]
+    with span("long-keys"), get_task_stream(client) as ts:
+        futures = [client.submit(inc, i, key=k) for i, k in enumerate(keys)]
+        total = client.submit(sum, futures, key="long-total")
+        assert total.result() == 6
+    run = wait_for_run(hindsight_server, cluster, "long-keys", len(ts.data))
+    recorded_keys = {t["key"] for t in hindsight_server.tasks(run["id"])}
+    assert len(recorded_keys) == 4  # three long keys and the total
+    assert recorded_keys == {_key(k) for k in keys} | {"long-total"}
+    assert all(_key(k).startswith(k[:4000]) for k in keys)
+    assert all(len(k) <= KEY_MAX for k in recorded_keys)
+    edges = graph_of(stored_events(hindsight_server, cluster), run["run_key"])
+    assert edges["long-total"] == {_key(k) for k in keys}
