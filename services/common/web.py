@@ -22,6 +22,14 @@ from storage.tokens import Principal
 logger = logging.getLogger(__name__)
 
 
+def _wants_a_page() -> bool:
+    """A browser asking for a page (not the API, not a probe): it gets the dashboard's error
+    page rather than the API's JSON error, where the app serves the dashboard."""
+    if request.path.startswith(("/v1/", "/metrics", "/healthz", "/readyz")):
+        return False
+    return request.accept_mimetypes.best_match(["application/json", "text/html"]) == "text/html"
+
+
 def _register_errors(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Any:
@@ -29,6 +37,9 @@ def _register_errors(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:
+        page = app.extensions.get("hindsight.error_page")
+        if page is not None and _wants_a_page():
+            return page(exc)
         code = (exc.name or "error").lower().replace(" ", "_")
         if exc.code == 413:
             code = "batch_too_large"

@@ -488,5 +488,15 @@ def bokeh_static(filename: str) -> Response:
     return send_from_directory(BOKEH_STATIC, filename, max_age=86400)
 
 
+def _error_page(exc: Any) -> Any:
+    """A wrong page address in a browser: the dashboard's error page, not the API's JSON."""
+    headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else {}
+    message = {404: "no such page", 405: "this page does not take that method"}.get(
+        exc.code, exc.description or exc.name
+    )
+    return render_template("error.html", message=message), exc.code or 500, headers
+
+
+bp.record_once(lambda state: state.app.extensions.setdefault("hindsight.error_page", _error_page))
 # Last, so that the template filters above are registered when it compiles the template.
 bp.record_once(_warm_up)

@@ -99,6 +99,19 @@ def test_two_runs_ticked_in_the_list_compare_the_earlier_as_a(apps, make_token):
     assert explicit.index(b"job-new") < explicit.index(b"job-old")  # a= and b= as given
 
 
+def test_a_wrong_page_address_in_a_browser_gets_the_error_page(apps):
+    """Found in a browser by a fresh pair of eyes: /runs, /runs/ID/nope or GET /logout
+    answered the API's JSON error to a browser. The API keeps its JSON errors."""
+    _, query = apps
+    browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    for path, status in (("/runs", 404), ("/nope", 404), ("/logout", 405)):
+        resp = query.get(path, headers=browser)
+        assert resp.status_code == status and resp.mimetype == "text/html", path
+        assert b'class="error"' in resp.data
+    assert query.get("/v1/nope", headers=browser).json["error"]["code"] == "not_found"
+    assert query.get("/nope").json["error"]["code"] == "not_found"  # a client asking for */*
+
+
 def test_login_redirects_only_to_local_paths(apps, make_token):
     _, query = apps
     token = make_token()
