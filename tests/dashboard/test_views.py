@@ -66,6 +66,8 @@ def test_pages_say_when_there_is_nothing_to_draw(apps, make_token):
     token = make_token()
     h = {"Authorization": f"Bearer {token}"}
     assert b"No runs recorded yet." in query.get("/history", headers=h).data
+    assert b"No runs yet." in query.get("/", headers=h).data
+    assert b"No runs match these filters." in query.get("/?cluster=nope", headers=h).data
     assert post(collector, example(), token=token).status_code == 202
     (run,) = query.get("/v1/runs", headers=h).json["runs"]
     page = query.get(f"/runs/{run['id']}", headers=h).data
