@@ -198,6 +198,12 @@ def apply(
             # through.
             db.execute(delete(m.RayTask).where(m.RayTask.session_id == s.id))
             db.execute(delete(m.RayReady).where(m.RayReady.session_id == s.id))
+        # Again, now that the index has none of the session's runs: a finisher that read a
+        # run before the rows went (its compacted copy, its logs) may have written after
+        # the first listing; one that starts now finds no run and writes nothing.
+        for key in list(blobs.list(prefixes[1])):
+            blobs.delete(key)
+            result.blobs_deleted += 1
         logger.info(
             "retention: removed session %s of tenant %s (%d runs, %d batches)",
             s.prefix.rstrip("/"), tenant, s.runs, s.batches,

@@ -135,6 +135,36 @@ def test_a_crash_between_blob_and_index_deletes_is_finished_by_the_next_apply(wo
     assert run_names(w, t) == ["job-r1", "job-r2"]
 
 
+class LateWriter:
+    """The tenant's blob store, with a finisher's put landing just after retention listed a
+    session's compacted copies: the moment a run finished while retention removed it."""
+
+    def __init__(self, blobs: Any, prefix: str) -> None:
+        self.blobs, self.prefix, self.written = blobs, prefix, False
+
+    def list(self, prefix: str) -> Any:
+        listed = list(self.blobs.list(prefix))
+        if prefix == self.prefix and not self.written:
+            self.written = True
+            self.blobs.put(f"{prefix}late-run/1-1/tasks.parquet", b"a finisher's copy")
+        return iter(listed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.blobs, name)
+
+
+def test_a_compacted_copy_written_while_its_session_goes_goes_too(world):
+    """Found by a fresh pair of eyes: retention listed the session's compacted copies once,
+    before deleting its index rows, and a copy a finisher wrote meanwhile stayed for good
+    (a second apply has no session to look under)."""
+    w, (t, _) = world, world["tenants"]
+    prefix = f"compact/v1/{t}/prod/s0/"
+    late = LateWriter(w["blobs"], prefix)
+    done = apply(late, w["sessions"], t, max_age=7 * DAY)
+    assert [s.name for s in done.sessions] == ["s0"] and late.written
+    assert list(w["blobs"].list(prefix)) == []
+
+
 def test_limits_are_validated(world):
     w, (t, _) = world, world["tenants"]
     with pytest.raises(ValueError):
