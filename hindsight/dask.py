@@ -207,6 +207,9 @@ def _reason(stimulus_id: str | None) -> str | None:
 class _Run:
     name: str
     erred: int = 0
+    # the latest stop of an erred task's phases: Dask's Span.stop counts only tasks that
+    # succeeded, so a run whose last task erred ended, by Span.stop, before that task did
+    erred_stop: float = 0.0
 
 
 class SchedulerAgentPlugin(SchedulerPlugin):
@@ -511,6 +514,9 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 state = self._open_runs.get(run)
                 if state is not None:
                     state.erred += 1
+                    for phase in get("startstops") or ():
+                        if phase["stop"] > state.erred_stop:
+                            state.erred_stop = phase["stop"]
                 blame = ts.exception_blame
                 if start != "processing" and blame is not None and blame is not ts:
                     # erred because ``blame`` did: its error, and which task it was
@@ -553,6 +559,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             if not done and not closing:
                 continue
             stop = span.stop if span is not None and done else time.time()
+            if done and state.erred_stop > stop:
+                stop = state.erred_stop
             erred = state.erred > 0 or not done
             if self._states is not None:
                 if workers is None:

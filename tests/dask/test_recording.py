@@ -265,3 +265,24 @@ def test_keys_past_the_protocols_limit_stay_distinct(recorded, hindsight_server)
     assert all(len(k) <= KEY_MAX for k in recorded_keys)
     edges = graph_of(stored_events(hindsight_server, cluster), run["run_key"])
     assert edges["long-total"] == {_key(k) for k in keys}
+
+
+def late_boom(x: int) -> int:
+    import time
+
+    time.sleep(0.3)
+    raise ValueError(f"late boom on {x}")
+
+
+def test_a_run_whose_last_task_erred_ends_when_that_task_did(recorded, hindsight_server):
+    """Found by a fresh pair of eyes: a run's end was Dask's Span.stop, which counts only
+    the tasks that succeeded, so a run whose last task erred ended before that task did."""
+    client, cluster = recorded
+    with span("ends-in-error"), get_task_stream(client) as ts:
+        quick = client.map(inc, range(4), key=[f"quick-{i}" for i in range(4)])
+        assert client.gather(quick) == [1, 2, 3, 4]
+        with pytest.raises(ValueError, match="late boom"):
+            client.submit(late_boom, 1, key="late-boom").result()
+    run = wait_for_run(hindsight_server, cluster, "ends-in-error", len(ts.data), "erred")
+    last = max(ss["stop"] for t in ts.data for ss in t["startstops"])
+    assert run["finished_at"] == pytest.approx(last, abs=1e-3)
