@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 from sqlalchemy import Engine, func, select
@@ -40,11 +41,16 @@ def _settings(**overrides: object) -> Settings:
 
 @contextlib.contextmanager
 def _index(
-    data_dir: str | None, *, upgrade: bool | None = True
+    data_dir: str | None, *, upgrade: bool | None = True, existing: str = ""
 ) -> Iterator[tuple[Settings, Engine]]:
     """(settings, engine) for a command, the index migrated to head first (``upgrade=None``:
-    as ``HINDSIGHT_AUTO_UPGRADE`` says)."""
+    as ``HINDSIGHT_AUTO_UPGRADE`` says). ``existing`` ("index", "blobs" or both): the
+    command reads what a server wrote, so a local index or blob directory that is not
+    there is a mistyped ``--data-dir`` (or the wrong working directory), not a new, empty
+    one (it was created, and the command reported an empty success)."""
     settings = _settings(data_dir=data_dir)
+    if existing:
+        _must_exist(settings, existing)
     engine = make_engine(settings.database_url)
     try:
         if upgrade or (upgrade is None and settings.auto_upgrade):
@@ -52,6 +58,29 @@ def _index(
         yield settings, engine
     finally:
         engine.dispose()
+
+
+def _must_exist(settings: Settings, which: str) -> None:
+    from urllib.parse import urlparse
+
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    where = []
+    if (
+        "index" in which
+        and url.get_backend_name() == "sqlite"
+        and url.database not in (None, "", ":memory:")
+    ):
+        where.append(Path(url.database))
+    if "blobs" in which and settings.blob_url.startswith("file://"):
+        where.append(Path(urlparse(settings.blob_url).path))
+    missing = [str(p) for p in where if not p.exists()]
+    if missing:
+        raise click.ClickException(
+            f"nothing at {', '.join(missing)}: give the server's --data-dir "
+            "(or HINDSIGHT_DATA_DIR, HINDSIGHT_DATABASE_URL, HINDSIGHT_BLOB_URL)"
+        )
 
 
 def _is_loopback(host: str) -> bool:
@@ -67,7 +96,7 @@ def _is_loopback(host: str) -> bool:
     "--data-dir", type=click.Path(file_okay=False), help="Where the SQLite index and blobs live."
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8700, show_default=True, type=int)
+@click.option("--port", default=8700, show_default=True, type=click.IntRange(0, 65535))
 def serve(data_dir: str | None, host: str, port: int) -> None:
     """Run collector and query service in one process (embedded mode)."""
     # The web stack is loaded only to serve, not for every admin command.
@@ -204,7 +233,7 @@ def tokens_create(
 def tokens_list(tenant: str | None, data_dir: str | None) -> None:
     """List tokens: id, tenant, scopes, name, created, revoked, and the first 8 hex digits
     of the token's SHA-256 (the token itself is not stored)."""
-    with _index(data_dir, upgrade=None) as (_, engine):
+    with _index(data_dir, upgrade=None, existing="index") as (_, engine):
         with make_sessionmaker(engine).begin() as session:
             rows = list_tokens(session, tenant)
     click.echo("id\ttenant\tscopes\tname\tcreated\trevoked\tsha256")
@@ -230,7 +259,7 @@ def tokens_revoke(token_id: int | None, token: str | None, data_dir: str | None)
         raise click.UsageError("give a token id or --token TOKEN (one of them)")
     if token == "-":
         token = sys.stdin.readline().strip()
-    with _index(data_dir, upgrade=None) as (_, engine):
+    with _index(data_dir, upgrade=None, existing="index") as (_, engine):
         with make_sessionmaker(engine).begin() as session:
             done = revoke_token(session, token_id=token_id, token=token)
     if not done:
@@ -248,7 +277,7 @@ def tokens_revoke(token_id: int | None, token: str | None, data_dir: str | None)
 def reindex(data_dir: str | None, skip_finish: bool) -> None:
     """Rebuild the index from the blob store (idempotent; safe on a live index), then the
     finished-run work of every finished run (compacted copies and the like)."""
-    with _index(data_dir) as (settings, engine):
+    with _index(data_dir, existing="blobs") as (settings, engine):
         blobs = blob_store_for(settings)
         click.echo(f"listing {settings.blob_url} ...", err=True)
         total = sum(1 for _ in blobs.list("v1/"))
@@ -303,7 +332,7 @@ def retention_apply(
     between is finished by the next run; reindex cannot resurrect what is removed)."""  # fmt: skip
     if max_age_days is None and max_runs is None:
         raise click.UsageError("give --max-age-days, --max-runs, or both")
-    with _index(data_dir) as (settings, engine):
+    with _index(data_dir, existing="index,blobs") as (settings, engine):
         done = apply(
             blob_store_for(settings),
             make_sessionmaker(engine),

@@ -233,3 +233,19 @@ def test_help(module):
     assert out.returncode == 0
     for command in ("serve", "db", "tokens", "reindex"):
         assert command in out.stdout
+
+
+def test_commands_that_read_a_servers_data_refuse_a_data_dir_with_none(tmp_path):
+    """Found by a fresh pair of eyes: a mistyped --data-dir (or the wrong working directory)
+    made tokens list, reindex and retention create a fresh, empty index there and report
+    an empty success. serve took any port number (85036 bound 19500; -5 a traceback)."""
+    typo = tmp_path / "hindsight-dat"
+    for args in (["tokens", "list"], ["tokens", "revoke", "1"], ["reindex"],
+                 ["retention", "apply", "--tenant", "acme", "--max-runs", "1", "--dry-run"]):  # fmt: skip
+        out = run(*args, "--data-dir", str(typo), env=env())
+        assert out.returncode == 1 and f"nothing at {typo}" in out.stderr, (args, out.stderr)
+        assert not typo.exists()
+    for port in ("85036", "-5"):
+        out = run("serve", "--data-dir", str(tmp_path), "--port", port, env=env())
+        assert out.returncode == 2 and "Invalid value for '--port'" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
