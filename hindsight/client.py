@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 class HindsightError(Exception):
-    """An error answer from the server: its HTTP status, code and message."""
+    """An error answer from the server: its HTTP status, code and message (status 0, code
+    ``unreachable``: no answer came; a bad lake filter is refused before asking)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"{status} {code}: {message}")
@@ -40,6 +41,8 @@ class Client:
     on loopback may run without tokens)."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, not {url!r}")
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
@@ -69,6 +72,9 @@ class Client:
                 raise HindsightError(
                     exc.code, "http_error", body[:200].decode(errors="replace")
                 ) from None
+        except (urllib.error.URLError, OSError) as exc:  # no answer: status 0
+            reason = getattr(exc, "reason", exc)
+            raise HindsightError(0, "unreachable", f"{self.url}: {reason}") from None
 
     def get(self, path: str, **params: Any) -> Any:
         """GET ``path`` and decode its JSON answer."""
@@ -327,7 +333,12 @@ class Client:
         scheduler address) and ``workers`` (DataFrame: address, name, joined_at, left_at,
         cause, reason, ...; ``took_down`` lists the run's tasks a departure took down)."""
         body = self.get(f"/v1/runs/{run_id}/lifecycle")
-        return {**body, "workers": _pd().DataFrame(body["workers"])}
+        workers = _pd().DataFrame(body["workers"])
+        # the documented columns, even when no worker has left (they came and went with it)
+        for column in ("joined_at", "left_at", "cause", "reason", "took_down"):
+            if column not in workers:
+                workers[column] = None
+        return {**body, "workers": workers}
 
     # ------------------------------------------------------------ the history lake
 
@@ -358,7 +369,7 @@ class Client:
 
         from hindsight import lake as _lake
 
-        f = _lake.Filters.from_kwargs(**filters)
+        f = _filters(filters)
         params = {**f.params(), "columns": ",".join(columns) if columns else None}
         plan = self.get(f"/v1/lake/{table}/files", **params)
         meta = _lake.to_pandas(_lake_schema(plan["schema"]).empty_table())
@@ -392,13 +403,21 @@ class Client:
         is the 100 slowest read_parquet tasks. Filters as in :meth:`lake`."""
         import pyarrow as pa
 
-        from hindsight import lake as _lake
-
-        f = _lake.Filters.from_kwargs(**filters)
+        f = _filters(filters)
         params = {**f.params(), "columns": ",".join(columns) if columns else None,
                   "sort": sort, "limit": limit, "format": "arrow"}  # fmt: skip
         with self._open(f"/v1/lake/{table}", params) as resp:
             return pa.ipc.open_stream(resp.read()).read_all().to_pandas()
+
+
+def _filters(filters: dict[str, Any]) -> Any:
+    """The lake's filters, or the error the service gives a bad one (a bare ValueError)."""
+    from hindsight import lake as _lake
+
+    try:
+        return _lake.Filters.from_kwargs(**filters)
+    except (ValueError, TypeError) as exc:
+        raise HindsightError(400, "invalid_parameter", str(exc)) from None
 
 
 def _lake_schema(encoded: str) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -73,8 +74,8 @@ def history(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
             with span("failing"), get_task_stream(client) as ts:
                 with pytest.raises(ValueError):
                     dask.compute(total, optimize_graph=False)
-            runs["failing"] = wait_for_run(
-                hindsight_server, cluster, "failing", len(ts.data), "erred"
+            runs["failing"] = wait_for_run(  # and the sum, erred because boom did
+                hindsight_server, cluster, "failing", len(ts.data) + 1, "erred"
             )
     yield {"cluster": cluster, "runs": runs, "workers": workers, "server": hindsight_server}
 
@@ -131,7 +132,7 @@ def test_run_detail_additions(history):
     assert transfer > 0 and a["seconds_by_action"]["transfer"] == pytest.approx(transfer)
     assert a["tasks_by_status"] == {"memory": a["task_count"]}
     assert a["completeness"]["batches_received"] >= 1
-    assert f["tasks_by_status"]["erred"] == f["error_count"] == 1
+    assert f["tasks_by_status"]["erred"] == f["error_count"] == 2  # boom, and the sum after it
 
 
 def test_tasks_filters_sort_pages_stream_and_parquet(history, tmp_path):
@@ -239,8 +240,8 @@ def test_metrics_progress_graph_errors(history):
 
     failing = history["runs"]["failing"]["id"]
     (group,) = get(h, f"/v1/runs/{failing}/errors")["groups"]
-    assert group["count"] == 1 and "boom on 4" in group["exception"]
-    assert group["prefixes"] == {"boom": 1} and "raise ValueError" in group["traceback"]
+    assert group["count"] == 2 and "boom on 4" in group["exception"]  # boom, and the sum
+    assert group["prefixes"] == {"boom": 1, "sum": 1} and "raise ValueError" in group["traceback"]
     assert get(h, f"/v1/runs/{run_id}/errors")["groups"] == []
 
 
@@ -311,7 +312,10 @@ def test_histories_from_rollups(history):
     runs = [get(h, f"/v1/runs/{r['id']}") for r in history["runs"].values()]
     points = get(h, "/v1/history/clusters", cluster=cluster, bucket="day")["points"]
     assert sum(p["runs"] for p in points) == 3
-    assert sum(p["tasks"] for p in points) == sum(r["task_count"] for r in runs)
+    # tasks by when they ran: the sum that erred without running is in its run's counts only
+    ran = [t for r in runs for t in h["server"].tasks(r["id"]) if t["startstops"]]
+    assert sum(r["task_count"] for r in runs) == len(ran) + 1
+    assert sum(p["tasks"] for p in points) == len(ran)
     assert sum(p["errors"] for p in points) == 1
     assert sum(p["compute_seconds"] for p in points) == pytest.approx(
         sum(r["seconds_by_action"]["compute"] for r in runs)
@@ -380,7 +384,7 @@ def test_python_client_round_trips_every_endpoint(history):
     assert prog.to_numpy().sum() == len(tasks)
     nodes, edges = c.graph(a)
     assert len(nodes) >= len(tasks) and len(edges) > 0
-    assert c.errors(f)["count"].sum() == 1
+    assert c.errors(f)["count"].sum() == 2  # boom, and the sum that erred because it did
     assert c.critical_path(a)["seconds"].sum() > 0
     assert set(c.time(a)["worker"]) == history["workers"]
     assert set(c.cluster_time(cluster)["worker"]) == history["workers"]
@@ -394,3 +398,19 @@ def test_python_client_round_trips_every_endpoint(history):
     with pytest.raises(HindsightError) as err:
         c.run("no-such-run")
     assert err.value.status == 404 and err.value.code == "not_found"
+    # Found by a fresh pair of eyes: these raised bare ValueError / URLError, not the
+    # documented HindsightError; lifecycle's columns came only with a departed worker.
+    for bad in ({"since": "bogus"}, {"min_duration": "abc"}):
+        with pytest.raises(HindsightError) as err:
+            c.lake_rows("tasks", **bad)
+        assert (err.value.status, err.value.code) == (400, "invalid_parameter")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(HindsightError) as err:
+        HindsightClient(nobody).runs()
+    assert (err.value.status, err.value.code) == (0, "unreachable")
+    with pytest.raises(ValueError, match="http://"):
+        HindsightClient("127.0.0.1:8700")
+    workers = c.lifecycle(a)["workers"]
+    assert {"joined_at", "left_at", "cause", "reason", "took_down"} <= set(workers.columns)
