@@ -233,6 +233,7 @@ def filter_logs(logs: Any, f: LogFilters) -> Any:
 
     if f.level is not None:
         level = f.level.upper()
+        level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(level, level)  # Python's aliases
         allowed = LEVELS[LEVELS.index(level) :] if level in LEVELS else (f.level,)
         both(pc.is_in(logs["level"], value_set=pa.array(allowed, pa.string())))
     if f.worker is not None:

@@ -171,6 +171,8 @@ def test_a_workers_warning_comes_back_from_the_logs_route(hindsight_server, reco
     assert hindsight_server.get(base, q="looks odd", since=record["time"] + 0.001)["logs"] == []
     assert hindsight_server.get(base, q="looks odd", until=record["time"])["logs"] == []
     assert hindsight_server.get(base, worker=record["worker"], q="odd")["logs"] == [record]
+    # Python's alias: it matched nothing (found by a fresh pair of eyes)
+    assert hindsight_server.get(base, level="warn", q="looks odd")["logs"] == [record]
     logs = hindsight.Client(hindsight_server.url).logs(run["id"], level="warning")
     assert logs[logs.logger == "user.task"].to_dict("records") == [record]
 
