@@ -104,6 +104,10 @@ def serve(data_dir: str | None, host: str, port: int) -> None:
 
     from services.embedded import create_app
 
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as exc:  # it read as "no tokens exist" on a fresh data dir
+        raise click.ClickException(f"cannot serve on {host}: {exc.strerror}") from None
     loopback = _is_loopback(host)
     auth = os.environ.get("HINDSIGHT_AUTH") or ("disabled" if loopback else "required")
     if not loopback and auth != "required":

@@ -245,6 +245,8 @@ def test_commands_that_read_a_servers_data_refuse_a_data_dir_with_none(tmp_path)
         out = run(*args, "--data-dir", str(typo), env=env())
         assert out.returncode == 1 and f"nothing at {typo}" in out.stderr, (args, out.stderr)
         assert not typo.exists()
+    out = run("serve", "--data-dir", str(tmp_path), "--host", "no-such-host.invalid", env=env())
+    assert out.returncode == 1 and "cannot serve on no-such-host.invalid" in out.stderr
     for port in ("85036", "-5"):
         out = run("serve", "--data-dir", str(tmp_path), "--port", port, env=env())
         assert out.returncode == 2 and "Invalid value for '--port'" in out.stderr, out.stderr
