@@ -97,6 +97,8 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
     from hindsight.agent.transport import Transport
     from hindsight.config import load_settings
 
+    if url and not url.startswith(("http://", "https://")):  # settings would drop it quietly
+        raise click.UsageError(f"--url must start with http:// or https://, not {url!r}")
     settings = load_settings({"url": url, "token": token})
     if not settings.url:
         raise click.UsageError("give --url or set HINDSIGHT_URL")

@@ -249,6 +249,16 @@ def test_spool_push_delivers_every_orphan_with_progress(collector, tmp_path):
         assert [b.seq for b in batches] == list(range(len(batches))) and batches[-1].final
 
 
+def test_spool_push_says_what_is_wrong_with_a_url_without_a_scheme(collector, tmp_path):
+    """Found by a new user's fresh pair of eyes: it logged "ignoring invalid argument url"
+    and then asked for --url, which had been given."""
+    orphan = make_orphan(collector, tmp_path)
+    result = CliRunner().invoke(main, ["spool", "push", str(tmp_path), "--url",
+                                       collector.url.removeprefix("http://")])  # fmt: skip
+    assert result.exit_code == 2 and "--url must start with http:// or https://" in result.output
+    assert len(list(orphan.glob("*.hsb"))) == 6  # nothing sent, nothing removed
+
+
 def test_spool_push_leaves_batches_on_disk_while_the_collector_is_away(collector, tmp_path):
     orphan = make_orphan(collector, tmp_path)
     collector.rule = lambda b: (503, {"Retry-After": "1"})
