@@ -286,3 +286,19 @@ def as_json(obj: Any) -> bytes:
     import json
 
     return json.dumps(obj).encode()
+
+
+def test_pages_fit_a_phone(recorded, page):
+    """Found in a browser by a fresh pair of eyes: at 390 px the tables widened the runs
+    list to 624 px and a run page to 530; they now scroll inside themselves."""
+    server, cluster = recorded
+    run = server.run_named(cluster, "array-sum")
+    page.set_viewport_size({"width": 390, "height": 800})
+    for path, drawn in ((f"/?cluster={cluster}", False), (f"/runs/{run['id']}", True),
+                        ("/history?bucket=hour", True)):  # fmt: skip
+        page.goto(server.url + path)
+        if drawn:  # the pages with figures say when every figure is drawn
+            page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, (path, width)
+    assert page.errors == []
