@@ -76,9 +76,14 @@ LOST_RUNNING_AT_MOST = 0.25
 
 
 def lost_running(server: EmbeddedServer, run_id: str) -> set[tuple[str, int]]:
-    """The run's task attempts whose RUNNING the exporter never sent."""
+    """The run's task attempts written without their RUNNING: the exporter never sent it,
+    or sent it more than the settle time after the task's end (a loaded machine)."""
     exported = exporter_view(server)
-    return {k for k in recorded(server, run_id) if exported[k].running_at is None}
+    mine = recorded(server, run_id)
+    never = {k for k in mine if exported[k].running_at is None}
+    written = {k for k, t in mine.items() if t["attrs"]["start_from"] == "SUBMITTED_TO_WORKER"}
+    assert never <= written
+    return written
 
 
 def compute(task: dict[str, Any]) -> tuple[float, float]:
@@ -106,15 +111,20 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
         start, stop = compute(m)
         # Hindsight writes exactly what the exporter sent ...
         sent = exported[key]
-        sent_start = sent.running_at if sent.running_at is not None else sent.submitted_at
+        # A RUNNING that came more than the settle time after the task's end (a loaded
+        # machine: seen once in CI) finds the task written from SUBMITTED_TO_WORKER, as the
+        # collector documents; it counts with the lost ones.
+        late = sent.running_at is not None and m["attrs"]["start_from"] == "SUBMITTED_TO_WORKER"
+        running_at = None if late else sent.running_at
+        sent_start = running_at if running_at is not None else sent.submitted_at
         assert (start, stop) == (pytest.approx(sent_start, abs=1e-6),
                                  pytest.approx(sent.failed_at or sent.finished_at, abs=1e-6))  # fmt: skip
         assert m["attrs"]["start_from"] == (
-            "RUNNING" if sent.running_at is not None else "SUBMITTED_TO_WORKER"
+            "RUNNING" if running_at is not None else "SUBMITTED_TO_WORKER"
         )
         # ... and that is what Ray's State API reports, to the millisecond (which it floors).
         checks = [(stop, t["end_time_ms"], "end")]
-        if sent.running_at is None:
+        if running_at is None:
             lost.append(key)
         else:
             checks.append((start, t["start_time_ms"], "start"))
