@@ -391,24 +391,25 @@ def _strings_with_nul(value: Any, replace: bool) -> bool:
     return found
 
 
+def _may_hold_nul(body: bytes) -> bool:
+    """JSON can only carry U+0000 as the escape ``\\u0000``: a body without a backslash
+    (most task batches) is ruled out by one memchr, the walk runs only past this."""
+    return bool(b"\\" in body and _NUL_ESCAPE.search(body))
+
+
 def has_nul(body: bytes) -> bool:
-    """Whether any string in a JSON body holds U+0000 (Postgres cannot store it in text).
-    JSON can only carry it as the escape ``\\u0000``; the full walk runs only then. A body
-    without a backslash (most task batches) is ruled out by one memchr."""
-    return bool(b"\\" in body and _NUL_ESCAPE.search(body)) and _strings_with_nul(
-        msgspec.json.decode(body), replace=False
-    )
+    """Whether any string in a JSON body holds U+0000 (Postgres cannot store it in text)."""
+    return _may_hold_nul(body) and _strings_with_nul(msgspec.json.decode(body), replace=False)
 
 
 def replace_nul(body: bytes) -> bytes:
     """A JSON body with every U+0000 in its strings replaced by U+FFFD (what the agent sends:
     Dask accepts a NUL in a key, a log message or a value, the collector refuses a batch
     holding one, and the batch's other events went with it)."""
-    if not has_nul(body):
+    if not _may_hold_nul(body):
         return body
     value = msgspec.json.decode(body)
-    _strings_with_nul(value, replace=True)
-    return msgspec.json.encode(value)
+    return msgspec.json.encode(value) if _strings_with_nul(value, replace=True) else body
 
 
 def json_schema() -> dict[str, Any]:

@@ -47,14 +47,19 @@ def clear_worker_context(agent: Any) -> None:
             _contexts.pop(wid, None)
 
 
+_worker_cvar: Any = None  # distributed's, looked up on first use (the SDK needs no Dask)
+
+
 def running_worker() -> Any | None:
     """The worker whose task is running here (Dask's ``get_worker``), or None."""
-    try:
-        from distributed.worker import _worker_cvar
-
-        return _worker_cvar.get(None)
-    except Exception:  # not in a worker, or a distributed without it
-        return None
+    global _worker_cvar
+    if _worker_cvar is None:
+        try:
+            from distributed.worker import _worker_cvar as cvar
+        except Exception:  # not in a worker, or a distributed without it
+            return None
+        _worker_cvar = cvar
+    return _worker_cvar.get(None)
 
 
 def _current() -> _Context | None:

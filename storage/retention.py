@@ -163,6 +163,14 @@ def plan(
     return out
 
 
+def _delete_under(blobs: BlobStore, prefix: str) -> int:
+    """Delete every blob under ``prefix``; how many went."""
+    keys = list(blobs.list(prefix))
+    for key in keys:
+        blobs.delete(key)
+    return len(keys)
+
+
 def apply(
     blobs: BlobStore,
     sessions: sessionmaker[Session],
@@ -187,9 +195,7 @@ def apply(
         # compact/: the session's runs' compacted copies and extras (storage.runfile, runlogs)
         prefixes = (f"v1/{tenant}/{s.prefix}", f"compact/v1/{tenant}/{s.prefix}")
         for prefix in (*prefixes, *ray.session_prefixes(tenant, cluster, name)):
-            for key in list(blobs.list(prefix)):
-                blobs.delete(key)
-                result.blobs_deleted += 1
+            result.blobs_deleted += _delete_under(blobs, prefix)
         with sessions.begin() as db:
             lake.forget_session(db, blobs, tenant, s.id)
             db.execute(delete(m.Session).where(m.Session.id == s.id))
@@ -201,9 +207,7 @@ def apply(
         # Again, now that the index has none of the session's runs: a finisher that read a
         # run before the rows went (its compacted copy, its logs) may have written after
         # the first listing; one that starts now finds no run and writes nothing.
-        for key in list(blobs.list(prefixes[1])):
-            blobs.delete(key)
-            result.blobs_deleted += 1
+        result.blobs_deleted += _delete_under(blobs, prefixes[1])
         logger.info(
             "retention: removed session %s of tenant %s (%d runs, %d batches)",
             s.prefix.rstrip("/"), tenant, s.runs, s.batches,

@@ -366,10 +366,8 @@ def finish(fr: FinishedRun) -> None:
     import pyarrow.compute as pc
 
     graph = fr.data().graph
-    if graph.num_rows:
-        distinct = pc.count_distinct(graph["key"]).as_py()
-        if distinct != fr.run.graph_count:
-            fr.run.graph_count = distinct
+    if graph.num_rows:  # (a run without graph events keeps its count)
+        fr.run.graph_count = pc.count_distinct(graph["key"]).as_py()
 
 
 def compacted_tasks_key(db: Session, blobs: BlobStore, run: m.Run) -> str | None:

@@ -37,15 +37,15 @@ def _register_errors(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:
-        page = app.extensions.get("hindsight.error_page")
-        if page is not None and _wants_a_page():
-            return page(exc)
-        code = (exc.name or "error").lower().replace(" ", "_")
-        if exc.code == 413:
-            code = "batch_too_large"
         headers = (
             {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else {}
         )
+        page = app.extensions.get("hindsight.error_page")
+        if page is not None and _wants_a_page():
+            return page(exc, headers)
+        code = (exc.name or "error").lower().replace(" ", "_")
+        if exc.code == 413:
+            code = "batch_too_large"
         return error_response(exc.code or 500, code, exc.description or exc.name, headers)
 
     @app.errorhandler(ConnectionError)

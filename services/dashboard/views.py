@@ -488,9 +488,8 @@ def bokeh_static(filename: str) -> Response:
     return send_from_directory(BOKEH_STATIC, filename, max_age=86400)
 
 
-def _error_page(exc: Any) -> Any:
+def _error_page(exc: Any, headers: dict[str, str]) -> Any:
     """A wrong page address in a browser: the dashboard's error page, not the API's JSON."""
-    headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else {}
     message = {404: "no such page", 405: "this page does not take that method"}.get(
         exc.code, exc.description or exc.name
     )

@@ -39,6 +39,12 @@ def c(start: float, stop: float) -> dict:
     return {"action": "compute", "start": start, "stop": stop}
 
 
+def path_of(tasks: list[dict], edges: dict[str, list[str]]) -> tuple[dict, list[tuple]]:
+    """The critical path of hand-made tasks, and its segments as (kind, key, start, stop)."""
+    cp = critical_path(run_data(tasks, edges))
+    return cp, [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
+
+
 def test_critical_path_segments_compute_transfer_and_wait():
     tasks = [
         {"key": "load-1", "worker": "a", "startstops": [c(0.0, 2.0)]},
@@ -47,8 +53,7 @@ def test_critical_path_segments_compute_transfer_and_wait():
             {"action": "transfer", "start": 2.5, "stop": 3.0, "source": "a"}, c(3.5, 4.0)]},
         {"key": "sum-1", "worker": "b", "startstops": [c(4.0, 6.0)]},
     ]  # fmt: skip
-    cp = critical_path(run_data(tasks, {"add-1": ["load-1", "load-2"], "sum-1": ["add-1"]}))
-    got = [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
+    cp, got = path_of(tasks, {"add-1": ["load-1", "load-2"], "sum-1": ["add-1"]})
     assert got == [
         ("compute", "load-1", 0.0, 2.0),
         ("wait", "add-1", 2.0, 2.5),
@@ -70,8 +75,7 @@ def test_critical_path_names_a_tasks_own_phases_after_its_compute():
         {"key": "save-1", "worker": "a", "startstops": [
             c(1.5, 2.0), {"action": "disk-write", "start": 2.0, "stop": 2.5}]},
     ]  # fmt: skip
-    cp = critical_path(run_data(tasks, {"save-1": ["load-1"]}))
-    got = [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
+    cp, got = path_of(tasks, {"save-1": ["load-1"]})
     assert got == [
         ("compute", "load-1", 0.0, 1.0),
         ("disk-write", "load-1", 1.0, 1.25),
@@ -88,8 +92,7 @@ def test_critical_path_clips_clock_skew_between_workers():
         {"key": "load-1", "worker": "a", "startstops": [c(0.0, 2.0)]},
         {"key": "add-1", "worker": "b", "startstops": [c(1.75, 3.0)]},
     ]
-    cp = critical_path(run_data(tasks, {"add-1": ["load-1"]}))
-    got = [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
+    cp, got = path_of(tasks, {"add-1": ["load-1"]})
     assert got == [("compute", "load-1", 0.0, 1.75), ("compute", "add-1", 1.75, 3.0)]
     assert cp["clock_skew_seconds"] == pytest.approx(0.25)
     assert sum(s["seconds"] for s in cp["segments"]) == cp["makespan"] == 3.0
