@@ -288,9 +288,15 @@ def as_json(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
+# Text with no place to break, as a checkout's path is ("/check/work/main/tests/...py:46"
+# in the submitting-code summary made a run page 395 px wide in CI, not here).
+LONG_WORD = "/" + "x" * 120 + ".py:46"
+
+
 def test_pages_fit_a_phone(recorded, page):
     """Found in a browser by a fresh pair of eyes: at 390 px the tables widened the runs
-    list to 624 px and a run page to 530; they now scroll inside themselves."""
+    list to 624 px and a run page to 530; they now scroll inside themselves. Paragraphs,
+    summaries and facts wrap a word longer than the screen, wherever the run's code lives."""
     server, cluster = recorded
     run = server.run_named(cluster, "array-sum")
     page.set_viewport_size({"width": 390, "height": 800})
@@ -301,4 +307,12 @@ def test_pages_fit_a_phone(recorded, page):
             page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= 390, (path, width)
+        texts = page.evaluate(
+            """word => { const found = document.querySelectorAll(
+                 "main p, main summary, main .facts div, main h2, main h3, main label");
+               found.forEach(e => e.append(" " + word)); return found.length; }""",
+            LONG_WORD,
+        )
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert texts > 0 and width <= 390, (path, texts, width)
     assert page.errors == []
