@@ -48,6 +48,8 @@ def decode_cursor(cursor: str, types: tuple[type, ...]) -> list[Any]:
             value = float(value)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise BadCursor(cursor)
+        if kind is int and not -(2**63) <= value < 2**63:  # SQLite raised OverflowError: a 500
+            raise BadCursor(cursor)
         out.append(value)
     return out
 

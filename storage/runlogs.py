@@ -53,6 +53,7 @@ _CACHE_SIZE = 8
 # a false positive costs one decode, nothing else).
 _MARKERS = (b'"log"', b'"custom"', b'"left"', b'"joined"')
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}  # Python's own
 
 
 @dataclass
@@ -232,10 +233,14 @@ def filter_logs(logs: Any, f: LogFilters) -> Any:
         mask = cond if mask is None else pc.and_(mask, cond)
 
     if f.level is not None:
+        # Any case on both sides: structlog and zap write "warning", "error" (a lower-case
+        # record was missed by every level filter).
         level = f.level.upper()
-        level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(level, level)  # Python's aliases
-        allowed = LEVELS[LEVELS.index(level) :] if level in LEVELS else (f.level,)
-        both(pc.is_in(logs["level"], value_set=pa.array(allowed, pa.string())))
+        level = ALIASES.get(level, level)
+        allowed = LEVELS[LEVELS.index(level) :] if level in LEVELS else (level,)
+        allowed += tuple(alias for alias, name in ALIASES.items() if name in allowed)
+        stored = pc.utf8_upper(logs["level"])
+        both(pc.is_in(stored, value_set=pa.array(allowed, pa.string())))
     if f.worker is not None:
         both(pc.equal(logs["worker"], f.worker))
     if f.since is not None:

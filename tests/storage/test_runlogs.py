@@ -157,3 +157,24 @@ def test_logs_streams_and_lifecycle_survive_reindex_and_leave_with_retention(sta
     assert list(blobs.list(f"compact/v1/{tenant}/")) == []
     assert list(blobs.list(f"v1/{tenant}/")) == []
     engine.dispose()
+
+
+def test_level_filters_take_any_case_on_both_sides():
+    """Found by a fresh pair of eyes: records written "warning" or "Error" (structlog, zap)
+    were missed by ``level=warning`` and ``level=error``, and ``level=notice`` missed
+    "NOTICE", though the docs say any case."""
+    import pyarrow as pa
+
+    from storage.runlogs import LogFilters, filter_logs
+
+    levels = ["warning", "Error", "WARNING", "INFO", "warn", "notice", "NOTICE", "fatal", "debug"]
+    logs = pa.table({"level": levels, "message": [str(i) for i in range(len(levels))]})
+
+    def matching(level: str) -> list[str]:
+        return filter_logs(logs, LogFilters(level=level))["level"].to_pylist()
+
+    assert matching("warning") == ["warning", "Error", "WARNING", "warn", "fatal"]
+    assert matching("ERROR") == ["Error", "fatal"]
+    assert matching("Warn") == matching("warning")
+    assert matching("notice") == matching("NOTICE") == ["notice", "NOTICE"]
+    assert len(matching("debug")) == len(levels) - 2  # all but the custom level
