@@ -17,7 +17,7 @@ import base64
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from flask import Blueprint, Response, request
@@ -40,7 +40,7 @@ _RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{
 ARROW = "application/vnd.apache.arrow.stream"
 PARQUET = "application/vnd.apache.parquet"
 #: Columns that hold JSON text; JSON answers decode them.
-_JSON_COLUMNS = {"tasks": {"startstops"}, "streams": {"value"}}
+_JSON_COLUMNS = {"tasks": {"startstops", "attrs"}, "streams": {"value"}}
 _LIST_PARAMS = ("cluster", "run", "session", "prefix", "status", "worker", "name", "stream", "key")
 _FLOAT_PARAMS = (
     "min_duration",
@@ -51,6 +51,9 @@ _FLOAT_PARAMS = (
     "max_value",
     "min_makespan",
 )
+
+_PARAMS = {f.name for f in fields(Filters)} | {"columns", "sort", "format", "limit"}
+MAX_KEY = 4096  # hindsight.schema.Key
 
 
 def _table(table: str) -> str:
@@ -66,8 +69,9 @@ def _values(name: str) -> list[str]:
     if len(values) > MAX_VALUES:
         raise bad(name, f"at most {MAX_VALUES} values")
     for v in values:
-        if len(v) > MAX_PARAM * 4:
-            raise bad(name, f"longer than {MAX_PARAM * 4} characters")
+        longest = MAX_KEY if name == "key" else MAX_PARAM * 4  # a key as long as a batch's
+        if len(v) > longest:
+            raise bad(name, f"longer than {longest} characters")
         if any(ord(ch) < 32 for ch in v):
             raise bad(name, "contains control characters")
         if name == "cluster" and not valid_name(v):
@@ -91,6 +95,8 @@ def parse_request(table: str) -> LakeRequest:
     """Every parameter is checked for size and form before the table is looked up (so an
     oversized parameter is a 400 on any path), then against the table."""
     for name in request.args:
+        if name not in _PARAMS:  # a typo filtered nothing and answered every row
+            raise bad(name[:64], f"not a parameter of the lake routes ({', '.join(sorted(_PARAMS))})")
         if name not in _LIST_PARAMS and name != "columns":
             arg(name)  # the size cap of every single-valued parameter
     f = Filters(since=time_arg("since"), until=time_arg("until"))
@@ -124,7 +130,7 @@ def _columns(table: str, text: str) -> list[str]:
 def _sort(table: str, text: str | None) -> Sort | None:
     if text is None:
         return None
-    column = text.lstrip("-")
+    column = text.removeprefix("-")
     types = dict(layout.COLUMNS[table])
     if column not in (*types, "cluster", "day") or types.get(column, "").startswith("list"):
         raise bad("sort", f"not a sortable column of {table}: {column!r}")
@@ -208,6 +214,8 @@ def _json_rows(table: str, t: Any) -> list[dict[str, Any]]:
         for c in decode:
             if row[c] is not None:
                 row[c] = json.loads(row[c])
+        if row.get("attrs", 0) is None:
+            row["attrs"] = {}  # as the run routes give a task without any
     return rows
 
 

@@ -53,6 +53,10 @@ def test_lake_tasks_are_the_run_routes_records(lake_app):
         expected = route_records(h["query"], h["token"], run_id)
         records = [as_task_record({**r, "startstops": json.dumps(r["startstops"])}) for r in got]
         assert by_key(records) == by_key(expected)
+        # attrs as the run routes give them: an object, not its JSON text
+        attrs = {t["key"]: t["attrs"] for t in h["query"].get(f"/v1/runs/{run_id}/tasks",
+                 headers=auth(h["token"])).json["tasks"]}  # fmt: skip
+        assert {r["key"]: r["attrs"] for r in got} == attrs and {"retried": 1} in attrs.values()
         assert {(r["cluster"], r["run"]) for r in got} == {(h["runs"][name]["cluster"], run_id)}
 
 
@@ -185,6 +189,11 @@ BAD = [
     ("/v1/lake/tasks", {"limit": "10001"}, "limit"),
     ("/v1/lake/tasks", {"format": "xml"}, "format"),
     ("/v1/lake/tasks/files", {"columns": "key,key"}, "columns"),
+    # a typo'd filter answered every row (found by a fresh pair of eyes)
+    ("/v1/lake/tasks", {"prefx": "inc"}, "prefx"),
+    ("/v1/lake/tasks/files", {"clustr": "prod"}, "clustr"),
+    ("/v1/lake/tasks", {"sort": "--duration"}, "sort"),
+    ("/v1/lake/tasks", {"key": "k" * 4097}, "key"),
     (
         "/v1/lake/tasks/files/prod/2026-11-18/part-0000000001-0123456789abcdef.parquet",
         {"name": "x"},
@@ -208,6 +217,9 @@ def test_bad_parameters_are_clear_400s_and_unknown_tables_404s(empty_lake):
         assert resp.status_code == 400, (path, params, resp.json)
         assert resp.json["error"]["code"] == "invalid_parameter"
         assert resp.json["error"]["message"].startswith(f"{name}:"), resp.json
+    # a key as long as a batch may carry is a filter (it was refused over 1,024 characters)
+    resp = h["query"].get("/v1/lake/tasks", query_string={"key": "k" * 4096}, headers=auth(h["token"]))
+    assert resp.status_code == 200 and resp.json["rows"] == [], resp.json
     for path in (
         "/v1/lake/graph",
         "/v1/lake/graph/files",
