@@ -514,9 +514,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 state = self._open_runs.get(run)
                 if state is not None:
                     state.erred += 1
-                    for phase in get("startstops") or ():
-                        if phase["stop"] > state.erred_stop:
-                            state.erred_stop = phase["stop"]
+                    phases = get("startstops")
+                    # A task that erred without times (a KilledWorker; a dependent of a
+                    # failed task) erred now: the run closed at the last success before it.
+                    last = max(p["stop"] for p in phases) if phases else time.time()
+                    if last > state.erred_stop:
+                        state.erred_stop = last
                 blame = ts.exception_blame
                 if start != "processing" and blame is not None and blame is not ts:
                     # erred because ``blame`` did: its error, and which task it was

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,11 @@ def odd_text(i: int) -> int:
 
 def die(_: Any) -> None:
     os._exit(1)  # the worker process ends here, as a segfault or the OOM killer would end it
+
+
+def die_later(seconds: float) -> None:
+    time.sleep(seconds)
+    os._exit(1)
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +92,13 @@ def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
             assert client.gather(kept) == list(range(1, 7))
             del kept, doomed
         out["victim"] = victim
-        with span("dies-last"):  # the run's last (and only) task kills its worker
+        with span("dies-last"):  # the run's last task kills its worker, after the others
+            before = client.map(inc, range(3), key=[f"before-{i}" for i in range(3)])
+            assert client.gather(before) == [1, 2, 3]
+            out["die_last_submitted"] = time.time()
             with pytest.raises(KilledWorker):
-                client.submit(die, 0, key="die-last").result(timeout=60)
+                client.submit(die_later, 0.3, key="die-last").result(timeout=60)
+            del before
     yield out
 
 
@@ -244,11 +254,17 @@ def test_a_worker_killed_by_the_runs_last_task_left_during_the_run(hindsight_ser
     """Found by a fresh pair of eyes: the task a KilledWorker fails has no times, and Dask
     removes the worker after the span ended, so the departure fell after the run's window
     and the run page did not show it, nor what it took down."""
-    run = wait_for_run(hindsight_server, recorded["cluster"], "dies-last", 1, status="erred")
-    _finished(hindsight_server, run)
+    run = wait_for_run(hindsight_server, recorded["cluster"], "dies-last", 4, status="erred")
+    detail = _finished(hindsight_server, run)
     life = hindsight_server.get(f"/v1/runs/{run['id']}/lifecycle")["workers"]
     (gone,) = [w for w in life if w["left_during_run"]]
     assert gone["cause"] == "lost" and gone["took_down"]["erred"] == ["die-last"]
+    # Found by a fresh pair of eyes: the run ended at the last task that succeeded, before
+    # die-last was even submitted, and the scheduler's error about it fell outside the run.
+    assert detail["finished_at"] >= recorded["die_last_submitted"] + 0.3
+    errors = hindsight_server.get(f"/v1/runs/{run['id']}/logs", worker="scheduler", level="ERROR")
+    assert any("die-last" in r["message"] and "marked as failed" in r["message"]
+               for r in errors["logs"])  # fmt: skip
 
 
 def in_process_task(i: int) -> int:
