@@ -116,11 +116,25 @@ def current_task(worker: Any) -> tuple[str | None, str | None]:
     return str(key), run
 
 
+def _plain(value: Any) -> Any:
+    """NumPy and pandas values as the numbers, lists and times they hold: a task's
+    ``df["x"].sum()`` is an ``np.int64``, which was recorded as the text 'np.int64(5050)'
+    and so counted as no number at all."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # NumPy scalars
+        return value.item()
+    if hasattr(value, "tolist"):  # arrays, Series, Index
+        return value.tolist()
+    if hasattr(value, "isoformat"):  # pandas' Timestamp
+        return value.isoformat()
+    raise NotImplementedError(type(value).__name__)
+
+
 def emit(stream: str, value: Any = None) -> bool:
     """Record ``value`` on the custom stream ``stream``; True if it was queued.
 
-    ``value`` should be JSON-like (numbers, strings, lists, dicts); anything else is
-    recorded as its ``repr``.  Never raises, never blocks.
+    ``value`` should be JSON-like (numbers, strings, lists, dicts; NumPy and pandas
+    scalars and arrays as the numbers and lists they hold); anything else is recorded as
+    its ``repr``.  Never raises, never blocks.
     """
     ctx = _current()
     if ctx is None:
@@ -128,7 +142,7 @@ def emit(stream: str, value: Any = None) -> bool:
     try:
         stream = str(stream)[:STREAM_MAX] or "default"
         try:
-            value = msgspec.to_builtins(value, str_keys=True)
+            value = msgspec.to_builtins(value, str_keys=True, enc_hook=_plain)
             msgspec.json.encode(value)
         except Exception:
             value = repr(value)[:65536]

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import hindsight
@@ -21,8 +22,10 @@ from tests.dask.conftest import EmbeddedServer, wait_for_run, wait_until
 
 
 def emitting(i: int) -> int:
-    hindsight.emit("progress", i)
-    hindsight.emit("note", {"i": i, "even": i % 2 == 0})
+    # what pandas and NumPy hand a task (a df["x"].sum() is an np.int64) is a number too:
+    # it was recorded as the text 'np.int64(3)' (found by a fresh pair of eyes)
+    hindsight.emit("progress", np.int64(i) if i % 2 else i)
+    hindsight.emit("note", {"i": i, "even": np.bool_(i % 2 == 0)})
     if i == 3:
         logging.getLogger("user.task").warning("task %d looks odd", i)
     return i
