@@ -243,6 +243,13 @@ def errors(data: RunData) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- critical path
 
 
+def _before(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
+    """Of a key's records (by stop), the latest that ended by ``start``; else the first
+    (a worker's clock skew can make a dependency appear to end after its dependent began)."""
+    ended = [r for r in records if r["stop"] <= start]
+    return ended[-1] if ended else records[0]
+
+
 def critical_path(data: RunData) -> dict[str, Any]:
     """The chain of tasks that set the makespan, walked back from the last task to finish:
     each step goes to the dependency that finished last (the one the task waited for).
@@ -252,7 +259,12 @@ def critical_path(data: RunData) -> dict[str, Any]:
     result). Segments are in time order."""
     rows = data.tasks.select(["key", "prefix", "worker", "start", "stop", "compute_start",
                               "compute_stop", "startstops"]).to_pylist()  # fmt: skip
-    tasks = {r["key"]: r for r in rows if r["stop"] is not None}
+    # A key computed more than once in a run (recomputed after a worker died, computed
+    # again by a second compute() of the run) has a record per time: all of them count for
+    # the run's start, and a dependent waited for the latest that ended before it started.
+    tasks: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in sorted((r for r in rows if r["stop"] is not None), key=lambda r: r["stop"]):
+        tasks[r["key"]].append(r)
     deps = {r["key"]: r["dependencies"] for r in data.graph.to_pylist()}
     if not tasks:
         return {
@@ -262,8 +274,8 @@ def critical_path(data: RunData) -> dict[str, Any]:
             "totals": {},
             "clock_skew_seconds": 0.0,
         }
-    t0 = min(r["start"] for r in tasks.values())
-    last = max(tasks.values(), key=lambda r: r["stop"])
+    t0 = min(r["start"] for records in tasks.values() for r in records)
+    last = max((records[-1] for records in tasks.values()), key=lambda r: r["stop"])
     segments: list[dict[str, Any]] = []
     seen: set[str] = set()
     node: dict[str, Any] | None = last
@@ -288,7 +300,7 @@ def critical_path(data: RunData) -> dict[str, Any]:
             upper = ph["start"]
         mine.append({"kind": "compute", "key": node["key"], "prefix": node["prefix"],
                      "worker": node["worker"], "start": cstart, "stop": cstop})  # fmt: skip
-        preds = [tasks[d] for d in deps.get(node["key"], ()) if d in tasks]
+        preds = [_before(tasks[d], cstart) for d in deps.get(node["key"], ()) if d in tasks]
         pred = max(preds, key=lambda r: r["stop"]) if preds else None
         ready = pred["stop"] if pred is not None else t0
         # The gap before compute: its recorded transfers / disk reads, the rest waiting.

@@ -98,6 +98,26 @@ def test_critical_path_clips_clock_skew_between_workers():
     assert sum(s["seconds"] for s in cp["segments"]) == cp["makespan"] == 3.0
 
 
+def test_critical_path_covers_a_run_that_computed_keys_twice():
+    """Found by a fresh pair of eyes: a run that computed the same keys twice (a second
+    compute(), a recomputation after a worker died) kept one record per key, so the path
+    started at the second computation and covered 0.31 s of a 1.63 s run."""
+    tasks = [
+        {"key": "load-1", "worker": "a", "startstops": [c(0.0, 0.5)]},
+        {"key": "sum-1", "worker": "a", "startstops": [c(0.5, 0.75)]},
+        {"key": "load-1", "worker": "b", "startstops": [c(1.0, 1.5)]},
+        {"key": "sum-1", "worker": "b", "startstops": [c(1.75, 2.0)]},
+    ]
+    cp, got = path_of(tasks, {"sum-1": ["load-1"]})
+    assert got == [
+        ("wait", "load-1", 0.0, 1.0),
+        ("compute", "load-1", 1.0, 1.5),
+        ("wait", "sum-1", 1.5, 1.75),
+        ("compute", "sum-1", 1.75, 2.0),
+    ]
+    assert cp["makespan"] == sum(s["seconds"] for s in cp["segments"]) == 2.0
+
+
 def test_histogram_quantiles_merge_and_stay_within_the_bucket_error():
     rng = random.Random(0)
     runs = [[rng.lognormvariate(-2, 1.5) for _ in range(rng.randint(100, 2000))] for _ in range(20)]
