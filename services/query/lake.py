@@ -96,7 +96,9 @@ def parse_request(table: str) -> LakeRequest:
     oversized parameter is a 400 on any path), then against the table."""
     for name in request.args:
         if name not in _PARAMS:  # a typo filtered nothing and answered every row
-            raise bad(name[:64], f"not a parameter of the lake routes ({', '.join(sorted(_PARAMS))})")
+            raise bad(
+                name[:64], f"not a parameter of the lake routes ({', '.join(sorted(_PARAMS))})"
+            )
         if name not in _LIST_PARAMS and name != "columns":
             arg(name)  # the size cap of every single-valued parameter
     f = Filters(since=time_arg("since"), until=time_arg("until"))

@@ -218,7 +218,9 @@ def test_bad_parameters_are_clear_400s_and_unknown_tables_404s(empty_lake):
         assert resp.json["error"]["code"] == "invalid_parameter"
         assert resp.json["error"]["message"].startswith(f"{name}:"), resp.json
     # a key as long as a batch may carry is a filter (it was refused over 1,024 characters)
-    resp = h["query"].get("/v1/lake/tasks", query_string={"key": "k" * 4096}, headers=auth(h["token"]))
+    resp = h["query"].get(
+        "/v1/lake/tasks", query_string={"key": "k" * 4096}, headers=auth(h["token"])
+    )
     assert resp.status_code == 200 and resp.json["rows"] == [], resp.json
     for path in (
         "/v1/lake/graph",
