@@ -365,11 +365,16 @@ def _per_worker(c: _Tasks, aggs: list[RunAggregate]) -> None:
 
 
 def _per_hour(c: _Tasks, out: BatchAggregate) -> None:
-    """The cluster's tasks by the hour of their first start (tasks with phases only)."""
-    timed = np.flatnonzero(~np.isnan(c.phases.start))
+    """The cluster's tasks by the hour of their first start. A task without phases (a
+    KilledWorker, a dependent of a failed task, a Ray task cancelled before it ran) counts
+    in the hour of its batch's latest time: the runs list counted it, the history did not."""
+    start = c.phases.start
+    if out.t_max is not None:
+        start = np.where(np.isnan(start), out.t_max, start)
+    timed = np.flatnonzero(~np.isnan(start))
     if not len(timed):
         return
-    hour = np.floor(c.phases.start[timed] / 3600).astype(np.int64)
+    hour = np.floor(start[timed] / 3600).astype(np.int64)
     order, starts = _segments(hour)
     idx = timed[order]
     counts = np.diff(np.r_[starts, len(idx)])

@@ -70,6 +70,11 @@ def reference(batch: Batch) -> dict[str, Any]:
 
     hours: dict[int, list[Any]] = {}
     days: dict[tuple[str, str, int], list[Any]] = {}
+    # the batch's latest time: a task without phases counts in its hour
+    times = [t for ev in batch.events if isinstance(ev, TaskEvent)
+             for ph in ev.startstops for t in (ph.start, ph.stop)]  # fmt: skip
+    times += [ev.time for ev in batch.events if isinstance(ev, RunEvent)]
+    latest = max(times, default=None)
     for ev in batch.events:
         if isinstance(ev, GraphEvent):
             run(ev.run or DEFAULT_RUN)["graph"] += 1
@@ -110,7 +115,9 @@ def reference(batch: Batch) -> dict[str, Any]:
             if first is not None:
                 r["start"] = first if r["start"] is None else min(r["start"], first)
                 r["stop"] = last if r["stop"] is None else max(r["stop"], last)
-                hr = hours.setdefault(math.floor(first / 3600), [0, 0, 0.0, 0.0, 0.0, 0])
+            if first is not None or latest is not None:
+                hour = math.floor((first if first is not None else latest) / 3600)
+                hr = hours.setdefault(hour, [0, 0, 0.0, 0.0, 0.0, 0])
                 hr[0] += 1
                 hr[1] += erred
                 hr[2] += seconds[0]
