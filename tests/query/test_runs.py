@@ -231,3 +231,20 @@ def test_runs_outside_any_span_are_fingerprinted_by_their_prefixes(clients, make
     assert fps[0] == fps[2] != fps[1]
     regressions = query.get(f"/v1/runs/{runs[2]['id']}/regressions", headers=auth(token)).json
     assert regressions["baseline_runs"] == [runs[0]["id"]], regressions
+
+
+def test_a_run_still_running_is_no_baseline(clients, make_token):
+    """Found by a fresh pair of eyes: a finished run's regressions took an earlier run of
+    the same job that was still running (part of its tasks) as a baseline."""
+    collector, query = clients
+    token = make_token()
+    for i, status in enumerate(("finished", None, "finished")):  # the middle one still runs
+        body = run_batch("prod", "s1", f"nightly-{i}", 0, t=T0 + 3600 * i, status=status)
+        body["seq"] = i
+        body["events"][0]["name"] = "nightly"
+        assert post(collector, body, token=token).status_code == 202
+    runs = query.get("/v1/runs?name=nightly", headers=auth(token)).json["runs"]
+    latest, running, first = runs
+    assert running["status"] == "running" and first["status"] == "finished"
+    reg = query.get(f"/v1/runs/{latest['id']}/regressions", headers=auth(token)).json
+    assert reg["baseline_runs"] == [first["id"]]
