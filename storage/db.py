@@ -31,6 +31,8 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
+            # LIKE as Postgres has it: name=ETL* matched "etl-nightly" here only
+            cur.execute("PRAGMA case_sensitive_like=ON")
             cur.close()
 
         return engine

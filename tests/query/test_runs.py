@@ -248,3 +248,19 @@ def test_a_run_still_running_is_no_baseline(clients, make_token):
     assert running["status"] == "running" and first["status"] == "finished"
     reg = query.get(f"/v1/runs/{latest['id']}/regressions", headers=auth(token)).json
     assert reg["baseline_runs"] == [first["id"]]
+
+
+def test_a_name_prefix_matches_case_as_exact_names_do(clients, make_token):
+    """Found by a fresh pair of eyes: name=ETL* matched "etl-nightly" on SQLite, not on
+    Postgres (an exact name is case-sensitive on both)."""
+    collector, query = clients
+    token = make_token()
+    for i, name in enumerate(("ETL-nightly", "etl-nightly", "ETL_x", "ETLx")):
+        body = run_batch("prod", "s1", f"r{i}", 0, t=T0 + i)
+        body["seq"] = i
+        body["events"][0]["name"] = name
+        assert post(collector, body, token=token).status_code == 202
+    assert names(query.get("/v1/runs?name=ETL*", headers=auth(token))) == [
+        "ETLx", "ETL_x", "ETL-nightly"]  # fmt: skip
+    assert names(query.get("/v1/runs?name=ETL_*", headers=auth(token))) == ["ETL_x"]
+    assert names(query.get("/v1/runs?name=etl*", headers=auth(token))) == ["etl-nightly"]
