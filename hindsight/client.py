@@ -14,6 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from datetime import date
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class Client:
         page's whole body (what it says besides the items)."""
         cursor = None
         n = 0
+        if limit is not None and limit <= 0:
+            return
         while True:
             body = self.get(path, **params, cursor=cursor)
             if first is not None and not first:
@@ -119,15 +122,14 @@ class Client:
         """One run's detail (a dict: it is one object with nested parts)."""
         return self.get(f"/v1/runs/{run_id}")
 
-    def tasks(self, run_id: str, **filters: Any) -> Any:
-        """A run's tasks. Without filters, the run's Parquet copy (fast for very large runs);
-        with filters (prefix, worker, status, since, until, sort), the NDJSON stream."""
-        pd = _pd()
-        if not filters:
-            with self._open(f"/v1/runs/{run_id}/tasks.parquet") as resp:
-                return pd.read_parquet(io.BytesIO(resp.read()))
-        with self._open(f"/v1/runs/{run_id}/tasks/stream", filters) as resp:
-            return pd.DataFrame([json.loads(line) for line in resp if line.strip()])
+    def tasks(self, run_id: str, limit: int | None = None, **filters: Any) -> Any:
+        """A run's tasks (at most ``limit``) as one DataFrame, with or without filters
+        (prefix, worker, status, since, until, sort): the run's Parquet copy, or the
+        matching rows of it in the same columns. With a filter they were the NDJSON
+        records, in other columns (``c.tasks(r)["compute"]`` failed with one)."""
+        with self._open(f"/v1/runs/{run_id}/tasks.parquet", filters) as resp:
+            frame = _pd().read_parquet(io.BytesIO(resp.read()))
+        return frame if limit is None else frame.head(max(limit, 0))
 
     def summary(self, run_id: str) -> Any:
         """Per prefix and action: count, total, mean, min, p50, p90, p99, max."""
@@ -260,8 +262,6 @@ class Client:
         processing), ``prefixes`` (DataFrame: prefix, waiting, processing, memory,
         released, erred), ``thresholds`` (the session's memory fractions) and
         ``samples`` (the run's first and last sample times)."""
-        if hasattr(at, "timestamp"):
-            at = at.timestamp()
         body = self.get(f"/v1/runs/{run_id}/state", at=at)
         pd = _pd()
         workers = [{"worker": w["worker"], **w["memory"], "processing": w["processing"]}
@@ -459,4 +459,10 @@ class _ServicePart:
 def _param(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, date) or hasattr(value, "timestamp"):
+        # epoch seconds, a naive time read as UTC everywhere (as the server reads ISO text
+        # without a zone): runs(since=dt) sent str(dt), state(at=dt) the local reading
+        from hindsight.lake import _epoch
+
+        return repr(_epoch(value))
     return str(value)

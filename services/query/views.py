@@ -160,17 +160,19 @@ def run_tasks_stream(run_id: str) -> Any:
 
 @bp.get("/v1/runs/<run_id>/tasks.parquet")
 def run_tasks_parquet(run_id: str) -> Any:
-    """The run's compacted tasks file as it is stored (built now if needed)."""
+    """The run's compacted tasks file as it is stored (built now if needed); with the
+    task routes' filters or sort, a file of the matching rows, in the same columns."""
     run, _cluster, _session = _run_or_404(run_id)
     blobs = store().blobs
-    key = runfile.compacted_tasks_key(db(), blobs, run)
+    table, _sort = _task_query(run, lazy=True)
+    key = runfile.compacted_tasks_key(db(), blobs, run) if table is None else None
     if key is not None:
         body = blobs.get(key)
-    else:  # a running run: a snapshot, not stored
+    else:  # filtered, or a running run: a snapshot, not stored
         import pyarrow.parquet as pq
 
         buf = io.BytesIO()
-        pq.write_table(_run_data(run).tasks, buf, compression="zstd")
+        pq.write_table(_run_data(run).tasks if table is None else table, buf, compression="zstd")
         body = buf.getvalue()
     return Response(
         body,

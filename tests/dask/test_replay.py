@@ -8,8 +8,11 @@ snapshots it and until a later sample is recorded; releasing the events moves it
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -61,6 +64,22 @@ def replayed(body: dict[str, Any]) -> dict[str, Any]:
         "prefixes": {p["prefix"]: {k: p[k] for k in FIELDS} for p in body["prefixes"]},
         "workers": {w["worker"]: w["processing"] for w in body["workers"]},
     }
+
+
+@contextlib.contextmanager
+def local_zone(zone: str) -> Iterator[None]:
+    """This process's local time zone is ``zone`` inside the block."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = zone
+    time.tzset()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = before
+        time.tzset()
 
 
 def state(server: EmbeddedServer, run_id: str, at: float) -> dict[str, Any]:
@@ -146,6 +165,11 @@ def test_replay_equals_the_live_scheduler_at_held_moments(hindsight_server, reco
         assert workers == snap["workers"]
         hold_row = got["prefixes"].set_index("prefix").loc["hold"]
         assert {k: int(hold_row[k]) for k in FIELDS} == snap["prefixes"]["hold"]
+        # A naive datetime is UTC here as in every other parameter (found by a fresh pair
+        # of eyes: state() read it in the machine's zone, runs(since=) as UTC).
+        naive = datetime.fromtimestamp(at, UTC).replace(tzinfo=None)
+        with local_zone("America/New_York"):
+            assert HindsightClient(server.url).state(rid, at=naive)["time"] == pytest.approx(at)
     first, second = recorded["held"]
     assert first["prefixes"]["hold"]["processing"] == 4
     assert second["prefixes"]["hold"]["memory"] == 2

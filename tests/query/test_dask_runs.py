@@ -378,6 +378,14 @@ def test_python_client_round_trips_every_endpoint(history):
     assert len(tasks) == c.run(a)["task_count"]
     some = c.tasks(a, prefix=tasks["prefix"].iloc[0])
     assert len(some) == (tasks["prefix"] == tasks["prefix"].iloc[0]).sum()
+    # Found by a fresh pair of eyes: a filter gave other columns (the NDJSON records), one
+    # that matched nothing no columns at all; limit was ignored; runs(limit=0) gave a run.
+    assert list(some.columns) == list(tasks.columns) and "compute" in tasks.columns
+    assert list(c.tasks(a, prefix="no-such-prefix").columns) == list(tasks.columns)
+    assert list(c.tasks(a, limit=3)["key"]) == list(tasks["key"][:3])
+    slowest = c.tasks(a, sort="-duration", limit=2)
+    assert list(slowest["compute"]) == sorted(tasks["compute"], reverse=True)[:2]
+    assert c.runs(cluster=cluster, limit=0).empty
     summary = c.summary(a)
     assert {"prefix", "action", "p50", "p90", "p99", "max"} <= set(summary.columns)
     assert len(c.metrics(a, points=4)) > 0
