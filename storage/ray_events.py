@@ -598,7 +598,9 @@ def _apply(part: SessionPart, ev: Any, etype: str) -> bool:
                 w.ended_at = _min(w.ended_at, ms / 1000 if ms else _time(s.timestamp))
                 if s.death_info is not None:
                     w.exit_type = w.exit_type or clean(s.death_info.exit_type, 64)
-                    w.exit_detail = w.exit_detail or clean(s.death_info.exit_detail, MAX_TEXT)
+                    # Ray colours a user error's detail for a terminal: not for a page
+                    detail = _ANSI.sub("", s.death_info.exit_detail or "")
+                    w.exit_detail = w.exit_detail or clean(detail, MAX_TEXT)
     elif etype == "ACTOR_DEFINITION_EVENT" and ev.actor_definition_event is not None:
         d = ev.actor_definition_event
         aid = _hex(d.actor_id)

@@ -267,6 +267,10 @@ def test_what_ray_reports_of_odd_tasks_and_worker_exits(app, token):
               and e["workerLifecycleEvent"]["stateTransitions"][0]["state"] == "DEAD"]  # fmt: skip
     for e, exit_type in zip(deaths, ("SYSTEM_ERROR", "INTENDED_SYSTEM_EXIT"), strict=False):
         e["workerLifecycleEvent"]["stateTransitions"][0]["deathInfo"]["exitType"] = exit_type
+    # a user error's detail comes coloured for a terminal (it reached the page raw)
+    deaths[0]["workerLifecycleEvent"]["stateTransitions"][0]["deathInfo"]["exitDetail"] = (
+        "\x1b[36mBadInit.__init__()\x1b[39m failed"
+    )
     events += sim.job_start(1, T0)
     cancelled = sim.task(1, "slow", T0 + 0.5, 0.3, failed=True)
     ended = sim.submitter(cancelled)
@@ -300,6 +304,8 @@ def test_what_ray_reports_of_odd_tasks_and_worker_exits(app, token):
     workers = r.get(f"/v1/runs/{run['id']}/lifecycle")["workers"]
     causes = sorted((w["reason"].split(":")[0], w["cause"]) for w in workers)
     assert causes == [("INTENDED_SYSTEM_EXIT", "retired"), ("SYSTEM_ERROR", "lost")]
+    (lost,) = [w for w in workers if w["cause"] == "lost"]
+    assert lost["reason"] == "SYSTEM_ERROR: BadInit.__init__() failed"
 
 
 @pytest.mark.parametrize(
