@@ -1038,10 +1038,15 @@ def _close_job(
         job = db.execute(
             _skip_locked(select(J).where(J.session_id == session_id, J.job_id == job_id), db)
         ).scalar_one_or_none()
-        if job is None or job.closed_at is not None:
+        if job is None:
             return out
         ended = job.end_seen is not None and job.end_seen <= now - settle
-        if not ended and job.last_event_at > now - idle:
+        if job.closed_at is not None:
+            # Closed when idle or at the driver's exit, then Ray's FINISHED came: the run
+            # ends at it (it kept the earlier end, before tasks that ran after it).
+            if job.closed_by == "finished" or job.finished_at is None or not ended:
+                return out
+        elif not ended and job.last_event_at > now - idle:
             return out
         rows = take_ready(db, session_id, job=job_id)
         rows += _emit_locked(db, session_id, [T.job_id == job_id])
@@ -1145,6 +1150,12 @@ def run_due(
         closing = db.execute(
             select(J.session_id, J.job_id)
             .where(J.closed_at.is_(None), or_(J.end_seen <= cutoff, J.last_event_at <= now - idle))
+            .limit(limit)
+        ).all()
+        closing += db.execute(  # closed before Ray's FINISHED came
+            select(J.session_id, J.job_id)
+            .where(J.closed_at.is_not(None), J.closed_by != "finished",
+                   J.finished_at.is_not(None), J.end_seen <= cutoff)  # fmt: skip
             .limit(limit)
         ).all()
         stragglers = db.scalars(

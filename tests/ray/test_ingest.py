@@ -463,6 +463,15 @@ def test_a_job_that_never_finishes_closes_when_idle(app, token):
     assert detail["completeness"]["closed_by"] == "idle"
     assert detail["completeness"]["job_finished_event"] is False
     assert detail["tasks_by_status"] == {"memory": 19, "lost": 1}
+    # Ray's FINISHED comes after all (a notebook's driver idled, then ran more and ended):
+    # the run ends then. It kept the idle close's end, 37 s before the job's (found by a
+    # fresh pair of eyes on a real Ray cluster).
+    r.post_all(bodies(sim.job_end(1, T0 + 60)))
+    r.sweep(after=SETTLE + 1)
+    detail = r.get(f"/v1/runs/{run['id']}")
+    assert detail["finished_at"] == pytest.approx(T0 + 60.003, abs=1e-6)  # the job's FINISHED
+    assert detail["completeness"]["closed_by"] == "finished"
+    assert detail["completeness"]["job_finished_event"] is True
 
 
 def test_events_after_the_job_closed_are_still_written_once(app, token):
