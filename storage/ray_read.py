@@ -23,13 +23,17 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
     tasks whose definition, RUNNING or end never arrived, the job's FINISHED event, and
     events stored but not understood (``events_skipped``)."""
     T = m.RayTask
+    # A task that failed before it reached a worker (cancelled while pending, a call on a
+    # dead actor) never ran: no RUNNING is missing from its record.
+    never_ran = T.failed_at.is_not(None) & T.submitted_at.is_(None) & T.running_at.is_(None)
+    ran = T.running_at.is_not(None) | never_ran
     total, complete, no_def, no_running, no_end, waiting = db.execute(
         select(
             func.count(),
-            func.sum(case((T.defined.is_(True) & T.running_at.is_not(None)
+            func.sum(case((T.defined.is_(True) & ran
                           & (T.finished_at.is_not(None) | T.failed_at.is_not(None)), 1), else_=0)),
             func.sum(case((T.defined.is_(False), 1), else_=0)),
-            func.sum(case((T.running_at.is_(None), 1), else_=0)),
+            func.sum(case((~ran, 1), else_=0)),
             func.sum(case((T.finished_at.is_(None) & T.failed_at.is_(None), 1), else_=0)),
             func.sum(case((T.emitted.is_(False), 1), else_=0)),
         ).where(T.session_id == job.session_id, T.job_id == job.job_id)
