@@ -1154,8 +1154,12 @@ def run_due(
         ).all()
         closing += db.execute(  # closed before Ray's FINISHED came
             select(J.session_id, J.job_id)
-            .where(J.closed_at.is_not(None), J.closed_by != "finished",
-                   J.finished_at.is_not(None), J.end_seen <= cutoff)  # fmt: skip
+            .where(
+                J.closed_at.is_not(None),
+                J.closed_by != "finished",
+                J.finished_at.is_not(None),
+                J.end_seen <= cutoff,
+            )  # fmt: skip
             .limit(limit)
         ).all()
         stragglers = db.scalars(

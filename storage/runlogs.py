@@ -463,7 +463,8 @@ def took_down(departure: dict[str, Any], tasks: Any) -> dict[str, Any]:
     """The run's tasks a departure took down, from the keys the agent listed: ``erred``
     (failed because of it: Dask's KilledWorker), ``rescheduled`` (it was running them;
     they ran again elsewhere) and ``recomputed`` (results only it held, computed again),
-    each with the worker and time of the task's next record, if any."""
+    each with the worker and time of the task's next record, if any; ``lost`` (results
+    only it held that were never computed again)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -490,11 +491,13 @@ def took_down(departure: dict[str, Any], tasks: Any) -> dict[str, Any]:
     rescheduled = [
         later.get(k, {"key": k}) for k in departure["processing"] if k in mine and k not in gone
     ]
-    recomputed = [later.get(k, {"key": k}) for k in departure["lost"] if k in mine]
+    held = [k for k in departure["lost"] if k in mine]
     return {
         "erred": erred,
         "rescheduled": rescheduled,
-        "recomputed": recomputed,
+        "recomputed": [later[k] for k in held if k in later],
+        # results only it held that were not computed again (no longer needed)
+        "lost": [k for k in held if k not in later],
         # totals over the whole cluster (every run) as the agent counted them; the lists
         # above hold the run's keys among the first keys listed
         "worker_totals": {k: counts.get(k, 0) for k in ("processing", "erred", "lost")},

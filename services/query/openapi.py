@@ -427,6 +427,7 @@ _lifecycle_worker = {"type": "object", "properties": {
     "took_down": {"type": "object", "description": "the run's tasks its leaving took down",
                   "properties": {"erred": {"type": "array", "items": {"type": "string"}},
                                  "rescheduled": _took, "recomputed": _took,
+                                 "lost": {"type": "array", "items": {"type": "string"}},
                                  "worker_totals": _obj}}}}  # fmt: skip
 _session_info = {"type": ["object", "null"], "properties": {
     "time": {"type": "number"}, "address": _str_or_null, "versions": _obj, "config": _obj}}  # fmt: skip

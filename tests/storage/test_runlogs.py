@@ -38,8 +38,8 @@ def batches() -> list[dict[str, Any]]:
         task("inc-9", W1, T0 + 2.2, status="erred"),
         {"kind": "worker", "event": "left", "address": W1, "time": T0 + 2.2, "name": "0",
          "reason": "handle-worker-cleanup", "expected": False, "status": "running",
-         "processing": ["inc-9"], "erred": ["inc-9"], "lost": ["inc-1", "other-run-key"],
-         "counts": {"processing": 1, "erred": 1, "lost": 2}},
+         "processing": ["inc-9"], "erred": ["inc-9"], "lost": ["inc-1", "inc-2", "other-run-key"],
+         "counts": {"processing": 1, "erred": 1, "lost": 3}},
         task("inc-1", W2, T0 + 3),
         {"kind": "log", "time": T0 + 2.2, "level": "ERROR", "worker": "scheduler",
          "logger": "distributed.scheduler", "message": "Task inc-9 marked as failed because 1 workers died"},
@@ -128,6 +128,9 @@ def test_logs_streams_and_lifecycle_survive_reindex_and_leave_with_retention(sta
     assert w1["took_down"]["recomputed"] == [
         {"key": "inc-1", "worker": W2, "status": "memory", "stop": T0 + 3.5}
     ]
+    # inc-2's result went with w1 and was never computed again (its future was released):
+    # lost, not "recomputed" as the page said (found by a fresh pair of eyes)
+    assert w1["took_down"]["lost"] == ["inc-2"]
     assert "left_at" in life[1] and life[1]["left_at"] is None and "took_down" not in life[1]
 
     # paging: two records a page, every record once, in order
