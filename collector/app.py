@@ -30,4 +30,4 @@ def init_collector(app: Flask) -> None:
     init_ray(app)
     if s.finish_worker:
         st = app.extensions["hindsight"]
-        FinishWorker.register(app, st.sessions, st.blobs)
+        FinishWorker.register(app, st.sessions, st.blobs, silence=s.silent_close_seconds)

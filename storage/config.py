@@ -39,6 +39,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_RAY_SWEEPER": ("ray_sweeper", bool, True),
     "HINDSIGHT_FINISH_WORKER": ("finish_worker", bool, True),
     "HINDSIGHT_FINISH_SETTLE_SECONDS": ("finish_settle_seconds", float, 5.0),
+    "HINDSIGHT_SILENT_CLOSE_SECONDS": ("silent_close_seconds", float, 1800.0),
 }
 
 
@@ -72,6 +73,7 @@ class Settings:
     ray_sweeper: bool
     finish_worker: bool
     finish_settle_seconds: float
+    silent_close_seconds: float
 
     @property
     def auth_required(self) -> bool:
@@ -136,6 +138,8 @@ def load_settings(
         raise ConfigError("HINDSIGHT_BODY_TIMEOUT must be a positive number of seconds")
     if values["finish_settle_seconds"] < 0:
         raise ConfigError("HINDSIGHT_FINISH_SETTLE_SECONDS must not be negative")
+    if not values["silent_close_seconds"] >= 0:  # NaN fails too
+        raise ConfigError("HINDSIGHT_SILENT_CLOSE_SECONDS must not be negative (0: never)")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
     if values["ray_settle_seconds"] < 0 or values["ray_idle_close_seconds"] <= 0:

@@ -226,6 +226,57 @@ def run_due(
     return done
 
 
+SILENT_AGENT = "hindsight-silent"  # the agent name of the batch that closes a silent run
+SILENT_CHECK_SECONDS = 60.0
+
+
+def close_silent(
+    sessions: sessionmaker[Session], blobs: BlobStore, *, silence: float,
+    now: float | None = None, limit: int = 100,
+) -> int:  # fmt: skip
+    """Close the Dask runs still running in sessions nothing was heard from for ``silence``
+    seconds: the scheduler was killed (SIGKILL, the OOM killer, a pod evicted without a
+    grace period) before its agent could end them, so they stayed running for ever, never
+    got their finished-run work and never reached the lake. Each is ended ``erred`` at the
+    last time its session was heard from, through a batch like any other (agent
+    ``hindsight-silent-<run id>``, stored first, so a rebuilt index closes it too); the
+    session's completeness keeps saying the scheduler's agent never closed. Ray runs are
+    left to the Ray sweeper. Returns how many runs were closed."""
+    import zstandard
+
+    from hindsight.schema import RunEvent, encode_batch
+    from storage.batches import blob_key
+    from storage.ingest import index_batch
+
+    now = time.time() if now is None else now
+    R, S, C, T = m.Run, m.Session, m.Cluster, m.Tenant
+    with sessions() as db:
+        rows = db.execute(
+            select(R.id, R.run_key, R.task_stop, R.started_at, S.last_seen, S.name, C.name,
+                   T.id, T.name)
+            .join(S, S.id == R.session_id).join(C, C.id == S.cluster_id).join(T, T.id == C.tenant_id)
+            .where(R.status == "running", S.last_seen < now - silence,
+                   ~select(m.RayJob.session_id).where(m.RayJob.session_id == S.id).exists())
+            .order_by(R.id).limit(limit)
+        ).all()  # fmt: skip
+    closed = 0
+    for run_id, run_key, task_stop, started, heard, session, cluster, tenant_id, tenant in rows:
+        end = max(t for t in (heard, task_stop, started) if t is not None)
+        batch = Batch(schema=1, cluster=cluster, session=session, agent=f"{SILENT_AGENT}-{run_id}",
+                      seq=0, events=[RunEvent(event="erred", id=run_key, time=end)], final=True)  # fmt: skip
+        data = zstandard.ZstdCompressor(level=3).compress(encode_batch(batch))
+        key = blob_key(tenant, batch)
+        if not blobs.put(key, data, if_absent=True):
+            batch = decode_stored(blobs.get(key))  # index what is stored
+        with sessions.begin() as db:
+            if index_batch(db, tenant_id=tenant_id, tenant=tenant, batch=batch, blob_key=key,
+                           size=len(data), now=now):  # fmt: skip
+                closed += 1
+                logger.warning("closed run %s of session %s: nothing heard from it for %.0f s "
+                               "(its scheduler died?)", run_key, session, now - heard)  # fmt: skip
+    return closed
+
+
 def fold_clusters(sessions: sessionmaker[Session]) -> int:
     """Fold the appended day and hour rows of every cluster that has some."""
     from storage import rollups
@@ -272,31 +323,41 @@ class FinishWorker:
     _instance_lock = threading.Lock()
 
     def __init__(self) -> None:
-        self._targets: weakref.WeakKeyDictionary[Any, tuple[sessionmaker[Session], BlobStore]]
-        self._targets = weakref.WeakKeyDictionary()
+        self._targets: weakref.WeakKeyDictionary[
+            Any, tuple[sessionmaker[Session], BlobStore, float]
+        ] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Silence counts from this process's start too: after the collector itself was
+        # down, agents resend what they spooled before their sessions read as silent.
+        self._started = time.time()
         self._thread = threading.Thread(target=self._loop, name="hindsight-finish", daemon=True)
         self._thread.start()
 
     @classmethod
-    def register(cls, owner: Any, sessions: sessionmaker[Session], blobs: BlobStore) -> None:
-        """Run ``owner``'s due jobs in this process's worker thread while ``owner`` lives."""
+    def register(
+        cls, owner: Any, sessions: sessionmaker[Session], blobs: BlobStore, silence: float = 0.0
+    ) -> None:
+        """Run ``owner``'s due jobs in this process's worker thread while ``owner`` lives,
+        and close its silent runs (:func:`close_silent`) when ``silence`` is positive."""
         with cls._instance_lock:
             if cls._instance is None or not cls._instance._thread.is_alive():
                 cls._instance = cls()
             worker = cls._instance
         with worker._lock:
-            worker._targets[owner] = (sessions, blobs)
+            worker._targets[owner] = (sessions, blobs, silence)
 
     def _loop(self) -> None:
-        last_fold = time.monotonic()
+        last_fold = last_silent = time.monotonic()
         while not self._stop.wait(POLL_SECONDS):
             with self._lock:
                 targets = list(self._targets.values())
             fold = time.monotonic() - last_fold > FOLD_CLUSTERS_SECONDS
-            for sessions, blobs in targets:
+            silent = time.monotonic() - last_silent > SILENT_CHECK_SECONDS
+            for sessions, blobs, silence in targets:
                 try:
+                    if silent and 0 < silence < time.time() - self._started:
+                        close_silent(sessions, blobs, silence=silence)
                     while run_due(sessions, blobs) > 0:
                         pass
                     if fold:
@@ -305,3 +366,5 @@ class FinishWorker:
                     logger.warning("finished-run work failed; will retry", exc_info=True)
             if fold:
                 last_fold = time.monotonic()
+            if silent:
+                last_silent = time.monotonic()

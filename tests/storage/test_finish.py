@@ -124,6 +124,31 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
     assert finish.run_due(st.sessions, st.blobs) == 0  # nothing left to do
 
 
+def test_a_run_whose_scheduler_went_silent_is_closed(apps, make_token):
+    """Found by a fresh pair of eyes: a scheduler killed with SIGKILL (the OOM killer, a pod
+    evicted) never ends its runs; they stayed running for ever, with no finished-run work
+    and nothing in the lake."""
+    collector, query, app = apps
+    token = make_token()
+    body = run_batch("c", "s", "r", 0, n_tasks=3, status=None)  # no end, no final batch
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    assert run["status"] == "running"
+    st = store_of(app)
+    with st.sessions() as db:
+        heard = db.scalar(select(m.Session.last_seen).join(m.Run).where(
+            m.Run.public_id == run["id"]))  # fmt: skip
+    assert finish.close_silent(st.sessions, st.blobs, silence=600, now=heard + 599) == 0
+    assert finish.close_silent(st.sessions, st.blobs, silence=600, now=heard + 601) >= 1
+    got = detail(query, token, run["id"])
+    assert got["status"] == "erred" and got["finished_at"] == pytest.approx(heard)
+    assert got["completeness"]["closed"] is False  # the scheduler's agent never said goodbye
+    assert got["finished_work"]["pending"] is True
+    assert finish.close_silent(st.sessions, st.blobs, silence=600, now=heard + 601) == 0
+    # the closing batch is stored like any other: a rebuilt index closes the run too
+    assert any("/hindsight-silent-" in k for k in st.blobs.list(""))
+
+
 def test_a_late_batch_finishes_the_run_again(apps, make_token):
     collector, query, app = apps
     token = make_token()
