@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -215,19 +216,36 @@ def graph(data: RunData) -> dict[str, Any]:
     return {"nodes": out, "edges": edges}
 
 
+# Numbers and ids in an exception's text: "bad record 17", "TaskID(98b3...) was
+# cancelled", "0x7f3a..." are one error each, not one per task.
+_VARIES = re.compile(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]*[0-9][0-9a-fA-F]*\b")
+
+
+def error_fingerprint(text: str) -> str:
+    """The exception text with its numbers and hex ids as ``#``: what groups errors."""
+    return _VARIES.sub("#", text)
+
+
 def errors(data: RunData) -> list[dict[str, Any]]:
-    """Erred tasks grouped by exception text, largest group first."""
+    """Erred tasks grouped by exception text, its numbers and hex ids set aside (the first
+    text is the group's ``exception``; ``messages`` counts the distinct texts), largest
+    group first."""
     import pyarrow.compute as pc
 
     groups: dict[str, dict[str, Any]] = {}
+    texts: dict[str, set[str]] = defaultdict(set)
     table = data.tasks.select(["key", "prefix", "status", "worker", "exception", "traceback"])
     # Filter in Arrow first: a 100k-task run has a handful of failures, not 100k Python rows.
     for r in table.filter(pc.equal(table["status"], "erred")).to_pylist():
         exc = r["exception"] or "(no exception recorded)"
-        g = groups.get(exc)
+        fp = error_fingerprint(exc)
+        g = groups.get(fp)
         if g is None:
-            g = groups[exc] = {"exception": exc, "count": 0, "prefixes": {}, "workers": set(),
-                               "keys": [], "traceback": r["traceback"]}  # fmt: skip
+            g = groups[fp] = {"exception": exc, "count": 0, "messages": 0, "prefixes": {},
+                              "workers": set(), "keys": [], "traceback": r["traceback"]}  # fmt: skip
+        if len(texts[fp]) < 1000:
+            texts[fp].add(exc)
+            g["messages"] = len(texts[fp])
         g["count"] += 1
         g["prefixes"][r["prefix"]] = g["prefixes"].get(r["prefix"], 0) + 1
         if r["worker"]:

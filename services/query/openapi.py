@@ -195,7 +195,9 @@ PATHS = {
         "The task graph: nodes with duration, worker, nbytes, typename, status; edges",
         {"nodes": _arr, "edges": _arr},
     ),
-    "/v1/runs/{run_id}/errors": _json("Erred tasks grouped by exception", {"groups": _arr}),
+    "/v1/runs/{run_id}/errors": _json(
+        "Erred tasks grouped by exception text, numbers and hex ids set aside", {"groups": _arr}
+    ),
     "/v1/runs/{run_id}/critical-path": _json(
         "The chain of compute, transfer and waiting through the DAG that set the makespan",
         {"makespan": {"type": ["number", "null"]}, "segments": _arr, "totals": _obj},

@@ -264,3 +264,30 @@ def test_a_name_prefix_matches_case_as_exact_names_do(clients, make_token):
         "ETLx", "ETL_x", "ETL-nightly"]  # fmt: skip
     assert names(query.get("/v1/runs?name=ETL_*", headers=auth(token))) == ["ETL_x"]
     assert names(query.get("/v1/runs?name=etl*", headers=auth(token))) == ["etl-nightly"]
+
+
+def test_errors_that_differ_only_by_numbers_or_ids_are_one_group(clients, make_token):
+    """Found by fresh pairs of eyes: 'bad record 1' and 'bad record 2', or Ray's
+    'Task: TaskID(98b3...) was cancelled', made a group per task."""
+    collector, query = clients
+    token = make_token()
+    body = run_batch("prod", "s1", "r", 0, n_tasks=0)
+    texts = [f"ValueError('bad record {i}')" for i in range(5)]
+    texts += [
+        f"TaskCancelledError: Task: TaskID({h}) was cancelled." for h in ("98b3ff0a", "0c1d2e3f")
+    ]
+    texts += ["ZeroDivisionError: division by zero"]
+    body["events"][1:1] = [
+        {"kind": "task", "key": f"bad-{i}", "prefix": "bad", "status": "erred", "run": "r",
+         "exception": text, "traceback": "  File x.py, line 1"}
+        for i, text in enumerate(texts)
+    ]  # fmt: skip
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    groups = query.get(f"/v1/runs/{run['id']}/errors", headers=auth(token)).json["groups"]
+    assert [(g["exception"], g["count"], g["messages"]) for g in groups] == [
+        ("ValueError('bad record 0')", 5, 5),
+        ("TaskCancelledError: Task: TaskID(98b3ff0a) was cancelled.", 2, 2),
+        ("ZeroDivisionError: division by zero", 1, 1),
+    ]
+    assert groups[0]["keys"] == [f"bad-{i}" for i in range(5)]
