@@ -105,6 +105,7 @@ class RunStates:
 
     def __init__(self, agent: Any, scheduler: Any, interval: float) -> None:
         self.agent = agent
+        self.scheduler = scheduler
         self.spans = scheduler.extensions.get("spans")
         self.interval = interval
         self._last: dict[str, float] = {}
@@ -147,8 +148,23 @@ class RunStates:
         gone = [
             a for a, t in self._left.items() if t >= at and a not in present and a in self._seen
         ]
+        workers = [(*w[:5], self._processing_at(w[0], at, w[5])) for w in workers]
         workers = [*workers, *((*self._seen[a][:5], 0) for a in gone)]
         self.agent.add((state_event, run, at, prefix_states(span), workers))
+
+    def _processing_at(self, address: str, at: float, now: int) -> int:
+        """Of the tasks processing on a worker now, those submitted by ``at``: the figures
+        come up to one interval after a run's end, and a run started meanwhile showed its
+        tasks at the end of the run before it."""
+        ws = self.scheduler.workers.get(address)
+        if ws is None or self.spans is None:
+            return now
+        count = 0
+        for ts in list(ws.processing):
+            span = self.spans.spans.get(ts.group.span_id)
+            if span is None or span.enqueued <= at:
+                count += 1
+        return count
 
     def left(self, address: str, at: float) -> None:
         """A worker left the cluster at ``at`` (remembered a minute, for :meth:`final`)."""

@@ -40,6 +40,10 @@ def hold(x: int, event: str) -> int:
     return x
 
 
+def hold_later(x: int, event: str) -> int:
+    return hold(x, event)
+
+
 def combine(a: int, b: int) -> int:
     return a + b
 
@@ -143,9 +147,17 @@ def recorded(hindsight_server: EmbeddedServer) -> dict[str, Any]:
         held(lambda s: prefix(s, "hold", "memory") == 2 and prefix(s, "hold", "processing") == 2)
         events[1].set()
         client.gather(futures)
+        # Another run starts at once, before the scheduler sees this one done (up to one
+        # interval later): its tasks are not this run's end (they were, found by a fresh
+        # pair of eyes: at the end of a run, both workers "processing" the next's).
+        later = Event(f"{cluster}-later", client)
+        with span("later"):
+            nexts = [client.submit(hold_later, i, later.name) for i in range(2)]
         # The run's end is recorded while its results are still held.
         wait_for_run(server, cluster, "replay", TASKS)
         out["final"] = client.run_on_scheduler(live_snapshot)
+        later.set()
+        client.gather(nexts)
     return out
 
 
