@@ -384,13 +384,15 @@ def critical_path(data: RunData) -> dict[str, Any]:
 
 def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     """Worker-thread-seconds of the given runs: compute, transfer, spill (disk read+write),
-    other phases, and idle (thread-seconds the workers offered over each run's makespan
-    that no task phase used). Threads come from the worker's ``joined`` event."""
+    other phases, and idle (thread-seconds the workers offered over each run's makespan,
+    while they were there, that no task phase used). Threads come from the worker's
+    ``joined`` event."""
     if not run_ids:
         return {"runs": 0, "capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0,
                 "other": 0.0, "idle": 0.0, "workers": []}  # fmt: skip
     rows = db.execute(
-        select(m.RunWorker, m.Run.task_start, m.Run.task_stop, m.Worker.nthreads)
+        select(m.RunWorker, m.Run.task_start, m.Run.task_stop, m.Worker.nthreads,
+               m.Worker.joined_at, m.Worker.left_at)  # fmt: skip
         .join(m.Run, m.Run.id == m.RunWorker.run_id)
         .outerjoin(
             m.Worker,
@@ -400,7 +402,16 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     ).all()
     per_worker: dict[str, dict[str, float]] = {}
     tot = {"capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0, "other": 0.0}
-    for w, start, stop, nthreads in rows:
+    for w, start, stop, nthreads, joined, left in rows:
+        # A worker that joined or left during the run offered its threads only meanwhile
+        # (an adaptive cluster's; a Ray worker process, which lives for a few tasks: six
+        # 2-second processes were counted for a whole 17.6 s run each).
+        if left is not None and joined is not None and left < joined:
+            left = None  # left, then joined again: there at the end
+        if start is not None and joined is not None:
+            start = max(start, min(joined, w.first_start if w.first_start is not None else joined))
+        if stop is not None and left is not None:
+            stop = min(stop, max(left, w.last_stop if w.last_stop is not None else left))
         span = makespan(start, stop) or 0.0
         cap = span * (nthreads or 1)
         d = per_worker.setdefault(

@@ -291,3 +291,29 @@ def test_errors_that_differ_only_by_numbers_or_ids_are_one_group(clients, make_t
         ("ZeroDivisionError: division by zero", 1, 1),
     ]
     assert groups[0]["keys"] == [f"bad-{i}" for i in range(5)]
+
+
+def test_time_counts_a_worker_only_while_it_was_there(clients, make_token):
+    """Found by a fresh pair of eyes on Ray: each worker process (alive for a few tasks)
+    was given the whole run's makespan of capacity, 105.8 s of it on 2 CPUs over 17.6 s.
+    The same held for a Dask worker that joined an adaptive cluster during the run."""
+    collector, query = clients
+    token = make_token()
+    body = run_batch("prod", "s1", "r", 0, n_tasks=0)
+    w1, w2 = "tcp://w:1", "tcp://w:2"
+    body["events"][1:1] = [
+        {"kind": "worker", "event": "joined", "address": w1, "time": T0 - 60, "nthreads": 2},
+        {"kind": "worker", "event": "joined", "address": w2, "time": T0 + 8, "nthreads": 1},
+        {"kind": "worker", "event": "left", "address": w2, "time": T0 + 9.5},
+        {"kind": "task", "key": "a-0", "prefix": "a", "status": "memory", "run": "r", "worker": w1,
+         "startstops": [{"action": "compute", "start": T0, "stop": T0 + 10}]},
+        {"kind": "task", "key": "a-1", "prefix": "a", "status": "memory", "run": "r", "worker": w2,
+         "startstops": [{"action": "compute", "start": T0 + 8.5, "stop": T0 + 9}]},
+    ]  # fmt: skip
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    got = query.get(f"/v1/runs/{run['id']}/time", headers=auth(token)).json
+    workers = {w["worker"]: w for w in got["workers"]}
+    assert workers[w1]["capacity"] == pytest.approx(20.0)  # 2 threads over the 10 s run
+    assert workers[w2]["capacity"] == pytest.approx(1.5)  # joined at 8, left at 9.5
+    assert workers[w2]["idle"] == pytest.approx(1.0)
