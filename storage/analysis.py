@@ -391,8 +391,14 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
         return {"runs": 0, "capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0,
                 "other": 0.0, "idle": 0.0, "workers": []}  # fmt: skip
     rows = db.execute(
-        select(m.RunWorker, m.Run.task_start, m.Run.task_stop, m.Worker.nthreads,
-               m.Worker.joined_at, m.Worker.left_at)  # fmt: skip
+        select(
+            m.RunWorker,
+            m.Run.task_start,
+            m.Run.task_stop,
+            m.Worker.nthreads,
+            m.Worker.joined_at,
+            m.Worker.left_at,
+        )  # fmt: skip
         .join(m.Run, m.Run.id == m.RunWorker.run_id)
         .outerjoin(
             m.Worker,

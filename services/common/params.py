@@ -26,11 +26,27 @@ def arg(name: str, max_length: int = MAX_PARAM) -> str | None:
     return value
 
 
+# Numbers as an API writes them: Python's int() and float() also take "1_000", " 5" and
+# other scripts' digits ("١٢"), which no client means.
+_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_FLOAT = re.compile(
+    r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.I
+)
+
+
+def _float(value: str) -> float:
+    if not _FLOAT.fullmatch(value):
+        raise ValueError(value)
+    return float(value)
+
+
 def int_arg(name: str, default: int, lo: int, hi: int) -> int:
     value = arg(name)
     if value is None:
         return default
     try:
+        if not _INT.fullmatch(value):
+            raise ValueError(value)
         n = int(value)
     except ValueError:
         raise bad(name, "must be an integer") from None
@@ -45,7 +61,7 @@ def time_arg(name: str) -> float | None:
     if value is None:
         return None
     try:
-        t = float(value)
+        t = _float(value)
     except ValueError:
         # An unencoded "+01:00" offset arrives as " 01:00": put the plus back.
         value = re.sub(r"(T[\d:.]+) (\d{2}:?\d{2})$", r"\1+\2", value.replace("Z", "+00:00"))
@@ -82,7 +98,7 @@ def float_arg(name: str, lo: float | None = None, hi: float | None = None) -> fl
     if value is None:
         return None
     try:
-        x = float(value)
+        x = _float(value)
     except ValueError:
         raise bad(name, "must be a number") from None
     if x != x or x in (float("inf"), float("-inf")):

@@ -94,7 +94,9 @@ def test_cursor_pagination_visits_every_run_once(history):
     ["limit=0", "limit=abc", "limit=100000", "status=done", "since=yesterday", "cursor=!!!",
      "cursor=WzFd", "cluster=../x", "cluster=" + "a" * 300,
      # ["-started_at", 1.0, 2**63]: an id no database integer holds (a 500 on SQLite)
-     "cursor=WyItc3RhcnRlZF9hdCIsMS4wLDkyMjMzNzIwMzY4NTQ3NzU4MDhd"],
+     "cursor=WyItc3RhcnRlZF9hdCIsMS4wLDkyMjMzNzIwMzY4NTQ3NzU4MDhd",
+     # what Python's int() and float() take but no client means
+     "limit=1_0", "limit=%20" + "5", "limit=\u0661\u0662", "min_duration=1_0", "since=\uff11"],
 )  # fmt: skip
 def test_bad_parameters_are_400(history, query_string):
     query, token = history
