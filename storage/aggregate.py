@@ -268,7 +268,10 @@ def aggregate(batch: Batch) -> BatchAggregate:
     if tasks:
         c = _columns(tasks)
         if len(c.start):
-            lo, hi = float(c.start.min()), float((c.start + c.d).max())
+            # a phase's start and stop both count (a stop before its start is accepted)
+            stops = c.start + c.d
+            lo = float(min(c.start.min(), stops.min()))
+            hi = float(max(c.start.max(), stops.max()))
             out.t_min = lo if out.t_min is None else min(out.t_min, lo)
             out.t_max = hi if out.t_max is None else max(out.t_max, hi)
         for rk in c.run_names:

@@ -508,14 +508,15 @@ def compare(db: Session, a: m.Run, b: m.Run, action: str = "compute") -> dict[st
 
 def previous_runs(db: Session, run: m.Run, n: int, scan: int = 1000) -> list[m.Run]:
     """The ``n`` latest runs of the tenant with the same fingerprint, started before ``run``
-    and ended (a run still running holds part of its tasks: as a baseline it made the
-    next run look 80% faster)."""
+    and ended by its scheduler (a run still running, or closed "lost" when its scheduler
+    went silent, holds part of its tasks: as a baseline it made the next run look 80%
+    faster)."""
     fp = run_fingerprint(db, run)
     q = select(m.Run).where(
         m.Run.tenant_id == run.tenant_id,
         m.Run.id != run.id,
         m.Run.started_at <= run.started_at,
-        m.Run.status != "running",
+        m.Run.status.in_(("finished", "erred")),
     )
     if run.name and run.name != DEFAULT_SPAN:  # the default span names no job
         q = q.where(m.Run.name == run.name)  # ix_runs_tenant_name

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, delete, literal, or_, select, update
+from sqlalchemy import and_, delete, func, literal, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from hindsight.schema import Batch
@@ -226,54 +226,52 @@ def run_due(
     return done
 
 
-SILENT_AGENT = "hindsight-silent"  # the agent name of the batch that closes a silent run
 SILENT_CHECK_SECONDS = 60.0
 
 
 def close_silent(
-    sessions: sessionmaker[Session], blobs: BlobStore, *, silence: float,
-    now: float | None = None, limit: int = 100,
-) -> int:  # fmt: skip
+    sessions: sessionmaker[Session], *, silence: float, now: float | None = None, limit: int = 1000
+) -> int:
     """Close the Dask runs still running in sessions nothing was heard from for ``silence``
-    seconds: the scheduler was killed (SIGKILL, the OOM killer, a pod evicted without a
+    seconds: their scheduler was killed (SIGKILL, the OOM killer, a pod evicted without a
     grace period) before its agent could end them, so they stayed running for ever, never
-    got their finished-run work and never reached the lake. Each is ended ``erred`` at the
-    last time its session was heard from, through a batch like any other (agent
-    ``hindsight-silent-<run id>``, stored first, so a rebuilt index closes it too); the
-    session's completeness keeps saying the scheduler's agent never closed. Ray runs are
-    left to the Ray sweeper. Returns how many runs were closed."""
-    import zstandard
-
-    from hindsight.schema import RunEvent, encode_batch
-    from storage.batches import blob_key
-    from storage.ingest import index_batch
-
+    got their finished-run work and never reached the lake. Each becomes ``lost``, ended at
+    its last task's stop, and its finished-run work is queued. ``lost`` ranks below an end
+    the agent sends: a scheduler that was only cut off (a network partition) and then ends
+    the run has its own end replace it. Only the index changes (a rebuilt index has the run
+    running until the next pass closes it again); the session's ``last_seen`` is left as
+    it was. Ray runs are left to the Ray sweeper. Returns how many runs were closed."""
     now = time.time() if now is None else now
-    R, S, C, T = m.Run, m.Session, m.Cluster, m.Tenant
+    R, S, F = m.Run, m.Session, m.FinishJob
+    silent = (
+        select(S.id)
+        .where(S.id == R.session_id, S.last_seen < now - silence)
+        .where(~select(m.RayJob.session_id).where(m.RayJob.session_id == S.id).exists())
+        .exists()
+    )
     with sessions() as db:
-        rows = db.execute(
-            select(R.id, R.run_key, R.task_stop, R.started_at, S.last_seen, S.name, C.name,
-                   T.id, T.name)
-            .join(S, S.id == R.session_id).join(C, C.id == S.cluster_id).join(T, T.id == C.tenant_id)
-            .where(R.status == "running", S.last_seen < now - silence,
-                   ~select(m.RayJob.session_id).where(m.RayJob.session_id == S.id).exists())
-            .order_by(R.id).limit(limit)
-        ).all()  # fmt: skip
+        ids = db.scalars(select(R.id).where(R.status == "running", silent).limit(limit)).all()
     closed = 0
-    for run_id, run_key, task_stop, started, heard, session, cluster, tenant_id, tenant in rows:
-        end = max(t for t in (heard, task_stop, started) if t is not None)
-        batch = Batch(schema=1, cluster=cluster, session=session, agent=f"{SILENT_AGENT}-{run_id}",
-                      seq=0, events=[RunEvent(event="erred", id=run_key, time=end)], final=True)  # fmt: skip
-        data = zstandard.ZstdCompressor(level=3).compress(encode_batch(batch))
-        key = blob_key(tenant, batch)
-        if not blobs.put(key, data, if_absent=True):
-            batch = decode_stored(blobs.get(key))  # index what is stored
+    for run_id in ids:
         with sessions.begin() as db:
-            if index_batch(db, tenant_id=tenant_id, tenant=tenant, batch=batch, blob_key=key,
-                           size=len(data), now=now):  # fmt: skip
-                closed += 1
-                logger.warning("closed run %s of session %s: nothing heard from it for %.0f s "
-                               "(its scheduler died?)", run_key, session, now - heard)  # fmt: skip
+            # Checked again as it is written: a batch may have come meanwhile.
+            done = db.execute(
+                update(R)
+                .where(R.id == run_id, R.status == "running", silent)
+                .values(status="lost", finished_at=func.coalesce(R.task_stop, R.started_at))
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if not done:
+                continue
+            insert, _, _ = dialect_functions(db.get_bind().dialect.name)
+            db.execute(
+                insert(F.__table__)
+                .values(run_id=run_id, due_at=now, attempts=0)
+                .on_conflict_do_nothing(index_elements=["run_id"])
+            )
+            closed += 1
+            logger.warning("run %s closed as lost: nothing heard from its session for %.0f s "
+                           "(its scheduler died?)", run_id, silence)  # fmt: skip
     return closed
 
 
@@ -357,13 +355,16 @@ class FinishWorker:
             for sessions, blobs, silence in targets:
                 try:
                     if silent and 0 < silence < time.time() - self._started:
-                        close_silent(sessions, blobs, silence=silence)
+                        close_silent(sessions, silence=silence)
                     while run_due(sessions, blobs) > 0:
                         pass
                     if fold:
                         fold_clusters(sessions)
                 except Exception:  # the index is down, say: log, and try again later
                     logger.warning("finished-run work failed; will retry", exc_info=True)
+                    # Agents resend what they held while the index was down: silence
+                    # counts again from now.
+                    self._started = time.time()
             if fold:
                 last_fold = time.monotonic()
             if silent:

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 #: the run for this long: batches of other agents (workers) may still be on their way.
 FINISH_SETTLE_S = 5.0
 
-_STATUS_RANK = {"running": 0, "finished": 1, "erred": 2}
+_STATUS_RANK = {"running": 0, "lost": 1, "finished": 2, "erred": 3}
 
 
 @dataclass(frozen=True, slots=True)

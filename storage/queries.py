@@ -20,7 +20,8 @@ from storage.batches import DEFAULT_RUN, decode_stored
 from storage.blobs import BlobStore
 from storage.runfacts import display_name, fingerprint, makespan, makespan_column, seconds_by_action
 
-RUN_STATUSES = ("running", "finished", "erred")
+# "lost": the scheduler went silent before ending the run (storage.finish.close_silent)
+RUN_STATUSES = ("running", "finished", "erred", "lost")
 TASK_FIELDS = (
     "key", "prefix", "group", "run", "worker", "thread", "status", "nbytes", "typename",
     "startstops", "exception", "traceback", "attrs",

@@ -1214,10 +1214,12 @@ def emit_ready(
 
 
 def has_open_work(db: Session) -> bool:
-    """Whether anything is left for the sweeper (an open job, an unemitted task)."""
+    """Whether anything is left for the sweeper (an open job, a job closed before its
+    FINISHED came, an unemitted task)."""
     J, T, R = m.RayJob, m.RayTask, m.RayReady
+    reclose = and_(J.closed_by != "finished", J.finished_at.is_not(None))
     return (
-        db.scalar(select(J.job_id).where(J.closed_at.is_(None)).limit(1)) is not None
+        db.scalar(select(J.job_id).where(or_(J.closed_at.is_(None), reclose)).limit(1)) is not None
         or db.scalar(select(R.task_id).limit(1)) is not None
         or db.scalar(select(T.task_id).where(T.emitted.is_(False)).limit(1)) is not None
     )

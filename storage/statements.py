@@ -201,7 +201,8 @@ def _run_upsert(
     ex = ins.excluded
 
     def rank(col: Expr) -> Expr:
-        return case({"running": 0, "finished": 1}, value=col, else_=2)
+        # a run closed "lost" (its scheduler went silent) takes the end its agent sends later
+        return case({"running": 0, "lost": 1, "finished": 2}, value=col, else_=3)
 
     return ins.on_conflict_do_update(
         index_elements=["session_id", "run_key"],

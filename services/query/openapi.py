@@ -89,7 +89,7 @@ PATHS = {
             {
                 "name": "status",
                 "in": "query",
-                "schema": {"type": "string", "enum": ["running", "finished", "erred"]},
+                "schema": {"type": "string", "enum": ["running", "finished", "erred", "lost"]},
             },
             _time("since", "runs started at or after"),
             _time("until", "runs started before"),
@@ -593,7 +593,7 @@ RUN = {
         "name": {"type": ["string", "null"]},
         "cluster": {"type": "string"},
         "session": {"type": "string"},
-        "status": {"type": "string", "enum": ["running", "finished", "erred"]},
+        "status": {"type": "string", "enum": ["running", "finished", "erred", "lost"]},
         "started_at": {"type": ["number", "null"]},
         "finished_at": {"type": ["number", "null"]},
         "makespan": {"type": ["number", "null"]},

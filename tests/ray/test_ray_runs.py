@@ -178,7 +178,14 @@ def test_every_kind_of_task_is_there(jobs, ray_server):
 
 def test_run_detail_says_what_ray_told(jobs, ray_server):
     for entry in jobs.values():
-        d = ray_server.get(f"/v1/runs/{entry['run']['id']}")
+        # A job whose driver ended before Ray's FINISHED arrived (a loaded machine) closes
+        # at the driver's exit, then again at FINISHED once it settles (the sweeper's next
+        # pass): wait for that.
+        def closed_at_finished(path: str = f"/v1/runs/{entry['run']['id']}") -> Any:
+            d = ray_server.get(path)
+            return d if d["completeness"]["closed_by"] == "finished" else None
+
+        d = wait_until(closed_at_finished, 60, "the job closed at its FINISHED")
         lost = lost_running(ray_server, entry["run"]["id"])
         assert len(lost) <= LOST_RUNNING_AT_MOST * d["task_count"], lost
         assert d["scheduler"] == "ray" and d["status"] == "finished"
