@@ -49,4 +49,4 @@ EXPOSE 8700 8701
 # The default process is the collector; docker-compose.yml sets the command of every service
 # and its healthcheck (GET /readyz with the Python stdlib: the image has no curl).
 CMD ["gunicorn", "--config", "python:services.gunicorn_conf", "--bind", "0.0.0.0:8700", "--workers", "2", "--worker-class", "gthread", \
-     "--threads", "4", "--access-logfile", "-", "collector.app:create_app()"]
+     "--threads", "4", "collector.app:create_app()"]

@@ -235,6 +235,7 @@ class Gunicorn:
         workers: int = 2,
         threads: int = 4,
         app: str = "collector.app:create_app()",
+        args: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -242,7 +243,7 @@ class Gunicorn:
             [str(BIN / "gunicorn"), "--config", "python:services.gunicorn_conf",
              "--workers", str(workers), "--worker-class", "gthread", "--threads", str(threads),
              "--bind", f"127.0.0.1:{self.port}", "--log-level", "warning", "--graceful-timeout", "5",
-             app],
+             *args, app],
             env={**os.environ, **AWS_ENV, **env}, cwd=ROOT,
         )  # fmt: skip
         wait_until(lambda: http_ok(self.url + "/readyz"), 60, f"{app} ready")

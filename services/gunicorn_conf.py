@@ -6,6 +6,16 @@ import gc
 from typing import Any
 
 
+# The services log each request themselves (``hindsight.access``: method, path, status,
+# tenant, duration). gunicorn's own access log is off; if an operator turns it on, it logs
+# the path without the query string: a Ray cluster's ingest URL carries its token there.
+accesslog = None
+access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(B)s %(M)sms'
+# Request lines up to gunicorn's most (4,094 by default): a lake key= filter may be 4,096
+# characters before it is percent-encoded.
+limit_request_line = 8190
+
+
 def post_worker_init(worker: Any) -> None:
     """Move everything the worker built at start-up (Flask, SQLAlchemy, botocore: hundreds of
     thousands of long-lived objects) out of the collector's reach. Full collections then walk

@@ -142,3 +142,27 @@ def test_hostile_strings_inside_events_are_stored_and_returned_verbatim(stack, m
     # The tables the strings named still exist and still answer for everyone.
     assert post(collector_app(stack).test_client(), example(), token=token).status_code == 202
     assert len(query.get("/v1/runs", headers=auth(token)).json["runs"]) == 2
+
+
+def test_no_token_in_a_url_reaches_gunicorns_access_log(pg_url, moto_endpoint, tmp_path):
+    """Found by an operator: the deployment's command lines turned on gunicorn's access log,
+    whose default line is the whole request line, so a Ray cluster's ingest URL
+    (``?token=...``) was written to the collector's log. The compose file no longer turns it
+    on, and if an operator does, the line holds the path without the query string."""
+    import requests
+
+    from bench.lib_faults import Gunicorn, collector_env
+    from tests.conftest import make_bucket
+
+    log = tmp_path / "access.log"
+    env = collector_env(pg_url, f"s3://{make_bucket(moto_endpoint)}/h", moto_endpoint)
+    server = Gunicorn(env, workers=1, threads=2, args=("--access-logfile", str(log)))
+    secret = "hs_" + "s3cr3t" * 6
+    try:
+        resp = requests.post(f"{server.url}/v1/ray/events?cluster=c&token={secret}", data=b"[]",
+                             headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+        assert resp.status_code == 401
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "/v1/ray/events" in text and secret not in text and "token=" not in text
