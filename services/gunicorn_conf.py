@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-
 # The services log each request themselves (``hindsight.access``: method, path, status,
 # tenant, duration). gunicorn's own access log is off; if an operator turns it on, it logs
 # the path without the query string: a Ray cluster's ingest URL carries its token there.

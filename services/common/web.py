@@ -10,6 +10,7 @@ from typing import Any
 from flask import Blueprint, Flask, current_app, g, request
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 from werkzeug.exceptions import HTTPException
 
@@ -60,6 +61,14 @@ def _register_errors(app: Flask) -> None:
     def _db_down(exc: Exception) -> Any:
         logger.warning("index unavailable: %s", exc)
         err = unavailable("the index database is unavailable; retry later")
+        return error_response(err.status, err.code, err.message, err.headers)
+
+    @app.errorhandler(PoolTimeout)
+    def _db_busy(exc: Exception) -> Any:
+        # Every connection of the process's pool was busy (a slow index, more threads than
+        # connections): a 500 made agents drop batches already stored.
+        logger.warning("index busy: %s", exc)
+        err = unavailable("the index database is busy; retry later")
         return error_response(err.status, err.code, err.message, err.headers)
 
     @app.errorhandler(Exception)

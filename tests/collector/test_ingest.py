@@ -354,3 +354,27 @@ def test_index_down_after_blob_write_is_503_and_the_retry_converges(
         assert detail["completeness"]["batches_expected"] == 2
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("stack", ["full"], indirect=True)
+def test_every_index_connection_busy_is_503_and_the_retry_is_indexed(stack, make_token):
+    """Found by an operator: with every connection of a process's pool busy (a slow index,
+    more request threads than connections) a batch was answered 500, and agents drop a batch
+    on a 500. It is a 503: the agent retries it."""
+    from collector.app import create_app
+
+    app = create_app(stack)
+    collector = app.test_client()
+    token = make_token()
+    engine = app.extensions["hindsight"].sessions.kw["bind"]
+    engine.pool._timeout = 0.5  # the wait for a free connection (30 s by default)
+    held = [engine.connect() for _ in range(engine.pool.size() + engine.pool._max_overflow)]
+    try:
+        resp = post(collector, example_bytes(), token=token)
+        assert_error(resp, 503, "unavailable")
+        assert int(resp.headers["Retry-After"]) > 0
+    finally:
+        for conn in held:
+            conn.close()
+    retry = post(collector, example_bytes(), token=token)  # the token's check waited first
+    assert retry.status_code == 202 and retry.json["accepted"] > 0
