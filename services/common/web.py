@@ -3,12 +3,12 @@ everywhere, a database session per request, bearer-token auth, health and OpenAP
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 from flask import Blueprint, Flask, current_app, g, request
-from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
@@ -77,6 +77,13 @@ def _register_errors(app: Flask) -> None:
         return error_response(500, "internal_error", "internal server error")
 
 
+@functools.cache
+def _schema_heads() -> tuple[str, ...]:
+    from storage.db import head_revisions
+
+    return tuple(head_revisions())
+
+
 def db() -> Session:
     """This request's database session (closed at teardown; the view commits)."""
     if "db" not in g:
@@ -143,9 +150,17 @@ def health_blueprint(openapi: dict[str, Any], metrics: bool = True) -> Blueprint
         except Exception as exc:  # any failure means not ready
             checks["blob_store"] = f"error: {exc}"
         try:
+            # The index at this code's schema: on one never migrated (HINDSIGHT_AUTO_UPGRADE
+            # off, `db upgrade` not run) every request failed while /readyz said ready.
+            from alembic.runtime.migration import MigrationContext
+
             with st.engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
-            checks["index"] = "ok"
+                revision = MigrationContext.configure(conn).get_current_revision()
+            heads = _schema_heads()
+            checks["index"] = (
+                "ok" if revision in heads else f"error: schema at {revision or 'none'}, this "
+                f"code needs {', '.join(heads)}: run `hindsight db upgrade`"
+            )  # fmt: skip
         except Exception as exc:
             checks["index"] = f"error: {type(exc).__name__}"
         ready = all(v == "ok" for v in checks.values())

@@ -378,3 +378,23 @@ def test_every_index_connection_busy_is_503_and_the_retry_is_indexed(stack, make
             conn.close()
     retry = post(collector, example_bytes(), token=token)  # the token's check waited first
     assert retry.status_code == 202 and retry.json["accepted"] > 0
+
+
+def test_readyz_says_when_the_index_was_never_migrated(tmp_path):
+    """Found by an operator: with HINDSIGHT_AUTO_UPGRADE off (as compose sets it) and
+    `hindsight db upgrade` not run, /readyz said ready while every request failed 503."""
+    from collector.app import create_app
+    from storage.db import make_engine, upgrade
+
+    url = f"sqlite:///{tmp_path / 'index.db'}"
+    config = {"data_dir": str(tmp_path), "database_url": url, "auto_upgrade": False,
+              "blob_url": (tmp_path / "blobs").as_uri(), "finish_worker": False}  # fmt: skip
+    collector = create_app(config).test_client()
+    resp = collector.get("/readyz")
+    assert resp.status_code == 503, resp.json
+    assert "hindsight db upgrade" in resp.json["checks"]["index"]
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    resp = collector.get("/readyz")
+    assert resp.status_code == 200 and resp.json["checks"]["index"] == "ok"
