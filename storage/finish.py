@@ -356,7 +356,9 @@ class FinishWorker:
                 try:
                     if silent and 0 < silence < time.time() - self._started:
                         close_silent(sessions, silence=silence)
-                    while run_due(sessions, blobs) > 0:
+                    # One job a claim: a process stopped mid-job (a restart) leaves that one
+                    # leased for LEASE_SECONDS, not the seven it had claimed with it.
+                    while run_due(sessions, blobs, limit=1) > 0:
                         pass
                     if fold:
                         fold_clusters(sessions)
