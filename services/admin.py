@@ -83,6 +83,23 @@ def _must_exist(settings: Settings, which: str) -> None:
         )
 
 
+def _new_local_index(settings: Settings) -> Path | None:
+    """The SQLite file of the index if it has just been created (holding no token yet)."""
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    engine = make_engine(settings.database_url)
+    try:
+        with engine.connect() as conn:
+            tokens = conn.execute(text("SELECT count(*) FROM tokens")).scalar()
+    finally:
+        engine.dispose()
+    return Path(url.database).resolve() if tokens == 0 else None
+
+
 def _is_loopback(host: str) -> bool:
     try:
         infos = socket.getaddrinfo(host, None)
@@ -219,12 +236,18 @@ def tokens_create(
     if for_ == "ray" and not valid_name(cluster):
         raise click.UsageError(f"invalid cluster name {cluster!r}")
     scopes = scopes or ("ray" if for_ == "ray" else "ingest,read")
-    with _index(data_dir, upgrade=None) as (_, engine):
+    with _index(data_dir, upgrade=None) as (settings, engine):
+        new = _new_local_index(settings)
         try:
             with make_sessionmaker(engine).begin() as session:
                 token = create_token(session, tenant, scopes, name)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
+    if new is not None:
+        # The first token of a new embedded server, or an operator's shell without the
+        # service's variables: the services would answer 401 to it (found by an operator).
+        click.echo(f"note: created a new index at {new}; a server with another "
+                   "HINDSIGHT_DATABASE_URL or --data-dir does not know this token", err=True)  # fmt: skip
     if for_ == "ray":
         click.echo(f"{url.rstrip('/')}/v1/ray/events?cluster={cluster}&token={token}")
     else:

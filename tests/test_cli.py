@@ -116,6 +116,11 @@ def test_tokens_create_then_serve_with_auth_required(tmp_path):
     assert created.returncode == 0, created.stderr
     token = created.stdout.strip().splitlines()[-1]
     assert token.startswith("hs_")
+    # Found by an operator: run without the service's variables, it made an index of its
+    # own in silence (the services answered 401). It says so; the next token, not.
+    assert f"created a new index at {(tmp_path / 'index.db').resolve()}" in created.stderr
+    again = run("tokens", "create", "--tenant", "acme", "--data-dir", str(tmp_path), env=env())
+    assert again.returncode == 0 and "new index" not in again.stderr, again.stderr
     server = Served(tmp_path, environ=env(HINDSIGHT_AUTH="required"))
     try:
         assert Sender(server.url).send(example_bytes()).status == 401
