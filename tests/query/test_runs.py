@@ -279,6 +279,8 @@ def test_errors_that_differ_only_by_numbers_or_ids_are_one_group(clients, make_t
         f"TaskCancelledError: Task: TaskID({h}) was cancelled." for h in ("98b3ff0a", "0c1d2e3f")
     ]
     texts += ["ZeroDivisionError: division by zero"]
+    # ... but a number that names the error keeps it apart (found by a reviewer)
+    texts += ["CalledProcessError: exit status 1", "CalledProcessError: exit status 137"]
     body["events"][1:1] = [
         {"kind": "task", "key": f"bad-{i}", "prefix": "bad", "status": "erred", "run": "r",
          "exception": text, "traceback": "  File x.py, line 1"}
@@ -290,6 +292,8 @@ def test_errors_that_differ_only_by_numbers_or_ids_are_one_group(clients, make_t
     assert [(g["exception"], g["count"], g["messages"]) for g in groups] == [
         ("ValueError('bad record 0')", 5, 5),
         ("TaskCancelledError: Task: TaskID(98b3ff0a) was cancelled.", 2, 2),
+        ("CalledProcessError: exit status 1", 1, 1),
+        ("CalledProcessError: exit status 137", 1, 1),
         ("ZeroDivisionError: division by zero", 1, 1),
     ]
     assert groups[0]["keys"] == [f"bad-{i}" for i in range(5)]
