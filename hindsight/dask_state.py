@@ -157,7 +157,11 @@ class RunStates:
         come up to one interval after a run's end, and a run started meanwhile showed its
         tasks at the end of the run before it."""
         ws = self.scheduler.workers.get(address)
-        if ws is None or self.spans is None:
+        if ws is None or self.spans is None or not now:
+            return now
+        spans = self.spans.spans  # in creation order: none newer than ``at``, nothing to drop
+        newest = spans[next(reversed(spans))] if spans else None
+        if newest is None or newest.enqueued <= at:
             return now
         count = 0
         for ts in list(ws.processing):

@@ -116,13 +116,18 @@ def current_task(worker: Any) -> tuple[str | None, str | None]:
     return str(key), run
 
 
+MAX_LIST = 10_000  # a bigger array is recorded as its repr: a value is not a dataset
+
+
 def _plain(value: Any) -> Any:
     """NumPy and pandas values as the numbers, lists and times they hold: a task's
     ``df["x"].sum()`` is an ``np.int64``, which was recorded as the text 'np.int64(5050)'
     and so counted as no number at all."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # NumPy scalars
+        if getattr(getattr(value, "dtype", None), "kind", "") in "mM":
+            return str(value)  # a datetime64's item() is an int of its unit
         return value.item()
-    if hasattr(value, "tolist"):  # arrays, Series, Index
+    if hasattr(value, "tolist") and getattr(value, "size", 0) <= MAX_LIST:  # arrays, Series
         return value.tolist()
     if hasattr(value, "isoformat"):  # pandas' Timestamp
         return value.isoformat()

@@ -275,10 +275,11 @@ def errors(data: RunData) -> list[dict[str, Any]]:
 
 
 def _before(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    """Of a key's records (by stop), the latest that ended by ``start``; else the first
-    (a worker's clock skew can make a dependency appear to end after its dependent began)."""
-    ended = [r for r in records if r["stop"] <= start]
-    return ended[-1] if ended else records[0]
+    """Of a key's records (by stop), the latest that started by ``start``, the dependent's
+    compute start (not "ended by": a worker's clock skew can make the record a dependent
+    waited for appear to end just after it began); else the first."""
+    began = [r for r in records if r["start"] <= start]
+    return began[-1] if began else records[0]
 
 
 def critical_path(data: RunData) -> dict[str, Any]:

@@ -116,6 +116,13 @@ def test_critical_path_covers_a_run_that_computed_keys_twice():
         ("compute", "sum-1", 1.75, 2.0),
     ]
     assert cp["makespan"] == sum(s["seconds"] for s in cp["segments"]) == 2.0
+    # the recomputation's worker clock runs ahead: it appears to end after sum-1 began,
+    # and is still the record sum-1 waited for (found by a reviewer)
+    skewed = [*tasks[:3], {"key": "sum-1", "worker": "a", "startstops": [c(1.4, 2.0)]}]
+    cp, got = path_of(skewed, {"sum-1": ["load-1"]})
+    assert [(kind, key) for kind, key, *_ in got] == [
+        ("wait", "load-1"), ("compute", "load-1"), ("compute", "sum-1")]  # fmt: skip
+    assert cp["clock_skew_seconds"] == pytest.approx(0.1)
 
 
 def test_histogram_quantiles_merge_and_stay_within_the_bucket_error():
