@@ -24,8 +24,11 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
     events stored but not understood (``events_skipped``)."""
     T = m.RayTask
     # A task that failed before it reached a worker (cancelled while pending, a call on a
-    # dead actor) never ran: no RUNNING is missing from its record.
-    never_ran = T.failed_at.is_not(None) & T.submitted_at.is_(None) & T.running_at.is_(None)
+    # dead actor: no SUBMITTED_TO_WORKER, no worker) never ran: no RUNNING is missing.
+    never_ran = (
+        T.failed_at.is_not(None) & T.submitted_at.is_(None) & T.running_at.is_(None)
+        & T.worker_id.is_(None)
+    )  # fmt: skip
     ran = T.running_at.is_not(None) | never_ran
     total, complete, no_def, no_running, no_end, waiting = db.execute(
         select(
