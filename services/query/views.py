@@ -165,6 +165,11 @@ def run_tasks_parquet(run_id: str) -> Any:
     run, _cluster, _session = _run_or_404(run_id)
     blobs = store().blobs
     table, _sort = _task_query(run, lazy=True)
+    limit = int_arg("limit", 0, 1, 2**62) or None
+    if table is None and limit is not None:
+        table = _run_data(run).tasks
+    if table is not None and limit is not None:
+        table = table.slice(0, limit)  # the first rows of the answer (after the sort)
     key = runfile.compacted_tasks_key(db(), blobs, run) if table is None else None
     if key is not None:
         body = blobs.get(key)

@@ -4,6 +4,7 @@ client round-tripping each into DataFrames."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import socket
@@ -13,6 +14,7 @@ from typing import Any
 
 import dask
 import dask.array as da
+import pyarrow.parquet as pq
 import pytest
 from distributed import Client, LocalCluster, get_task_stream, span
 
@@ -386,6 +388,8 @@ def test_python_client_round_trips_every_endpoint(history):
     slowest = c.tasks(a, sort="-duration", limit=2)
     assert list(slowest["compute"]) == sorted(tasks["compute"], reverse=True)[:2]
     assert c.runs(cluster=cluster, limit=0).empty
+    with c._open(f"/v1/runs/{a}/tasks.parquet", {"limit": 2, "sort": "-duration"}) as resp:
+        assert pq.read_table(io.BytesIO(resp.read())).num_rows == 2  # cut by the server
     summary = c.summary(a)
     assert {"prefix", "action", "p50", "p90", "p99", "max"} <= set(summary.columns)
     assert len(c.metrics(a, points=4)) > 0
