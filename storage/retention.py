@@ -16,7 +16,7 @@ crash (or a reindex running meanwhile) resurrect the session from its blobs, wit
 Deleting blobs first, a crash leaves index rows whose blobs are (partly) gone: the session is
 still expired, so the next ``apply`` finishes it (deleting a missing blob is not an error).
 Index rows go in one transaction per session (ON DELETE CASCADE takes agents, batches, runs
-and their rollups). Per-cluster hourly rollups older than the age cut-off go too.
+and their rollups). Per-cluster hourly rollups and prefix days older than the age cut-off go too.
 
 The history lake (``storage/lake.py``) holds the session's runs too: they leave it in the
 same transaction, just before the index rows, and the files that held them are deleted at
@@ -64,7 +64,8 @@ class RetentionPlan:
 
     tenant: str
     sessions: list[ExpiredSession] = field(default_factory=list)
-    hour_cutoff: int | None = None
+    # per cluster id: the time before which its hours and prefix days go (max_age only)
+    cutoffs: dict[int, float] = field(default_factory=dict)
     blobs_deleted: int = 0
 
     @property
@@ -122,15 +123,25 @@ def plan(
         )
         expired |= with_runs - keep
     if cutoff is not None:
-        # The cluster hours (by event time) go before the cut-off, but not those of a kept
-        # session: one delivered late (a spool pushed from a kept volume) lost its runs'
-        # history for good, kept runs and all (reindex does not redo what it has).
-        kept_first = db.scalar(
-            select(func.min(m.Batch.t_min))
-            .join(m.Agent, m.Agent.id == m.Batch.agent_id)
-            .where(m.Agent.session_id.in_(base), m.Agent.session_id.not_in(expired))
+        # Each cluster's hours and prefix days (by event time) go before the cut-off, but
+        # not those of a kept session of that cluster: one delivered late (a spool pushed
+        # from a kept volume) lost its runs' history for good, kept runs and all (reindex
+        # does not redo what it has). Per cluster: a kept session of another cluster held
+        # back the removal of this one's (found by an operator).
+        kept_first = dict(
+            db.execute(
+                select(m.Session.cluster_id, func.min(m.Batch.t_min))
+                .join(m.Agent, m.Agent.session_id == m.Session.id)
+                .join(m.Batch, m.Batch.agent_id == m.Agent.id)
+                .where(m.Session.id.in_(base), m.Session.id.not_in(expired))
+                .group_by(m.Session.cluster_id)
+            ).all()
         )
-        out.hour_cutoff = int(min(cutoff, kept_first if kept_first is not None else cutoff) // 3600)
+        clusters = db.scalars(select(m.Cluster.id).where(m.Cluster.tenant_id == tenant_id))
+        out.cutoffs = {
+            c: min(cutoff, kept_first[c]) if kept_first.get(c) is not None else cutoff
+            for c in clusters
+        }
     if not expired:
         return out
     runs = dict(
@@ -214,14 +225,16 @@ def apply(
         )  # fmt: skip
         if on_progress:
             on_progress(s)
-    if result.hour_cutoff is not None:
+    if result.cutoffs:
         with sessions.begin() as db:
-            clusters = select(m.Cluster.id).join(m.Tenant, m.Tenant.id == m.Cluster.tenant_id)
-            clusters = clusters.where(m.Tenant.name == tenant)
-            for table in (m.ClusterHour,):
+            for cluster_id, before in sorted(result.cutoffs.items()):
+                H, D = m.ClusterHour, m.PrefixDay
                 db.execute(
-                    delete(table).where(
-                        table.cluster_id.in_(clusters), table.hour < result.hour_cutoff
-                    )
+                    delete(H).where(H.cluster_id == cluster_id, H.hour < int(before // 3600))
+                )
+                # whole days before the cut-off's (prefix_days were never removed: the
+                # prefix history kept counting removed runs)
+                db.execute(
+                    delete(D).where(D.cluster_id == cluster_id, D.day < int(before // 86400))
                 )
     return result

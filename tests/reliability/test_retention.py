@@ -116,6 +116,39 @@ def test_max_age_keeps_the_history_of_the_sessions_it_keeps(world, stack):
     assert tasks("hour") == tasks("day") == 3
 
 
+def test_max_age_removes_a_removed_clusters_history_whatever_other_clusters_keep(world, stack):
+    """Found by an operator: the hours kept for a late-delivered session were kept across
+    the whole tenant, so a removed cluster's history (hours and prefix days) stayed: the
+    history counted runs that were gone, and disagreed with a rebuilt index."""
+    from collector.app import create_app as collector_app
+
+    w, (t, _) = world, world["tenants"]
+    collector = collector_app(stack).test_client()
+    late = run_batch("late", "s-late", "r-late", 0, t=time.time() - 30 * DAY)  # kept
+    gone = run_batch("gone", "s-gone", "r-gone", 0, t=time.time() - 20 * DAY)
+    for body in (late, gone):
+        assert post(collector, body, token=w["tokens"][t]).status_code == 202
+    with w["sessions"].begin() as db:
+        db.execute(update(m.Session).where(m.Session.name == "s-gone")
+                   .values(last_seen=time.time() - 20 * DAY))  # fmt: skip
+
+    def history(cluster: str) -> tuple[int, int, int]:
+        h = auth(w["tokens"][t])
+        got = [w["query"].get(f"/v1/history/clusters?cluster={cluster}&bucket={b}", headers=h)
+               for b in ("hour", "day")]  # fmt: skip
+        days = w["query"].get(f"/v1/history/prefixes?prefix=inc&cluster={cluster}&bucket=day",
+                              headers=h)  # fmt: skip
+        assert all(r.status_code == 200 for r in (*got, days))
+        return (*(sum(p["tasks"] for p in r.json["points"]) for r in got),
+                sum(p["count"] for p in days.json["points"]))  # fmt: skip
+
+    assert history("gone") == history("late") == (3, 3, 3)
+    done = apply(w["blobs"], w["sessions"], t, max_age=7 * DAY)
+    assert sorted(s.name for s in done.sessions) == ["s-gone", "s0"]
+    assert history("gone") == (0, 0, 0)
+    assert history("late") == (3, 3, 3)
+
+
 def test_max_runs_keeps_the_sessions_of_the_newest_runs(world):
     w, (t, _) = world, world["tenants"]
     done = apply(w["blobs"], w["sessions"], t, max_runs=1)
