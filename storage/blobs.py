@@ -296,7 +296,10 @@ class S3BlobStore:
         self._call("delete_object", Key=self.prefix + _check_key(key))
 
     def ping(self) -> None:
-        self._call("head_bucket")
+        try:
+            self._call("head_bucket")
+        except FileNotFoundError:  # its message was the empty key: /readyz said "error: "
+            raise ConnectionError(f"no bucket {self.bucket!r} at the S3 endpoint") from None
 
 
 def blob_store_for(settings: Any) -> BlobStore:

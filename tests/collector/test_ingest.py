@@ -398,3 +398,14 @@ def test_readyz_says_when_the_index_was_never_migrated(tmp_path):
     engine.dispose()
     resp = collector.get("/readyz")
     assert resp.status_code == 200 and resp.json["checks"]["index"] == "ok"
+
+
+@pytest.mark.parametrize("stack", ["full"], indirect=True)
+def test_readyz_names_a_missing_bucket(stack):
+    """Found by an operator: a bucket that does not exist read '"blob_store": "error: "'."""
+    from collector.app import create_app
+
+    collector = create_app({**stack, "blob_url": "s3://no-such-bucket-here/x"}).test_client()
+    resp = collector.get("/readyz")
+    assert resp.status_code == 503
+    assert "no bucket 'no-such-bucket-here'" in resp.json["checks"]["blob_store"]
