@@ -26,7 +26,7 @@ from storage.blobs import blob_store_for
 from storage.config import ConfigError, Settings, load_settings
 from storage.db import current_revision, make_engine, make_sessionmaker
 from storage.db import upgrade as do_upgrade
-from storage.models import Token
+from storage.models import Tenant, Token
 from storage.reindex import reindex as do_reindex
 from storage.retention import apply
 from storage.tokens import create_token, list_tokens, revoke_token
@@ -360,6 +360,10 @@ def retention_apply(
     if max_age_days is None and max_runs is None:
         raise click.UsageError("give --max-age-days, --max-runs, or both")
     with _index(data_dir, existing="index,blobs") as (settings, engine):
+        with make_sessionmaker(engine)() as session:
+            known = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
+        if known is None:  # a typo in a cron job removed nothing, in silence
+            raise click.ClickException(f"no tenant {tenant!r} in this index")
         done = apply(
             blob_store_for(settings),
             make_sessionmaker(engine),

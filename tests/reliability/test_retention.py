@@ -233,6 +233,10 @@ def test_cli_retention_dry_run_apply_and_reindex_rebuild(tmp_path):
     assert len(list((tmp_path / "blobs").rglob("*.json.zst"))) == 2
     assert run("retention", "apply", "--tenant", "default", "--data-dir", str(tmp_path),
                env=env()).returncode != 0  # fmt: skip
+    # a tenant's name mistyped (in a cron job, say) is an error, not "removed 0 sessions"
+    typo = run("retention", "apply", "--tenant", "defualt", "--max-age-days", "7",
+               "--data-dir", str(tmp_path), env=env())  # fmt: skip
+    assert typo.returncode != 0 and "no tenant 'defualt'" in typo.stderr, typo.stdout
 
     client = create_app(settings).test_client()
     before = client.get("/v1/runs").json
