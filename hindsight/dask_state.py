@@ -164,10 +164,13 @@ class RunStates:
         if newest is None or newest.enqueued <= at:
             return now
         count = 0
-        for ts in list(ws.processing):
-            span = self.spans.spans.get(ts.group.span_id)
-            if span is None or span.enqueued <= at:
-                count += 1
+        try:
+            for ts in list(ws.processing):
+                span = spans.get(ts.group.span_id)
+                if span is None or span.enqueued <= at:
+                    count += 1
+        except Exception:  # never into the scheduler: the figure as it came, then
+            return now
         return count
 
     def left(self, address: str, at: float) -> None:
