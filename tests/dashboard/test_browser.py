@@ -188,8 +188,11 @@ def test_compare_two_runs_picked_in_the_table(recorded, page):
                 .filter(m => m.name && m.name.startsWith('compare-stream-') && m.data.x.length > 0).length"""
     )
     assert streams == 2
+    # array-sum's tasks are fractions of a ms in a ~350 ms run: a pixel that one opaque
+    # task fills alone may not exist (once in CI the colour check found none to check), so
+    # both sides are checked as painted where tasks are and blank where none is
     for side in ("compare-stream-0", "compare-stream-1"):
-        assert assert_painted_as_tasks(page, side) > 0
+        assert assert_painted_as_tasks(page, side, colours=False) > 0
     shoot(page, "compare")
     assert page.errors == []
 
