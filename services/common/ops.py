@@ -118,8 +118,8 @@ class _OurHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def configure_logging(level: str, fmt: str) -> None:
-    """Root logging as the settings say: ``text`` keeps ``basicConfig``'s lines (and leaves a
-    host's own handlers alone); ``json`` installs one JSON-lines handler on stderr."""
+    """Root logging as the settings say: ``text`` is ``basicConfig`` with the time (and
+    leaves a host's own handlers alone); ``json`` installs one JSON-lines handler on stderr."""
     root = logging.getLogger()
     if fmt == "json":
         for h in list(root.handlers):
@@ -129,8 +129,10 @@ def configure_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
         root.addHandler(handler)
         root.setLevel(level.upper())
-    else:
-        logging.basicConfig(level=level.upper())
+    else:  # with the time (basicConfig's default line had none)
+        logging.basicConfig(
+            level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
 
 
 class Admission:
@@ -202,11 +204,12 @@ def install(app: Flask, service: str) -> None:
         if settings.access_log and request.path not in _EXEMPT:
             principal = g.get("principal")
             access_logger.info(
-                "%s %s %s %.1fms",
+                "%s %s %s %.1fms %s",  # the tenant last ("-": none): text lines had none
                 request.method,
                 request.path,
                 resp.status_code,
                 duration * 1000,
+                principal.tenant if principal is not None else "-",
                 extra={
                     "method": request.method,
                     "path": request.path,

@@ -109,6 +109,9 @@ def test_access_log_is_one_json_line_per_request_with_status_tenant_duration(emb
     assert entry["method"] == "POST" and entry["route"] == "/v1/batches"
     assert entry["duration_ms"] > 0 and entry["bytes_in"] > 0
     assert json.loads(JsonFormatter().format(records[1]))["tenant"] is None
+    # the line itself names the tenant too, for text logs (an operator found none there)
+    assert records[0].getMessage().endswith(f"ms {tenant}")
+    assert records[1].getMessage().endswith("ms -")
 
 
 def test_access_log_can_be_switched_off(embedded, caplog):
