@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage.blobs import BlobStore, blob_store_for
-from storage.config import Settings
+from storage.config import ConfigError, Settings
 from storage.db import make_engine, make_sessionmaker, upgrade
 from storage.idcache import IdCache
 from storage.tokens import SCOPES, Principal, ensure_tenant, verify_token
@@ -34,14 +34,26 @@ class Store:
 
     @classmethod
     def open(cls, settings: Settings) -> Store:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import OperationalError
+
         engine = make_engine(settings.database_url)
-        if settings.auto_upgrade:
-            upgrade(engine)
-        store = cls(settings, engine, make_sessionmaker(engine), blob_store_for(settings))
-        if not settings.auth_required:
-            with store.sessions.begin() as db:
-                tenant_id = ensure_tenant(db, DEFAULT_TENANT, time.time())
-            store.open_principal = Principal(tenant_id, DEFAULT_TENANT, frozenset(SCOPES))
+        try:
+            if settings.auto_upgrade:
+                upgrade(engine)
+            store = cls(settings, engine, make_sessionmaker(engine), blob_store_for(settings))
+            if not settings.auth_required:
+                with store.sessions.begin() as db:
+                    tenant_id = ensure_tenant(db, DEFAULT_TENANT, time.time())
+                store.open_principal = Principal(tenant_id, DEFAULT_TENANT, frozenset(SCOPES))
+        except OperationalError as exc:
+            # The start-up's own work needs the index: say which setting names it (the
+            # service failed with sixty lines of driver traceback, found by an operator).
+            url = make_url(settings.database_url).render_as_string(hide_password=True)
+            raise ConfigError(
+                f"HINDSIGHT_DATABASE_URL ({url}): the index cannot be reached at start "
+                f"({str(exc.orig).strip().splitlines()[0] if exc.orig else exc})"
+            ) from None
         return store
 
     def principal_for(self, token: str) -> Principal | None:

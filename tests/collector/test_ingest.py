@@ -409,3 +409,23 @@ def test_readyz_names_a_missing_bucket(stack):
     resp = collector.get("/readyz")
     assert resp.status_code == 503
     assert "no bucket 'no-such-bucket-here'" in resp.json["checks"]["blob_store"]
+
+
+def test_an_index_unreachable_at_start_names_its_setting(tmp_path):
+    """Found by an operator: with HINDSIGHT_AUTO_UPGRADE on (the default outside compose) a
+    Postgres nobody listens on stopped the service with sixty lines of driver traceback."""
+    import socket
+
+    from collector.app import create_app
+    from storage.config import ConfigError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"postgresql+psycopg2://hs:secret@127.0.0.1:{s.getsockname()[1]}/nowhere"
+    config = {"data_dir": str(tmp_path), "database_url": url, "auth": "required",
+              "blob_url": (tmp_path / "blobs").as_uri(), "finish_worker": False}  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        create_app(config)
+    message = str(err.value)
+    assert message.startswith("HINDSIGHT_DATABASE_URL (") and "cannot be reached" in message
+    assert "secret" not in message
