@@ -15,6 +15,20 @@ access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(B)s %(M)sms'
 limit_request_line = 8190
 
 
+def on_starting(server: Any) -> None:
+    """Under prometheus-client's multiprocess mode, the directory exists and holds nothing
+    from an earlier run (a directory missing stopped every worker at boot; an old one's
+    files would add a dead run's counts)."""
+    import os
+    from pathlib import Path
+
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        for old in Path(path).glob("*.db"):
+            old.unlink()
+
+
 def post_worker_init(worker: Any) -> None:
     """Move everything the worker built at start-up (Flask, SQLAlchemy, botocore: hundreds of
     thousands of long-lived objects) out of the collector's reach. Full collections then walk

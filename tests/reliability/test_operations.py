@@ -175,3 +175,35 @@ def test_saturated_process_answers_503_with_retry_after_before_reading_the_body(
         timeout=10,
     )
     assert resp.status_code == 202
+
+
+def test_one_metrics_answer_for_all_gunicorn_workers_from_a_directory_it_makes(
+    pg_url, moto_endpoint, tmp_path
+):
+    """Found by an operator: under gunicorn without PROMETHEUS_MULTIPROC_DIR each scrape
+    read one worker's counters (1 2 3 2 3 4...), and a directory that did not exist stopped
+    every worker at boot. The shipped gunicorn configuration makes (and empties) it."""
+    from bench.lib_faults import Gunicorn, collector_env
+    from bench.lib_faults import make_token as token_of
+    from tests.conftest import make_bucket, new_tenant
+
+    directory = tmp_path / "not-yet" / "metrics"
+    (tmp_path / "not-yet").mkdir()
+    env = collector_env(pg_url, f"s3://{make_bucket(moto_endpoint)}/h", moto_endpoint,
+                        PROMETHEUS_MULTIPROC_DIR=str(directory))  # fmt: skip
+    token = token_of(pg_url, new_tenant())
+    server = Gunicorn(env, workers=2, threads=2)
+    try:
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+        seen = []
+        for seq in range(6):
+            body = json.dumps(example(seq=seq)).encode()
+            resp = requests.post(server.url + "/v1/batches", data=body, headers=headers, timeout=60)
+            assert resp.status_code == 202, resp.text
+            text = requests.get(server.url + "/metrics", timeout=60).text
+            seen.append(
+                samples(text)[("hindsight_ingested_batches_total", (("duplicate", "false"),))]
+            )
+        assert seen == [1, 2, 3, 4, 5, 6]  # every scrape counts every worker's batches
+    finally:
+        server.stop()
