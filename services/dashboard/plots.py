@@ -484,7 +484,9 @@ def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] |
         "i": list(range(len(pts))), "makespan": [r["makespan"] for r in pts],
         "id": [r["id"] for r in pts], "colour": ["red" if r["id"] == current else "#1f77b4" for r in pts],
     }, name="trend-source")  # fmt: skip
+    # as wide as its place allows up to 420 px (a fixed 420 made a phone's page 437 px wide)
     fig = figure(title="Makespan of this job's runs (s), oldest first", height=160, width=420,
+                 max_width=420, sizing_mode="stretch_width",
                  tools="hover", tooltips=[("run", "@id"), ("makespan", "@makespan s")], name="trend")  # fmt: skip
     fig.line("i", "makespan", source=src, line_color="#1f77b4")
     fig.scatter("i", "makespan", source=src, size=7, fill_color="colour", line_color=None)

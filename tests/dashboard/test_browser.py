@@ -61,6 +61,17 @@ def test_runs_page_lists_every_run(recorded, page):
     rows = page.locator("tr.run-row")
     assert rows.count() == len(server.runs(cluster)) >= 2
     assert page.locator("td.status-erred").count() == 1
+    # a short word is never broken across lines ("runnin|g" in every row at 1280 px, found
+    # in a browser by a fresh pair of eyes)
+    for width in (1280, 390):
+        page.set_viewport_size({"width": width, "height": 800})
+        lines = page.evaluate(
+            """() => [...document.querySelectorAll("tr.run-row td")].filter(td => td.textContent
+                 .trim().length && td.textContent.trim().length <= 9 && !td.querySelector("input"))
+                 .map(td => { const r = document.createRange(); r.selectNodeContents(td);
+                              return new Set([...r.getClientRects()].map(q => Math.round(q.top))).size; })"""
+        )
+        assert lines and max(lines) == 1, (width, lines)
     shoot(page, "runs")
     assert page.errors == []
 
