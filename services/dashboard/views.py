@@ -161,7 +161,8 @@ def runs_page() -> Any:
             since=time_arg("since"),
             until=time_arg("until"),
         )
-        runs, next_cursor = queries.list_runs(db(), p.tenant_id, filters, 50, arg("cursor"))
+        sort = choice_arg("sort", queries.RUN_SORTS) or "-started_at"  # was ignored
+        runs, next_cursor = queries.list_runs(db(), p.tenant_id, filters, 50, arg("cursor"), sort)
     except (ApiError, BadCursor) as exc:
         message = exc.message if isinstance(exc, ApiError) else "bad cursor"
         return render_template("error.html", message=message), 400
@@ -178,6 +179,7 @@ def runs_page() -> Any:
         clusters=clusters,
         filters=filters,
         args=args,
+        sort=sort,
         next_cursor=next_cursor,
     )
 

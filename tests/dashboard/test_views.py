@@ -224,3 +224,30 @@ def test_a_lost_runs_page_says_what_lost_means(apps, make_token):
     (run,) = query.get("/v1/runs?status=lost").json["runs"]
     page = query.get(f"/runs/{run['id']}").get_data(as_text=True)
     assert 'id="lost-note"' in page and "HINDSIGHT_SILENT_CLOSE_SECONDS" in page
+
+
+def test_the_runs_list_sorts_by_its_columns(apps, make_token):
+    """Found in a browser by a fresh pair of eyes: /?sort=-makespan was ignored, and no
+    column could be sorted."""
+    import re
+
+    from tests.query.test_runs import T0, run_batch
+
+    collector, query = apps
+    token = make_token()
+    for i, n in enumerate((2, 5, 3)):
+        body = run_batch("c", "s", f"r{i}", 0, n_tasks=n, t=T0 + 60 * i)
+        body["seq"] = i
+        assert post(collector, body, token=token).status_code == 202
+    login(query, token)
+
+    def names(path: str) -> list[str]:
+        page = query.get(path).get_data(as_text=True)
+        return re.findall(r'href="/runs/[^"]+">([^<]+)</a>', page)
+
+    assert names("/") == ["job-r2", "job-r1", "job-r0"]  # newest first
+    assert names("/?sort=-task_count") == ["job-r1", "job-r2", "job-r0"]
+    assert names("/?sort=task_count") == ["job-r0", "job-r2", "job-r1"]
+    page = query.get("/?sort=-task_count&cluster=c").get_data(as_text=True)
+    assert 'href="?sort=task_count&amp;cluster=c"' in page  # the header turns it around
+    assert query.get("/?sort=nope").status_code == 400
