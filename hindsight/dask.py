@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import re
 import shutil
 import sys
@@ -40,6 +41,7 @@ from hindsight.config import Settings, load_settings
 from hindsight.dask_perf import ProfileShipper, RunPerf, enable_code_capture
 from hindsight.dask_state import RunStates, worker_state
 from hindsight.schema import (
+    MAX_INT,
     MAX_LEFT_KEYS,
     GraphEvent,
     LogEvent,
@@ -129,8 +131,10 @@ def _task_event(
         group=_label(group),
         run=run,
         worker=_label(worker),
-        thread=thread if type(thread) is int else None,
-        nbytes=nbytes if type(nbytes) is int else None,
+        thread=thread if type(thread) is int and abs(thread) <= MAX_INT else None,
+        # the protocol's integers end at 2**53: a lazy table's sizeof (10 PB) had the
+        # collector refuse the whole batch, and the agent drop it
+        nbytes=nbytes if type(nbytes) is int and 0 <= nbytes <= MAX_INT else None,
         typename=_label(typename),
         startstops=[
             StartStop(
@@ -687,8 +691,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
 
 
 def _number(values: dict[str, float], name: str, value: Any) -> None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
-        values[name] = float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        values[name] = float(value)  # inf was encoded as null: the batch refused
 
 
 def worker_values(ws: Any) -> dict[str, float]:

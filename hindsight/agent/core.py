@@ -308,7 +308,13 @@ class Agent:
         )
         # A NUL in a key, a log message or a value (Dask takes them) would have the collector
         # refuse the whole batch: U+FFFD in its place.
-        body = replace_nul(_encoder.encode(batch))
+        try:
+            body = replace_nul(_encoder.encode(batch))
+        except UnicodeEncodeError:
+            # A lone surrogate (a file name Python decoded with surrogateescape, logged or
+            # emitted) is no UTF-8: the batch's events were lost, its sequence number with
+            # them. U+FFFD in its place, as for NUL.
+            body = replace_nul(msgspec.json.encode(_scrub(msgspec.to_builtins(batch))))
         return compress(body, self.settings.encoding, self.settings.zstd_level)
 
     def _spool_or_memory(self) -> Spool:
@@ -560,3 +566,14 @@ def _ensure_atexit() -> None:
         atexit.register(_close_all_at_exit)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+def _scrub(value: Any) -> Any:
+    """``value`` (JSON-like) with every lone surrogate in its strings as U+FFFD."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_scrub(v) for v in value]
+    if isinstance(value, dict):
+        return {_scrub(k): _scrub(v) for k, v in value.items()}
+    return value

@@ -286,3 +286,21 @@ def test_a_run_whose_last_task_erred_ends_when_that_task_did(recorded, hindsight
     run = wait_for_run(hindsight_server, cluster, "ends-in-error", len(ts.data), "erred")
     last = max(ss["stop"] for t in ts.data for ss in t["startstops"])
     assert run["finished_at"] == pytest.approx(last, abs=1e-3)
+
+
+def test_numbers_past_what_the_protocol_holds_do_not_cost_the_batch():
+    """Found by a fresh pair of eyes: a result whose sizeof passed 2**53 (a lazy table
+    reporting 10 PB) had the collector refuse the whole batch (400), and the agent dropped
+    it: 307 events, a run's name and most of its tasks. A worker metric of inf likewise."""
+    from hindsight.dask import _number, _task_event
+    from hindsight.schema import Batch, decode_batch, encode_batch
+
+    ev = _task_event("huge-0", "huge", "huge", "r", "memory", "tcp://w:1", 2**60, 10**16,
+                     "Table", [], None, None)  # fmt: skip
+    values: dict[str, float] = {}
+    for name, value in (("memory.managed", float("inf")), ("cpu", 50), ("nan", float("nan"))):
+        _number(values, name, value)
+    assert values == {"cpu": 50.0}
+    batch = Batch(schema=1, cluster="c", session="s", agent="a", seq=0, events=[ev])
+    (got,) = decode_batch(encode_batch(batch)).events  # what the collector validates
+    assert got.key == "huge-0" and got.nbytes is None and got.thread is None

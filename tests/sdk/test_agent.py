@@ -89,6 +89,20 @@ def test_an_event_that_cannot_be_built_is_counted_not_raised(collector, tmp_path
     assert collector.accepted[-1].dropped == {"invalid": 1}
 
 
+def test_a_lone_surrogate_in_a_value_is_sent_as_u_fffd_with_the_rest(collector, tmp_path):
+    """Found by a fresh pair of eyes: a file name Python decoded with surrogateescape
+    ('caf\udce9.csv'), logged or emitted, is no UTF-8: the whole batch was lost, its
+    sequence number with it, and nothing counted."""
+    agent = make_agent(collector, tmp_path)
+    agent.add(ev(6))
+    agent.add(CustomEvent(stream="bad-\udce9", time=1.0, value={"file": "caf\udce9.csv"}))
+    agent.add(ev(7))
+    agent.close()
+    assert values(collector) == [6, {"file": "caf\ufffd.csv"}, 7]
+    assert [e.stream for e in collector.events()][1] == "bad-\ufffd"
+    assert [b.seq for b in collector.accepted] == list(range(len(collector.accepted)))
+
+
 @pytest.mark.parametrize(
     "status,headers",
     [(503, {"Retry-After": "0.2"}), (429, {"Retry-After": "0"}), (502, {}), (408, {})],
