@@ -243,8 +243,7 @@ def errors(data: RunData) -> list[dict[str, Any]]:
     import pyarrow.compute as pc
 
     groups: dict[str, dict[str, Any]] = {}
-    texts: dict[str, set[str]] = defaultdict(set)
-    fingerprints: dict[str, str] = {}  # dependents of a failed task share its text
+    fingerprints: dict[str, str] = {}  # per distinct text (a failed task's dependents share it)
     table = data.tasks.select(["key", "prefix", "status", "worker", "exception", "traceback"])
     # Filter in Arrow first: a 100k-task run has a handful of failures, not 100k Python rows.
     for r in table.filter(pc.equal(table["status"], "erred")).to_pylist():
@@ -256,15 +255,14 @@ def errors(data: RunData) -> list[dict[str, Any]]:
         if g is None:
             g = groups[fp] = {"exception": exc, "count": 0, "messages": 0, "prefixes": {},
                               "workers": set(), "keys": [], "traceback": r["traceback"]}  # fmt: skip
-        if len(texts[fp]) < 1000:
-            texts[fp].add(exc)
-            g["messages"] = len(texts[fp])
         g["count"] += 1
         g["prefixes"][r["prefix"]] = g["prefixes"].get(r["prefix"], 0) + 1
         if r["worker"]:
             g["workers"].add(r["worker"])
         if len(g["keys"]) < 10:
             g["keys"].append(r["key"])
+    for fp in fingerprints.values():  # each distinct text once
+        groups[fp]["messages"] += 1
     out = sorted(groups.values(), key=lambda g: (-g["count"], g["exception"]))
     for g in out:
         g["workers"] = sorted(g["workers"])
@@ -293,7 +291,7 @@ def critical_path(data: RunData) -> dict[str, Any]:
                               "compute_stop", "startstops"]).to_pylist()  # fmt: skip
     # A key computed more than once in a run (recomputed after a worker died, computed
     # again by a second compute() of the run) has a record per time: all of them count for
-    # the run's start, and a dependent waited for the latest that ended before it started.
+    # the run's start, and a dependent waited for the latest that started before it did.
     tasks: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in sorted((r for r in rows if r["stop"] is not None), key=lambda r: r["stop"]):
         tasks[r["key"]].append(r)
