@@ -152,10 +152,9 @@ def health_blueprint(openapi: dict[str, Any], metrics: bool = True) -> Blueprint
         try:
             # The index at this code's schema: on one never migrated (HINDSIGHT_AUTO_UPGRADE
             # off, `db upgrade` not run) every request failed while /readyz said ready.
-            from alembic.runtime.migration import MigrationContext
+            from storage.db import current_revision
 
-            with st.engine.connect() as conn:
-                revision = MigrationContext.configure(conn).get_current_revision()
+            revision = current_revision(st.engine)
             heads = _schema_heads()
             checks["index"] = (
                 "ok" if revision in heads else f"error: schema at {revision or 'none'}, this "
