@@ -45,9 +45,14 @@ def _register_errors(app: Flask) -> None:
         if page is not None and _wants_a_page():
             return page(exc, headers)
         code = (exc.name or "error").lower().replace(" ", "_")
+        message = exc.description or exc.name
         if exc.code == 413:
+            # Refused by its Content-Length, before a byte was read: say the cap, as the
+            # refusal after reading does (werkzeug's text names no number).
             code = "batch_too_large"
-        return error_response(exc.code or 500, code, exc.description or exc.name, headers)
+            cap = app.config.get("MAX_CONTENT_LENGTH")
+            message = f"batch exceeds {cap - 1} bytes" if cap else "batch too large"
+        return error_response(exc.code or 500, code, message, headers)
 
     @app.errorhandler(ConnectionError)
     @app.errorhandler(TimeoutError)
