@@ -55,8 +55,12 @@ def int_arg(name: str, default: int, lo: int, hi: int) -> int:
     return n
 
 
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
 def time_arg(name: str) -> float | None:
-    """Unix epoch seconds, or an ISO 8601 date/time (UTC unless it says otherwise)."""
+    """Unix epoch seconds, or an ISO 8601 date/time (UTC unless it says otherwise). A
+    date alone given as ``until`` means the end of that day."""
     value = arg(name)
     if value is None:
         return None
@@ -72,6 +76,9 @@ def time_arg(name: str) -> float | None:
         if dt.tzinfo is None:
             dt = dt.replace(tzinfo=UTC)
         t = dt.timestamp()
+        if name == "until" and _DATE.fullmatch(value):
+            # A day named alone as the upper bound includes that day (bounds are exclusive).
+            t += 86400.0
     # The times a batch may carry (NaN, infinities and years past 5138 failed date maths)
     if not 0 <= t <= MAX_TIME:
         raise bad(name, f"must be a time between 1970 and the year 5138 (0 to {MAX_TIME:.0f} s)")

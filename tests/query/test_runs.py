@@ -75,6 +75,25 @@ def test_runs_newest_first_with_filters(history):
     assert names(query.get("/v1/runs?cluster=nope", headers=h)) == []
 
 
+def test_a_date_alone_as_until_includes_that_day(history):
+    """``until=2026-11-21`` (what the runs page's field suggests) meant midnight at its
+    start, leaving out every run of the day named; it now means the day's end. A time with
+    it still means that moment."""
+    query, token = history
+    h = auth(token)
+    days = [datetime.fromtimestamp(T0 + 3600 * i, UTC).date() for i in range(6)]
+    for day in sorted(set(days)):
+        expected = [f"job-r{i}" for i in (5, 4, 3, 2, 1, 0) if days[i] <= day]
+        assert names(query.get(f"/v1/runs?until={day.isoformat()}", headers=h)) == expected
+        midnight = f"{day.isoformat()}T00:00:00"
+        before = [f"job-r{i}" for i in (5, 4, 3, 2, 1, 0) if days[i] < day]
+        assert names(query.get(f"/v1/runs?until={midnight}", headers=h)) == before
+    first = days[0].isoformat()
+    assert names(query.get(f"/v1/runs?since={first}&until={first}", headers=h)) == [
+        f"job-r{i}" for i in (5, 4, 3, 2, 1, 0) if days[i] == days[0]
+    ]
+
+
 def test_cursor_pagination_visits_every_run_once(history):
     query, token = history
     seen, cursor = [], None
