@@ -323,7 +323,7 @@ def test_pages_fit_a_phone(recorded, page):
         assert width <= 390, (path, width)
         texts = page.evaluate(
             """word => { const found = document.querySelectorAll(
-                 "main p, main summary, main .facts div, main h2, main h3, main label");
+                 "main p, main summary, main .facts div, main h1, main h2, main h3, main label");
                found.forEach(e => e.append(" " + word)); return found.length; }""",
             LONG_WORD,
         )

@@ -251,3 +251,32 @@ def test_the_runs_list_sorts_by_its_columns(apps, make_token):
     page = query.get("/?sort=-task_count&cluster=c").get_data(as_text=True)
     assert 'href="?sort=task_count&amp;cluster=c"' in page  # the header turns it around
     assert query.get("/?sort=nope").status_code == 400
+
+
+def test_every_page_has_one_title_and_each_checkbox_names_its_run(apps, make_token):
+    """Found in a browser by a fresh pair of eyes: no page had an h1 (its title was an h2),
+    and the compare boxes of runs of the same name shared one label ("compare job-x")."""
+    import re
+
+    from tests.query.test_runs import T0, run_batch
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    for seq, t in enumerate((T0, T0 + 3600)):  # two runs of one job
+        body = run_batch("c", "s", f"r{seq}", 0, t=t)
+        body["events"][0]["name"] = "nightly"
+        body["seq"] = seq
+        assert post(collector, body, token=token).status_code == 202
+    runs = query.get("/v1/runs", headers=h).json["runs"]
+    assert [r["name"] for r in runs] == ["nightly", "nightly"]
+    ids = [r["id"] for r in runs]
+    listing = query.get("/", headers=h).data.decode()
+    labels = re.findall(r'type="checkbox"[^>]*aria-label="([^"]*)"', listing)
+    assert len(labels) == 2 and len(set(labels)) == 2, labels
+    pages = ["/", f"/runs/{ids[0]}", f"/compare?a={ids[0]}&b={ids[1]}", "/history",
+             "/runs/nope", "/compare?a=x"]  # fmt: skip
+    for path in pages:
+        page = query.get(path, headers={**h, "Accept": "text/html"}).data.decode()
+        assert page.count("<h1") == 1, (path, page.count("<h1"))
+    assert query.get("/login").data.decode().count("<h1") == 1
