@@ -78,6 +78,9 @@ def list_clusters(db: Session, tenant_id: int) -> list[dict[str, Any]]:
         .outerjoin(runs, runs.c.cluster_id == m.Cluster.id)
         .outerjoin(sessions, sessions.c.cluster_id == m.Cluster.id)
         .where(m.Cluster.tenant_id == tenant_id)
+        # A cluster whose every session retention removed is gone (its row stays, for a
+        # collector that may still hold its id).
+        .where(or_(sessions.c.sessions.is_not(None), runs.c.runs.is_not(None)))
         .order_by(m.Cluster.name)
     ).all()
     return [

@@ -147,6 +147,9 @@ def test_max_age_removes_a_removed_clusters_history_whatever_other_clusters_keep
     assert sorted(s.name for s in done.sessions) == ["s-gone", "s0"]
     assert history("gone") == (0, 0, 0)
     assert history("late") == (3, 3, 3)
+    # ... and the cluster itself is no longer listed (it stayed, with no session and no run)
+    listed = w["query"].get("/v1/clusters", headers=auth(w["tokens"][t])).json["clusters"]
+    assert sorted(c["name"] for c in listed) == ["late", "prod"]
 
 
 def test_max_runs_keeps_the_sessions_of_the_newest_runs(world):
