@@ -188,6 +188,12 @@ def test_hindsight_variables_are_read_by_the_code(services: dict[str, Any], name
     assert {"HINDSIGHT_DATABASE_URL", "HINDSIGHT_BLOB_URL"} <= set(env)
 
 
+@pytest.mark.parametrize("name", ["collector", "query"])
+def test_gunicorn_services_answer_metrics_for_every_worker(services: dict[str, Any], name: str) -> None:
+    """Without PROMETHEUS_MULTIPROC_DIR each scrape reads one gunicorn worker's counters."""
+    assert _environment(services[name]).get("PROMETHEUS_MULTIPROC_DIR", "").startswith("/")
+
+
 @pytest.mark.parametrize("name", HINDSIGHT_SERVICES)
 def test_service_environment_loads(services: dict[str, Any], name: str) -> None:
     env = _environment(services[name])

@@ -38,6 +38,12 @@ access_logger = logging.getLogger("hindsight.access")
 # Latency buckets in seconds: blob PUTs and index transactions sit between 1 ms and 1 s.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
+# Under multiprocess mode every metric writes to a file in the directory from the first
+# metric on: one missing (a process started outside gunicorn, whose on_starting makes it)
+# stopped the import. Only gunicorn's on_starting empties it.
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+
 # One set of metric objects per process (module level: prometheus-client registers each
 # name once; several apps in one test process share them, so tests compare deltas).
 REQUESTS = Counter(

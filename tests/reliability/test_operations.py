@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -207,3 +208,19 @@ def test_one_metrics_answer_for_all_gunicorn_workers_from_a_directory_it_makes(
         assert seen == [1, 2, 3, 4, 5, 6]  # every scrape counts every worker's batches
     finally:
         server.stop()
+
+
+def test_a_process_outside_gunicorn_starts_with_a_metrics_directory_not_yet_made(tmp_path):
+    """The compose file sets PROMETHEUS_MULTIPROC_DIR for the services; a process started
+    beside them in the same container's environment (`docker compose run collector ...`,
+    `hindsight serve`) has no gunicorn to make the directory, and importing the services'
+    metrics stopped it (FileNotFoundError)."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "not-yet" / "metrics"
+    code = "import services.common.ops as ops; ops.REQUESTS.labels('x', 'y', '200').inc(); print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)})  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert any(directory.glob("counter_*.db"))
