@@ -354,6 +354,7 @@ def side_records(run: m.Run, data: runfile.RunData) -> dict[str, Any]:
         "logs": logs,
         "streams": streams,
         "streams_plot": script_json(side_plots.streams_chart(series, t0)),
+        "streams_unplotted": len(numeric) - len(series),
         "lifecycle": runlogs.lifecycle(db(), store().blobs, run, lambda: data.tasks),
         "causes": runlogs.CAUSES,
         "session_info": runlogs.session_facts(db(), run) or {},

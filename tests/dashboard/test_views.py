@@ -280,3 +280,31 @@ def test_every_page_has_one_title_and_each_checkbox_names_its_run(apps, make_tok
         page = query.get(path, headers={**h, "Accept": "text/html"}).data.decode()
         assert page.count("<h1") == 1, (path, page.count("<h1"))
     assert query.get("/login").data.decode().count("<h1") == 1
+
+
+def test_a_run_page_says_which_emitted_streams_its_plot_leaves_out(apps, make_token):
+    """Found in a browser by a fresh pair of eyes: past six numeric streams the plot drew
+    six and said nothing of the rest (they were only rows of the table below it)."""
+    from services.dashboard.side_plots import MAX_PLOTTED
+    from tests.query.test_runs import T0, run_batch
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    body = run_batch("c", "s", "r", 0, t=T0)
+    streams = MAX_PLOTTED + 2
+    body["events"][1:1] = [
+        {"kind": "custom", "stream": f"loss-{i}", "time": T0 + j, "value": float(j), "run": "r"}
+        for i in range(streams) for j in range(i + 2)
+    ]  # fmt: skip
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    assert page.count('class="stream-row"') == streams
+    note = page.split('id="streams-unplotted">')[1].split("</p>")[0]
+    assert f"draws the {MAX_PLOTTED} streams" in note and "2 more are in the table" in note, note
+    few = run_batch("c", "s2", "r2", 0, t=T0 + 10)
+    few["events"][1:1] = [{"kind": "custom", "stream": "one", "time": T0 + 10, "value": 1.0, "run": "r2"}]
+    assert post(collector, few, token=token).status_code == 202
+    other = next(r for r in query.get("/v1/runs", headers=h).json["runs"] if r["id"] != run["id"])
+    assert "streams-unplotted" not in query.get(f"/runs/{other['id']}", headers=h).data.decode()
