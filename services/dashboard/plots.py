@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 from bokeh.embed import json_item
-from bokeh.models import ColumnDataSource, HoverTool
+from bokeh.models import ColumnDataSource, HoverTool, NumeralTickFormatter
 from bokeh.plotting import figure
 
 # distributed.utils.palette (viridis, 18 colours)
@@ -239,6 +239,10 @@ MEMORY_KINDS = (
 )
 
 
+#: Bytes on the memory axes and hovers: 1.5 GiB, not Bokeh's 1.5e+9.
+BYTES = "0.[0] ib"
+
+
 def _time_figure(title: str, x_range: Any, height: int = 180, **kw: Any) -> Any:
     fig = figure(
         title=title, x_range=x_range, height=height, sizing_mode="stretch_width",
@@ -249,7 +253,7 @@ def _time_figure(title: str, x_range: Any, height: int = 180, **kw: Any) -> Any:
 
 
 def _series_lines(fig: Any, series: list[dict[str, Any]], origin: float, colours: dict[str, str],
-                  label: Any, name: str) -> int:  # fmt: skip
+                  label: Any, name: str, number: str = "0.[00]a") -> int:  # fmt: skip
     """One multi-line renderer, a line per series (x: seconds since origin), the series'
     label on hover; returns how many lines were drawn. (A renderer per line cost ~25 ms
     each to build and serialise: 80 of them on a 16-worker run.)"""
@@ -267,7 +271,7 @@ def _series_lines(fig: Any, series: list[dict[str, Any]], origin: float, colours
     )
     fig.multi_line("xs", "ys", source=src, line_color="colour", line_width=1.5)
     fig.add_tools(
-        HoverTool(tooltips=[("", "@label"), ("value", "$y{0.[00]a}")], line_policy="nearest")
+        HoverTool(tooltips=[("", "@label"), ("value", f"$y{{{number}}}")], line_policy="nearest")
     )
     return len(drawn)
 
@@ -328,8 +332,10 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
     for metric, label in MEMORY_KINDS:
         fig = _time_figure(f"Memory: {label} bytes per worker", x_range)
         fig.name = f"memory-{label}"
+        # bytes as 1.5 GiB, not 1.5e+9 (Bokeh's default ticks for large numbers)
+        fig.yaxis.formatter = NumeralTickFormatter(format=BYTES)
         counts[f"memory-{label}"] = _series_lines(fig, by_name.get(metric, []), origin, colours,
-                                                  lambda s: s["worker"], f"memory-{label}")  # fmt: skip
+                                                  lambda s: s["worker"], f"memory-{label}", BYTES)  # fmt: skip
         if counts[f"memory-{label}"]:
             figs.append(fig)
     for metric, title, key in (("cpu", "CPU % per worker", "cpu"),

@@ -154,6 +154,13 @@ def test_run_page_draws_the_run(recorded, page, name):
     assert model["lines"]["progress"] == len({t["prefix"] for t in tasks})
     for kind in ("memory-managed", "memory-unmanaged", "cpu", "tasks"):
         assert model["lines"][kind] == len(workers), (kind, model["lines"])
+    # memory ticks read as bytes (they read 1.5e+9 before)
+    ticks = page.evaluate(
+        """() => { const fig = [...Bokeh.documents[0].all_models].find(
+                     m => m.name === 'memory-managed' && m.left !== undefined);
+                   return fig.left[0].formatter.doFormat([0, 512 * 1024, 1.5 * 2 ** 30], {loc: 0}); }"""
+    )
+    assert [t.replace(" ", "") for t in ticks] == ["0", "512KiB", "1.5GiB"], ticks
     # the DAG: every task a node, the critical path outlined in red
     critical = server.get(f"/v1/runs/{run['id']}/critical-path")
     assert model["dag_nodes"] == len(tasks)
