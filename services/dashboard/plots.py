@@ -520,8 +520,20 @@ def side_by_side(
     return json_item(column(*figs, sizing_mode="stretch_width"), "side-by-side"), data
 
 
-def cluster_history(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Per-cluster runs, tasks, errors and compute-seconds per time bucket."""
+def gapped(points: list[dict[str, Any]], bucket_s: float) -> list[dict[str, Any] | None]:
+    """Time-ordered points with None where a bucket or more holds none: a line drawn
+    through them breaks there instead of joining two runs a week apart."""
+    out: list[dict[str, Any] | None] = []
+    for p in points:
+        if out and p["time"] - out[-1]["time"] > 1.5 * bucket_s:  # type: ignore[index]
+            out.append(None)
+        out.append(p)
+    return out
+
+
+def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any] | None:
+    """Per-cluster runs, tasks, errors and compute-seconds per time bucket (``bucket_s``
+    seconds); a cluster's lines break over buckets without runs."""
     from bokeh.layouts import column
     from bokeh.models import DataRange1d
 
@@ -537,8 +549,11 @@ def cluster_history(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
                      sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset,save,hover",
                      tooltips=[("cluster", "@cluster"), (field, "@y")], name=f"history-{field}")  # fmt: skip
         for c in clusters:
-            mine = [r for r in rows if r["cluster"] == c]
-            src = ColumnDataSource({"x": [r["time"] * 1000 for r in mine], "y": [r[field] or 0 for r in mine],
+            mine = gapped(sorted((r for r in rows if r["cluster"] == c), key=lambda r: r["time"]),
+                          bucket_s)  # fmt: skip
+            nan = float("nan")
+            src = ColumnDataSource({"x": [r["time"] * 1000 if r else nan for r in mine],
+                                    "y": [(r[field] or 0) if r else nan for r in mine],
                                     "cluster": [c] * len(mine)}, name=f"history-{field}-line")  # fmt: skip
             fig.line("x", "y", source=src, line_color=colours[c], line_width=2, legend_label=c)
             fig.scatter("x", "y", source=src, fill_color=colours[c], line_color=None, size=6)

@@ -438,7 +438,7 @@ def history_page() -> Any:
         "history.html",
         rows=rows,
         bucket=bucket,
-        plot=script_json(plots.cluster_history(rows)),
+        plot=script_json(plots.cluster_history(rows, 3600 * analysis.BUCKETS[bucket])),
         activity_plot=script_json(activity_plot),
         prefix=prefix or "",
         job=job or "",

@@ -15,7 +15,7 @@ from bokeh.embed import json_item
 from bokeh.models import ColumnDataSource, CustomJS, FactorRange, HoverTool, Range1d, TapTool
 from bokeh.plotting import figure
 
-from services.dashboard.plots import WORKER_PALETTE, colour_of
+from services.dashboard.plots import WORKER_PALETTE, colour_of, gapped
 from storage.profiles import Node, Profile, merge_into, prune
 
 #: Frames drawn at most per flame graph (the least sampled are folded into their callers).
@@ -291,10 +291,14 @@ def activity_history_chart(
         x_range=DataRange1d(min_interval=3 * bucket_s * 1000, name="activity-history-x"),
     )  # fmt: skip
     for i, act in enumerate(activities):
-        mine = [p for p in points if act in p["activity"]]
+        # the line breaks over buckets without runs of it
+        mine = gapped(sorted((p for p in points if act in p["activity"]), key=lambda p: p["time"]),
+                      bucket_s)  # fmt: skip
+        nan = float("nan")
         src = ColumnDataSource(
-            {"x": [p["time"] * 1000 for p in mine], "y": [p["activity"][act]["mean"] for p in mine],
-             "runs": [p["runs"] for p in mine], "activity": [act] * len(mine)},
+            {"x": [p["time"] * 1000 if p else nan for p in mine],
+             "y": [p["activity"][act]["mean"] if p else nan for p in mine],
+             "runs": [p["runs"] if p else 0 for p in mine], "activity": [act] * len(mine)},
             name=f"activity-history-{i}",
         )  # fmt: skip
         colour = activity_colour(act, i)

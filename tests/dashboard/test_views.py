@@ -308,3 +308,44 @@ def test_a_run_page_says_which_emitted_streams_its_plot_leaves_out(apps, make_to
     assert post(collector, few, token=token).status_code == 202
     other = next(r for r in query.get("/v1/runs", headers=h).json["runs"] if r["id"] != run["id"])
     assert "streams-unplotted" not in query.get(f"/runs/{other['id']}", headers=h).data.decode()
+
+
+def _sources(item: Any) -> dict[str, dict[str, list[Any]]]:
+    """The named data sources of an embedded Bokeh item, by name: their columns."""
+    found: dict[str, dict[str, list[Any]]] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            attrs = node.get("attributes") or {}
+            if node.get("name") == "ColumnDataSource" and "name" in attrs:
+                found[attrs["name"]] = dict(attrs["data"]["entries"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(item)
+    return found
+
+
+def test_history_lines_break_over_hours_without_runs(apps, make_token):
+    """Found in a browser by a fresh pair of eyes: a cluster's history drew one line from
+    its runs of 10:00 to its runs of 15:00, as if it had run between."""
+    from tests.query.test_runs import T0, run_batch
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    for seq, hour in enumerate((0, 1, 5)):
+        body = run_batch("c", "s", f"r{hour}", 0, t=T0 + 3600 * hour)
+        body["seq"] = seq
+        assert post(collector, body, token=token).status_code == 202
+    page = query.get("/history?bucket=hour", headers=h).data.decode()
+    item = json.loads(page.split("const plot = ")[1].split(";\n")[0])
+    ys = _sources(item)["history-runs-line"]["y"]
+    gap = {"type": "number", "value": "nan"}
+    assert ys == [1, 1, gap, 1], ys  # hours 0 and 1 joined, then a break before hour 5
+    day = json.loads(query.get("/history?bucket=day", headers=h).data.decode()
+                     .split("const plot = ")[1].split(";\n")[0])  # fmt: skip
+    assert gap not in _sources(day)["history-runs-line"]["y"]
