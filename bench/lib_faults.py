@@ -236,7 +236,9 @@ class Gunicorn:
         threads: int = 4,
         app: str = "collector.app:create_app()",
         args: tuple[str, ...] = (),
+        log: Any = None,
     ) -> None:
+        """``log``: a file the server's stdout and stderr go to (else this process's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
@@ -244,7 +246,7 @@ class Gunicorn:
              "--workers", str(workers), "--worker-class", "gthread", "--threads", str(threads),
              "--bind", f"127.0.0.1:{self.port}", "--log-level", "warning", "--graceful-timeout", "5",
              *args, app],
-            env={**os.environ, **AWS_ENV, **env}, cwd=ROOT,
+            env={**os.environ, **AWS_ENV, **env}, cwd=ROOT, stdout=log, stderr=log,
         )  # fmt: skip
         wait_until(lambda: http_ok(self.url + "/readyz"), 60, f"{app} ready")
 

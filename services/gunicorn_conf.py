@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
+
+from gunicorn.glogging import Logger as _GunicornLogger
 
 # The services log each request themselves (``hindsight.access``: method, path, status,
 # tenant, duration). gunicorn's own access log is off; if an operator turns it on, it logs
@@ -15,11 +18,27 @@ access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(B)s %(M)sms'
 limit_request_line = 8190
 
 
+class Logger(_GunicornLogger):
+    """gunicorn's own log lines (booting a worker, a worker timed out, shutting down) in
+    the services' format: with ``HINDSIGHT_LOG_FORMAT=json`` they were the one kind of line
+    on stderr that was not JSON."""
+
+    def setup(self, cfg: Any) -> None:
+        super().setup(cfg)
+        if os.environ.get("HINDSIGHT_LOG_FORMAT") == "json":
+            from services.common.jsonlog import JsonFormatter
+
+            for handler in (*self.error_log.handlers, *self.access_log.handlers):
+                handler.setFormatter(JsonFormatter())
+
+
+logger_class = Logger
+
+
 def on_starting(server: Any) -> None:
     """Under prometheus-client's multiprocess mode, the directory exists and holds nothing
     from an earlier run (a directory missing stopped every worker at boot; an old one's
     files would add a dead run's counts)."""
-    import os
     from pathlib import Path
 
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -40,8 +59,6 @@ def post_worker_init(worker: Any) -> None:
 def child_exit(server: Any, worker: Any) -> None:
     """Under prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set), drop a
     dead worker's live gauges (in-flight requests) so a killed worker does not count forever."""
-    import os
-
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 

@@ -10,7 +10,6 @@ leak through it (and per-tenant series would grow without bound).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ from prometheus_client import (
 from prometheus_client import multiprocess as prom_multiprocess
 
 from services.common.errors import error_response, unavailable
+from services.common.jsonlog import JsonFormatter
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("hindsight.access")
@@ -97,26 +97,6 @@ def metrics_response() -> Response:
     else:
         data = generate_latest()
     return Response(data, mimetype=CONTENT_TYPE_LATEST)
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and any ``extra`` fields."""
-
-    _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": round(record.created, 3),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for key, value in vars(record).items():
-            if key not in self._STANDARD and not key.startswith("_"):
-                out[key] = value
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
 
 
 class _OurHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -224,3 +224,38 @@ def test_a_process_outside_gunicorn_starts_with_a_metrics_directory_not_yet_made
                           env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)})  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     assert any(directory.glob("counter_*.db"))
+
+
+def test_json_logs_are_json_lines_gunicorns_own_included(pg_url, moto_endpoint, tmp_path):
+    """Found by an operator: with HINDSIGHT_LOG_FORMAT=json the services' lines were JSON
+    but gunicorn's own ("Booting worker with pid", "Handling signal", a worker timeout)
+    were not, so a log pipeline parsing JSON dropped or mangled exactly those."""
+    from bench.lib_faults import Gunicorn, collector_env
+    from bench.lib_faults import make_token as token_of
+    from tests.conftest import make_bucket, new_tenant
+
+    env = collector_env(pg_url, f"s3://{make_bucket(moto_endpoint)}/h", moto_endpoint,
+                        HINDSIGHT_LOG_FORMAT="json", HINDSIGHT_LOG_LEVEL="INFO",
+                        HINDSIGHT_ACCESS_LOG="true")  # fmt: skip
+    token = token_of(pg_url, new_tenant())
+    path = tmp_path / "server.log"
+    with path.open("wb") as log:
+        server = Gunicorn(env, workers=1, threads=2, args=("--log-level", "info"), log=log)
+        try:
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+            resp = requests.post(server.url + "/v1/batches", data=json.dumps(example()),
+                                 headers=headers, timeout=60)  # fmt: skip
+            assert resp.status_code == 202, resp.text
+        finally:
+            server.stop()
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"not a JSON line: {line!r}")
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
+    gunicorn = [e["message"] for e in entries if e["logger"] == "gunicorn.error"]
+    assert any("Booting worker" in m for m in gunicorn), gunicorn
+    assert any(e["logger"] == "hindsight.access" and e["status"] == 202 for e in entries)
