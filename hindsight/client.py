@@ -52,7 +52,7 @@ class Client:
 
     def _open(self, path: str, params: dict[str, Any] | None = None) -> Any:
         query = {
-            k: [_param(x) for x in v] if isinstance(v, list | tuple) else _param(v)
+            k: [_param(x) for x in v] if isinstance(v, list | tuple) else _param(v, k == "until")
             for k, v in (params or {}).items()
             if v is not None
         }
@@ -459,13 +459,14 @@ class _ServicePart:
             return to_pandas(pa.ipc.open_stream(resp.read()).read_all())
 
 
-def _param(value: Any) -> str:
+def _param(value: Any, day_end: bool = False) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, date) or hasattr(value, "timestamp"):
         # epoch seconds, a naive time read as UTC everywhere (as the server reads ISO text
-        # without a zone): runs(since=dt) sent str(dt), state(at=dt) the local reading
+        # without a zone): runs(since=dt) sent str(dt), state(at=dt) the local reading; a
+        # date as ``until`` includes that day, as the server reads "2026-11-21"
         from hindsight.lake import _epoch
 
-        return repr(_epoch(value))
+        return repr(_epoch(value, day_end))
     return str(value)

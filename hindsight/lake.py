@@ -370,7 +370,7 @@ class Filters:
             if name in _LIST_FILTERS or name == "cluster":
                 values[name] = [value] if isinstance(value, str) else [str(v) for v in value]
             elif name in ("since", "until"):
-                values[name] = _epoch(value)
+                values[name] = _epoch(value, day_end=name == "until")
             else:
                 values[name] = float(value)
         return cls(**values)
@@ -437,19 +437,28 @@ class Filters:
         return True
 
 
-def _epoch(value: Any) -> float:
+def _epoch(value: Any, day_end: bool = False) -> float:
+    """Epoch seconds of a time: a number, a datetime (naive: UTC), an ISO 8601 text, a
+    pandas Timestamp. A day alone (a ``date``, ``"2026-11-21"``) is its midnight, UTC, or
+    with ``day_end`` (an ``until``: bounds are exclusive) the next one, as the services
+    read a day alone given as ``until``."""
+    days = 1 if day_end else 0
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, datetime):
         dt = value if value.tzinfo else value.replace(tzinfo=UTC)
         return dt.timestamp()
     if isinstance(value, date):
-        return datetime.combine(value, datetime.min.time(), UTC).timestamp()
+        return datetime.combine(value, datetime.min.time(), UTC).timestamp() + days * 86400.0
     if hasattr(value, "timestamp"):  # pandas.Timestamp
         return float(value.timestamp())
     text = str(value).replace("Z", "+00:00")
     try:
         return float(text)
+    except ValueError:
+        pass
+    try:
+        return _epoch(date.fromisoformat(text), day_end)
     except ValueError:
         dt = datetime.fromisoformat(text)
         return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 
 from flask import request
 
@@ -55,7 +55,13 @@ def int_arg(name: str, default: int, lo: int, hi: int) -> int:
     return n
 
 
-_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+def _is_date(value: str) -> bool:
+    """A day alone in any ISO 8601 form Python reads (2026-11-21, 20261121, 2026-W47-6)."""
+    try:
+        date.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
 
 
 def time_arg(name: str) -> float | None:
@@ -76,7 +82,7 @@ def time_arg(name: str) -> float | None:
         if dt.tzinfo is None:
             dt = dt.replace(tzinfo=UTC)
         t = dt.timestamp()
-        if name == "until" and _DATE.fullmatch(value):
+        if name == "until" and _is_date(value):
             # A day named alone as the upper bound includes that day (bounds are exclusive).
             t += 86400.0
     # The times a batch may carry (NaN, infinities and years past 5138 failed date maths)

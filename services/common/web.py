@@ -46,12 +46,13 @@ def _register_errors(app: Flask) -> None:
             return page(exc, headers)
         code = (exc.name or "error").lower().replace(" ", "_")
         message = exc.description or exc.name
-        if exc.code == 413:
+        cap = app.config.get("MAX_CONTENT_LENGTH")
+        if exc.code == 413 and cap and (request.content_length or 0) >= cap:
             # Refused by its Content-Length, before a byte was read: say the cap, as the
             # refusal after reading does (werkzeug's text names no number).
-            code = "batch_too_large"
-            cap = app.config.get("MAX_CONTENT_LENGTH")
-            message = f"batch exceeds {cap - 1} bytes" if cap else "batch too large"
+            code, message = "batch_too_large", f"batch exceeds {cap - 1} bytes"
+        elif exc.code == 413:  # a form past Flask's own limits (the sign-in page's)
+            code = "request_too_large"
         return error_response(exc.code or 500, code, message, headers)
 
     @app.errorhandler(ConnectionError)

@@ -388,6 +388,17 @@ def test_python_client_round_trips_every_endpoint(history):
     slowest = c.tasks(a, sort="-duration", limit=2)
     assert list(slowest["compute"]) == sorted(tasks["compute"], reverse=True)[:2]
     assert c.runs(cluster=cluster, limit=0).empty
+    # A day alone as until includes that day, as a date or as text, here and in the lake
+    # (a date object sent midnight at its start: the day's runs were left out).
+    from datetime import UTC, datetime
+
+    from hindsight.lake import Filters
+
+    started = c.run(a)["started_at"]
+    day = datetime.fromtimestamp(started, UTC).date()
+    assert a in set(c.runs(cluster=cluster, until=day)["id"])
+    assert a in set(c.runs(cluster=cluster, until=day.isoformat())["id"])
+    assert Filters.from_kwargs(until=day).until == Filters.from_kwargs(until=str(day)).until > started
     with c._open(f"/v1/runs/{a}/tasks.parquet", {"limit": 2, "sort": "-duration"}) as resp:
         assert pq.read_table(io.BytesIO(resp.read())).num_rows == 2  # cut by the server
     summary = c.summary(a)
