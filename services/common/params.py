@@ -56,7 +56,8 @@ def int_arg(name: str, default: int, lo: int, hi: int) -> int:
 
 
 def _is_date(value: str) -> bool:
-    """A day alone in any ISO 8601 form Python reads (2026-11-21, 20261121, 2026-W47-6)."""
+    """A day alone in an ISO 8601 form Python reads (2026-11-21, 2026-W47-6; 20261121 is
+    read before as epoch seconds, a number)."""
     try:
         date.fromisoformat(value)
     except ValueError:
