@@ -369,3 +369,15 @@ def test_a_sign_in_form_past_flasks_limit_is_not_called_a_batch(apps):
     assert "batch" not in resp.json["error"]["message"]
     del resp
     gc.collect()
+
+
+def test_activity_history_lines_break_over_buckets_without_runs():
+    """The same for a prefix's seconds by activity (/history?prefix=): hours 0 and 1
+    joined, a break before hour 5."""
+    from services.dashboard.why_plots import activity_history_chart
+
+    t0 = 1_795_000_000 // 3600 * 3600
+    points = [{"time": t0 + 3600 * h, "runs": 1, "activity": {"thread-cpu": {"mean": 2.0}}}
+              for h in (0, 1, 5)]  # fmt: skip
+    ys = _sources(activity_history_chart(points, "t", 3600))["activity-history-0"]["y"]
+    assert ys == [2.0, 2.0, {"type": "number", "value": "nan"}, 2.0], ys
