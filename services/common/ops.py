@@ -88,14 +88,35 @@ def timed(histogram: Any) -> Iterator[None]:
         histogram.observe(time.perf_counter() - t0)
 
 
-def metrics_response() -> Response:
-    """The exposition text: every worker's under multiprocess mode, else this process's."""
+#: Families only a collector moves: the query service leaves them out of its /metrics (it
+#: showed hindsight_ingested_events_total 0 and an empty index latency histogram).
+INGEST_ONLY = frozenset({
+    "hindsight_ingested_events", "hindsight_ingested_batches", "hindsight_ingested_bytes",
+    "hindsight_index_seconds", "hindsight_blob_seconds", "hindsight_ray_bodies",
+    "hindsight_ray_events",
+})  # fmt: skip
+
+
+class _Without:
+    """A registry's families but those named."""
+
+    def __init__(self, source: Any, names: frozenset[str]) -> None:
+        self.source, self.names = source, names
+
+    def collect(self) -> Iterator[Any]:
+        return (f for f in self.source.collect() if f.name not in self.names)
+
+
+def metrics_response(hide: frozenset[str] = frozenset()) -> Response:
+    """The exposition text: every worker's under multiprocess mode, else this process's;
+    without the families ``hide`` names."""
+    from prometheus_client import REGISTRY
+
+    source: Any = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        registry = CollectorRegistry()
-        prom_multiprocess.MultiProcessCollector(registry)
-        data = generate_latest(registry)
-    else:
-        data = generate_latest()
+        source = CollectorRegistry()
+        prom_multiprocess.MultiProcessCollector(source)
+    data = generate_latest(_Without(source, hide) if hide else source)
     return Response(data, mimetype=CONTENT_TYPE_LATEST)
 
 

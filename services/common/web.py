@@ -132,15 +132,16 @@ def require(scope: str) -> Principal:
     return principal
 
 
-def health_blueprint(openapi: dict[str, Any], metrics: bool = True) -> Blueprint:
+def health_blueprint(openapi: dict[str, Any], metrics: bool = True, service: str = "") -> Blueprint:
     bp = Blueprint("health", __name__)
+    hide = ops.INGEST_ONLY if service == "query" else frozenset()
 
     if metrics:
 
         @bp.get("/metrics")
         def metrics_text() -> Any:
             # Unauthenticated, like every Prometheus scrape target: no metric names a tenant.
-            return ops.metrics_response()
+            return ops.metrics_response(hide)
 
     @bp.get("/healthz")
     def healthz() -> Any:
@@ -203,8 +204,9 @@ def make_app(
     app.json.sort_keys = False
     app.extensions["hindsight"] = Store.open(settings)
     _register_errors(app)
-    ops.install(app, _SERVICE_NAMES.get(name, name))
-    app.register_blueprint(health_blueprint(openapi, settings.metrics))
+    service = _SERVICE_NAMES.get(name, name)
+    ops.install(app, service)
+    app.register_blueprint(health_blueprint(openapi, settings.metrics, service))
     for bp in blueprints:
         app.register_blueprint(bp)
 
