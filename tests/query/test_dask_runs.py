@@ -348,13 +348,31 @@ def test_chrome_trace_has_a_track_per_worker_thread(history):
         assert e["ph"] in ("X", "M", "C") and isinstance(e["pid"], int)
         if e["ph"] == "X":
             assert {"name", "ts", "dur", "tid", "cat"} <= set(e) and e["dur"] >= 0
-    threads = {
-        (e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"
+    tracks = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "thread_name"
     }
-    assert len(threads) == len({(t["worker"], t["thread"]) for t in tasks})
-    assert {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"} == threads
+    assert {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"} == set(tracks)
     processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert processes == history["workers"]
+    worker_of = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    # a track per worker thread (and a lane more where slices would overlap) ...
+    first_lanes = {
+        (worker_of[p], n) for (p, _), n in tracks.items() if n.startswith("thread") and "(" not in n
+    }
+    assert first_lanes == {(t["worker"], f"thread {t['thread']}") for t in tasks}
+    # ... transfers on their worker's transfer tracks, and on no track do two slices
+    # overlap (found by a fresh pair of eyes: transfers drawn across the compute of the
+    # thread whose task they fed, which Perfetto shows as if nested)
+    by_track: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            assert (e["cat"] == "transfer") == tracks[(e["pid"], e["tid"])].startswith("transfers")
+            by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_track.values():
+        spans.sort()
+        assert all(b[0] >= a[1] - 1e-3 for a, b in zip(spans, spans[1:], strict=False))
     phases = sum(len(t["startstops"]) for t in tasks)
     assert sum(e["ph"] == "X" for e in events) == phases
     assert any(e.get("cat") == "transfer" and e["args"].get("source") for e in events)
@@ -398,7 +416,9 @@ def test_python_client_round_trips_every_endpoint(history):
     day = datetime.fromtimestamp(started, UTC).date()
     assert a in set(c.runs(cluster=cluster, until=day)["id"])
     assert a in set(c.runs(cluster=cluster, until=day.isoformat())["id"])
-    assert Filters.from_kwargs(until=day).until == Filters.from_kwargs(until=str(day)).until > started
+    assert (
+        Filters.from_kwargs(until=day).until == Filters.from_kwargs(until=str(day)).until > started
+    )
     with c._open(f"/v1/runs/{a}/tasks.parquet", {"limit": 2, "sort": "-duration"}) as resp:
         assert pq.read_table(io.BytesIO(resp.read())).num_rows == 2  # cut by the server
     summary = c.summary(a)
