@@ -97,18 +97,21 @@ def post_ray_events() -> Any:
     enforce(limiter, principal.tenant, None, request.content_length)
     raw, body, _ = read_body(settings.max_batch_bytes, settings.body_timeout)
     try:
-        elements = split_array(body)
+        # Counted before the work when a rate limit is set; else split only if needed
+        # (storage.ray_events.parse).
+        elements = split_array(body) if limiter.enabled else None
+        if elements is not None:
+            enforce(limiter, principal.tenant, len(elements))
+        parts = ray.prepare(body, elements)
     except NotAnArray:
         raise ApiError(
             400, "not_an_array", "a Ray exporter body is a JSON array of events"
         ) from None
-
-    enforce(limiter, principal.tenant, len(elements))
+    elements_count = sum(len(p.part.raw) for p in parts)
 
     st = store()
     # With a sweeper, tasks are written by it (``emit_ready``), many bodies to a batch.
     sweeper = current_app.extensions.get("hindsight.ray_sweeper")
-    parts = ray.prepare(body, elements)
     written = []
     for p in parts:
         key = ray.raw_key(principal.tenant, cluster, p.session, p.sha)
@@ -156,7 +159,7 @@ def post_ray_events() -> Any:
         ray_events("indexed").inc(sum(r.events for r in results) - sum(skipped.values()))
         ray_events("skipped").inc(sum(skipped.values()))
     return {
-        "accepted": len(elements),
+        "accepted": elements_count,
         "skipped": skipped,
         "duplicate": duplicate,
         "sessions": [r.session for r in results],

@@ -95,7 +95,6 @@ from storage.ray_events import (
     clean,
     error_summary,
     parse,
-    split_array,
 )
 from storage.runlogs import LOST_RAY_EXITS
 from storage.tokens import ensure_tenant
@@ -148,7 +147,6 @@ class StoredPart:
 def prepare(body: bytes, elements: list[msgspec.Raw] | None = None) -> list[StoredPart]:
     """Split a body per Ray session (one in practice). A one-session body is kept byte for
     byte; otherwise each part is the array of its events' exact bytes."""
-    elements = split_array(body) if elements is None else elements
     parts = parse(body, elements)
     out = []
     cctx = zstandard.ZstdCompressor(level=RAW_LEVEL)
