@@ -447,9 +447,14 @@ def copy_chunk(engine: Any, tm: h.Template, tenant_ids: dict[str, int], units: l
 def _query_app(db_url: str, blob_url: str, data_dir: str) -> Any:
     from services.query.app import create_app
 
+    # silent_close 0: the history's runs without an end (a tenth of a unit's) sit in
+    # sessions days old, which the service would close as lost 30 min after it started,
+    # in this process, mid-measurement (a finish job each, whose blobs the bulk copies do
+    # not have); in a deployment they would have closed one by one as they went silent.
     return create_app(
-        {"database_url": db_url, "blob_url": blob_url, "auth": "required", "data_dir": data_dir}
-    )
+        {"database_url": db_url, "blob_url": blob_url, "auth": "required", "data_dir": data_dir,
+         "silent_close_seconds": 0}
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
