@@ -424,16 +424,11 @@ def parse(body: bytes, elements: list[msgspec.Raw] | None = None) -> dict[str, S
     one cost ~a tenth of decoding it."""
     many, one = _SNAKE if b'"event_type"' in body[:4096] else _CAMEL
     events: list[Any] | None = None
-    if elements is None:
-        try:
-            events = many.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+    try:
+        events = many.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        if elements is None:
             elements = split_array(body)
-    if events is None:
-        try:
-            events = many.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-            events = None
     if events is None:
         assert elements is not None
         events = []
