@@ -229,6 +229,23 @@ def run_due(
 SILENT_CHECK_SECONDS = 60.0
 
 
+def _silent(before: float) -> Any:
+    """The run's session was last heard from before ``before`` (and is not a Ray one)."""
+    R, S = m.Run, m.Session
+    return (
+        select(S.id)
+        .where(S.id == R.session_id, S.last_seen < before)
+        .where(~select(m.RayJob.session_id).where(m.RayJob.session_id == S.id).exists())
+        .exists()
+    )
+
+
+def silent_runs(before: float, limit: int) -> Any:
+    """Ids of running runs whose session was last heard from before ``before``: read
+    through the partial index of running runs (``ix_runs_running``), not the whole table."""
+    return select(m.Run.id).where(m.Run.status == "running", _silent(before)).limit(limit)
+
+
 def close_silent(
     sessions: sessionmaker[Session], *, silence: float, now: float | None = None, limit: int = 1000
 ) -> int:
@@ -242,15 +259,10 @@ def close_silent(
     running until the next pass closes it again); the session's ``last_seen`` is left as
     it was. Ray runs are left to the Ray sweeper. Returns how many runs were closed."""
     now = time.time() if now is None else now
-    R, S, F = m.Run, m.Session, m.FinishJob
-    silent = (
-        select(S.id)
-        .where(S.id == R.session_id, S.last_seen < now - silence)
-        .where(~select(m.RayJob.session_id).where(m.RayJob.session_id == S.id).exists())
-        .exists()
-    )
+    R, F = m.Run, m.FinishJob
+    silent = _silent(now - silence)
     with sessions() as db:
-        ids = db.scalars(select(R.id).where(R.status == "running", silent).limit(limit)).all()
+        ids = db.scalars(silent_runs(now - silence, limit)).all()
     closed = 0
     for run_id in ids:
         with sessions.begin() as db:
