@@ -136,8 +136,12 @@ class Run(Base):
         Index("ix_runs_tenant_name", "tenant_id", "name", "started_at"),
         # The runs still running only: the finish workers' look for silent ones
         # (storage.finish.close_silent) scanned every run once a minute (migration 0013).
-        Index("ix_runs_running", "session_id", postgresql_where=text("status = 'running'"),
-              sqlite_where=text("status = 'running'")),  # fmt: skip
+        Index(
+            "ix_runs_running",
+            "session_id",
+            postgresql_where=text("status = 'running'"),
+            sqlite_where=text("status = 'running'"),
+        ),  # fmt: skip
     )
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     # Deterministic public id: uuid5 of tenant/cluster/session/run key, so a rebuilt

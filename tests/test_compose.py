@@ -189,7 +189,9 @@ def test_hindsight_variables_are_read_by_the_code(services: dict[str, Any], name
 
 
 @pytest.mark.parametrize("name", ["collector", "query"])
-def test_gunicorn_services_answer_metrics_for_every_worker(services: dict[str, Any], name: str) -> None:
+def test_gunicorn_services_answer_metrics_for_every_worker(
+    services: dict[str, Any], name: str
+) -> None:
     """Without PROMETHEUS_MULTIPROC_DIR each scrape reads one gunicorn worker's counters."""
     assert _environment(services[name]).get("PROMETHEUS_MULTIPROC_DIR", "").startswith("/")
 

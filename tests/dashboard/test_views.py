@@ -281,7 +281,7 @@ def test_every_page_has_one_title_and_each_checkbox_names_its_run(apps, make_tok
         assert page.count("<h1") == 1, (path, page.count("<h1"))
         # and no level is skipped going down (sections were h3 under the title)
         levels = [int(n) for n in re.findall(r"<h([1-6])\b", page)]
-        assert all(b <= a + 1 for a, b in zip(levels, levels[1:])), (path, levels)
+        assert all(b <= a + 1 for a, b in zip(levels, levels[1:], strict=False)), (path, levels)
     assert query.get("/login").data.decode().count("<h1") == 1
 
 
@@ -307,7 +307,9 @@ def test_a_run_page_says_which_emitted_streams_its_plot_leaves_out(apps, make_to
     note = page.split('id="streams-unplotted">')[1].split("</p>")[0]
     assert f"draws the {MAX_PLOTTED} streams" in note and "2 more are in the table" in note, note
     few = run_batch("c", "s2", "r2", 0, t=T0 + 10)
-    few["events"][1:1] = [{"kind": "custom", "stream": "one", "time": T0 + 10, "value": 1.0, "run": "r2"}]
+    few["events"][1:1] = [
+        {"kind": "custom", "stream": "one", "time": T0 + 10, "value": 1.0, "run": "r2"}
+    ]
     assert post(collector, few, token=token).status_code == 202
     other = next(r for r in query.get("/v1/runs", headers=h).json["runs"] if r["id"] != run["id"])
     assert "streams-unplotted" not in query.get(f"/runs/{other['id']}", headers=h).data.decode()

@@ -226,7 +226,9 @@ def test_a_process_outside_gunicorn_starts_with_a_metrics_directory_not_yet_made
     import sys
 
     directory = tmp_path / "not-yet" / "metrics"
-    code = "import services.common.ops as ops; ops.REQUESTS.labels('x', 'y', '200').inc(); print('ok')"
+    code = (
+        "import services.common.ops as ops; ops.REQUESTS.labels('x', 'y', '200').inc(); print('ok')"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)})  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
