@@ -11,7 +11,9 @@ _limit = lambda default, hi: {  # noqa: E731
 }  # fmt: skip
 _cursor = {"name": "cursor", "in": "query", "schema": {"type": "string", "maxLength": 256}}
 _time = lambda name, what: {  # noqa: E731
-    "name": name, "in": "query", "description": f"{what}: epoch seconds or ISO 8601",
+    "name": name, "in": "query",
+    "description": f"{what}: epoch seconds or ISO 8601"
+    + ("; a date alone (2026-11-21) includes that day (UTC)" if name == "until" else ""),
     "schema": {"type": "string", "maxLength": 256},
 }  # fmt: skip
 _run_id = {
@@ -43,7 +45,7 @@ _arr = {"type": "array", "items": _obj}
 _task_filters = [
     _q("prefix", _str(), "tasks of this prefix"),
     _q("worker", _str(), "tasks that ran on this worker address"),
-    _q("status", _str(32), "memory or erred"),
+    _q("status", _str(32), "memory, erred, or lost (Ray: no end arrived)"),
     _time("since", "tasks that stopped at or after"),
     _time("until", "tasks that started before"),
     _q("sort", {"type": "string", "enum": ["duration", "-duration", "start", "-start"]},
@@ -156,7 +158,15 @@ PATHS = {
         "The run's tasks as Parquet (the compacted copy: one row per task, seconds per action, "
         "startstops as JSON)",
         "application/vnd.apache.parquet",
-        [_run_id],
+        [
+            _run_id,
+            *_task_filters,
+            _q(
+                "limit",
+                {"type": "integer", "minimum": 1, "maximum": 2**62},
+                "at most this many rows (default: all)",
+            ),
+        ],
     ),
     "/v1/runs/{run_id}/summary": _json(
         "Per prefix: count, errors, bytes and per action count/total/mean/min/p50/p90/p99/max "
@@ -212,21 +222,23 @@ PATHS = {
         [
             _run_id,
             _q("baseline", {"type": "integer", "minimum": 1, "maximum": 100, "default": 5}),
-            _q("threshold", {"type": "number", "minimum": 0, "default": 20}),
+            _q("threshold", {"type": "number", "minimum": 0, "maximum": 10_000, "default": 20}),
             _action,
         ],
         {"type": "object", "properties": {"regressions": _arr, "baseline_runs": {"type": "array"}}},
         _not_found,
     ),
     "/v1/runs/{run_id}/trace": _get(
-        "The run as Chrome trace-event JSON (Perfetto): a track per worker thread, every phase",
+        "The run as Chrome trace-event JSON (Perfetto): a process per worker, a track per "
+        "worker thread and transfer tracks, every phase (a slice that would overlap another "
+        "on its track on a further lane of it)",
         [_run_id],
         {"type": "object", "properties": {"traceEvents": _arr}},
         _not_found,
     ),
     "/v1/compare": _get(
         "Run b against run a: makespan, per-prefix count and duration deltas, new/missing prefixes",
-        [_q("a", _str(64)), _q("b", _str(64)), _action],
+        [_q("a", _str(64)) | {"required": True}, _q("b", _str(64)) | {"required": True}, _action],
         {
             "type": "object",
             "properties": {
@@ -250,9 +262,9 @@ PATHS = {
     "/v1/history/prefixes": _get(
         "A prefix's duration quantiles per hour or day across the tenant's clusters (index rollups)",
         [
-            _q("prefix", _str()),
+            _q("prefix", _str()) | {"required": True},
             _action,
-            _q("bucket", {"type": "string", "enum": ["hour", "day"]}),
+            _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "hour"}),
             _time("since", "from"),
             _time("until", "to"),
             _q("cluster", _str(128)),
@@ -262,7 +274,7 @@ PATHS = {
     "/v1/history/clusters": _get(
         "Per cluster per hour or day: runs, tasks, errors, compute/transfer/disk seconds",
         [
-            _q("bucket", {"type": "string", "enum": ["hour", "day"]}),
+            _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "hour"}),
             _time("since", "from"),
             _time("until", "to"),
             _q("cluster", _str(128)),
@@ -347,7 +359,8 @@ PATHS |= {
         "What changed in the hot path: run b's profile against run a's, frame by frame (samples "
         "and share of each run's samples); `format=collapsed` gives `stack A B` lines "
         "(flamegraph.pl's differential input)",
-        [_q("a", _str(64)), _q("b", _str(64)), _q("prefix", _str(), "one task prefix"),
+        [_q("a", _str(64)) | {"required": True}, _q("b", _str(64)) | {"required": True},
+         _q("prefix", _str(), "one task prefix"),
          _q("format", {"type": "string", "enum": ["json", "collapsed"], "default": "json"})],
         {"type": "object", "properties": {"samples_a": {"type": "integer"},
          "samples_b": {"type": "integer"}, "tree": _obj}},
@@ -463,7 +476,7 @@ PATHS |= {
         [_run_id, _stream_name, _limit(100, 1000), _cursor,
          _q("buckets", {"type": "integer", "minimum": 1, "maximum": 10000, "default": 100},
             "intervals over the stream's time span"),
-         _q("interval", {"type": "number", "minimum": 0.001},
+         _q("interval", {"type": "number", "minimum": 0.001, "maximum": 86400},
             "interval in seconds instead (widened to answer at most 10,000 points)")],
         {"type": "object", "properties": {"stream": {"type": "string"},
          "values": {"type": "array", "items": _stream_value}, **_page("values"),
