@@ -446,8 +446,9 @@ def copy_chunk(engine: Any, tm: h.Template, tenant_ids: dict[str, int], units: l
     raise SystemExit("the database stayed away")
 
 
-#: The collectors here do not close silent runs either: the one stack that serves every
-#: level lives longer than HINDSIGHT_SILENT_CLOSE_SECONDS (30 min), and closing the
+#: The collectors here do not close silent runs (only a collector does: the query service
+#: runs no finish worker of its own): the one stack serving every level outlives
+#: HINDSIGHT_SILENT_CLOSE_SECONDS (30 min), and closing the
 #: history's open runs mid-build wrote lake partitions the bulk copies then collided with.
 NO_SILENT_CLOSE = {"HINDSIGHT_SILENT_CLOSE_SECONDS": "0"}
 
@@ -455,14 +456,9 @@ NO_SILENT_CLOSE = {"HINDSIGHT_SILENT_CLOSE_SECONDS": "0"}
 def _query_app(db_url: str, blob_url: str, data_dir: str) -> Any:
     from services.query.app import create_app
 
-    # silent_close 0: the history's runs without an end (a tenth of a unit's) sit in
-    # sessions days old, which the service would close as lost 30 min after it started,
-    # in this process, mid-measurement (a finish job each, whose blobs the bulk copies do
-    # not have); in a deployment they would have closed one by one as they went silent.
     return create_app(
-        {"database_url": db_url, "blob_url": blob_url, "auth": "required", "data_dir": data_dir,
-         "silent_close_seconds": 0}
-    )  # fmt: skip
+        {"database_url": db_url, "blob_url": blob_url, "auth": "required", "data_dir": data_dir}
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any
 from flask import Flask, Response, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -110,8 +111,6 @@ class _Without:
 def metrics_response(hide: frozenset[str] = frozenset()) -> Response:
     """The exposition text: every worker's under multiprocess mode, else this process's;
     without the families ``hide`` names."""
-    from prometheus_client import REGISTRY
-
     source: Any = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         source = CollectorRegistry()
