@@ -7,7 +7,9 @@ thread in each collector process (and the embedded server) runs due jobs: it cla
 job with a lease (``claimed_until``; Postgres ``SKIP LOCKED`` so processes never take the
 same job), calls the :data:`FINISHERS` in order, and deletes the job only if its due time
 did not move meanwhile; a batch that arrived during the work makes the run due again.
-A crashed worker's lease runs out and another process takes the job. ``reindex`` queues
+The worker renews its lease while it works (a finisher may take minutes on a large run),
+so a crashed worker's lease runs out within a minute and another process takes the job.
+``reindex`` queues
 every finished run, so whatever finishers write is rebuilt with the index.
 
 Finishers are idempotent, may run in any process, and must not assume they run once.
@@ -47,8 +49,13 @@ FINISHERS = (
     "storage.runlogs:finish",  # the run's log records, emitted values, worker events
     "storage.lake:finish",  # the run's rows in the history lake (docs/lake.md)
 )
-#: A claimed job is another process's to take after this long (a crashed worker).
-LEASE_SECONDS = 600.0
+#: A claimed job is another process's to take after this long without its worker renewing
+#: the lease (a crashed worker: ``kill -9``, OOM, a lost host). Until 2026-11-26 a fixed 10
+#: minutes with no renewal: a collector killed mid-job left that run out of the lake (and
+#: without its run page facts) for 10 minutes.
+LEASE_SECONDS = 60.0
+#: How often a working job's lease is renewed.
+RENEW_SECONDS = 15.0
 #: A failed job is retried after this many seconds times its attempts so far.
 RETRY_SECONDS = 30.0
 POLL_SECONDS = 1.0
@@ -189,6 +196,39 @@ def finish_run(db: Session, blobs: BlobStore, run_id: int) -> list[str]:
     return errors
 
 
+class _Renewal:
+    """Renews a claimed job's lease every :data:`RENEW_SECONDS` while its finishers run, in
+    a thread of its own (a finisher holds its thread for as long as it takes)."""
+
+    def __init__(self, sessions: sessionmaker[Session], run_id: int) -> None:
+        self.sessions, self.run_id = sessions, run_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hindsight-finish-lease",
+                                        daemon=True)  # fmt: skip
+
+    def __enter__(self) -> _Renewal:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        F = m.FinishJob
+        while not self._stop.wait(RENEW_SECONDS):
+            try:
+                with self.sessions.begin() as db:
+                    db.execute(
+                        update(F)
+                        .where(F.run_id == self.run_id, F.claimed_until.is_not(None))
+                        .values(claimed_until=time.time() + LEASE_SECONDS)
+                    )
+            except Exception:  # the index is down: the lease may run out; the work is idempotent
+                logger.warning("could not renew the lease of run %s's finish job", self.run_id,
+                               exc_info=True)  # fmt: skip
+
+
 def run_due(
     sessions: sessionmaker[Session], blobs: BlobStore, *, now: float | None = None, limit: int = 8
 ) -> int:
@@ -199,7 +239,7 @@ def run_due(
         jobs = _claim(db, now, limit)
     done = 0
     for run_id, due_at in jobs:
-        with sessions() as db:
+        with sessions() as db, _Renewal(sessions, run_id):
             errors = finish_run(db, blobs, run_id)
             same = and_(F.run_id == run_id, F.due_at == due_at)
             if errors:
@@ -369,7 +409,7 @@ class FinishWorker:
                     if silent and 0 < silence < time.time() - self._started:
                         close_silent(sessions, silence=silence)
                     # One job a claim: a process stopped mid-job (a restart) leaves that one
-                    # leased for LEASE_SECONDS, not the seven it had claimed with it.
+                    # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
                     while run_due(sessions, blobs, limit=1) > 0:
                         pass
                     if fold:

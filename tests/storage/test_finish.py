@@ -228,6 +228,56 @@ def test_a_finisher_failing_as_a_late_batch_arrives_leaves_the_job_due(
     assert query.get(f"/v1/runs/{run['id']}/tasks", headers=auth(token)).json["total"] == 6
 
 
+def test_a_crashed_workers_job_is_taken_once_its_lease_runs_out_a_live_one_is_not(
+    apps, make_token, monkeypatch
+):
+    """Found in a read of the leftovers: a collector killed mid-job (``kill -9``) left that
+    run's job leased for 10 minutes (no lake rows, no page facts meanwhile). The lease is
+    now short and renewed while the work goes on: a live worker keeps its job however long
+    its finishers take, a dead one's is taken as soon as its lease runs out."""
+    collector, query, app = apps
+    token = make_token()
+    st = store_of(app)
+    monkeypatch.setattr(finish, "LEASE_SECONDS", 1.0)
+    monkeypatch.setattr(finish, "RENEW_SECONDS", 0.2)
+    assert post(collector, run_batch("c", "s", "r", 0), token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+
+    # A live worker whose first finisher outlasts the lease several times over.
+    working, release = threading.Event(), threading.Event()
+
+    def slow(fr: finish.FinishedRun) -> None:
+        working.set()
+        assert release.wait(30)
+
+    monkeypatch.setattr(finish, "_slow", slow, raising=False)
+    monkeypatch.setattr(finish, "FINISHERS", (f"{finish.__name__}:_slow", *finish.FINISHERS))
+    worker = threading.Thread(target=finish.run_due, args=(st.sessions, st.blobs))
+    worker.start()
+    assert working.wait(30)
+    claimed_at = time.time()
+    while time.time() < claimed_at + 3 * finish.LEASE_SECONDS:
+        with st.sessions.begin() as db:
+            assert finish._claim(db, time.time(), 1) == [], "a live worker's job was taken"
+    release.set()
+    worker.join(30)
+    assert job_of(app, run["id"]) is None
+    assert detail(query, token, run["id"])["finished_work"]["pending"] is False
+
+    # A worker that died holding a job (claimed, never renewed, never finished).
+    late = run_batch("c", "s", "r", 1, t=T0 + 100, status=None)
+    assert post(collector, late, token=token).status_code == 202
+    due = job_of(app, run["id"]).due_at
+    with st.sessions.begin() as db:
+        assert len(finish._claim(db, due, 1)) == 1
+    monkeypatch.setattr(finish, "FINISHERS", finish.FINISHERS[1:])
+    claimed_until = job_of(app, run["id"]).claimed_until
+    assert claimed_until <= due + finish.LEASE_SECONDS
+    assert finish.run_due(st.sessions, st.blobs, now=claimed_until - 0.1) == 0
+    assert finish.run_due(st.sessions, st.blobs, now=claimed_until + 0.1) == 1
+    assert job_of(app, run["id"]) is None
+
+
 def test_a_finished_run_counts_each_graph_task_once(apps, make_token):
     """Found by a fresh pair of eyes: Dask's agent sends a graph event for every task a
     submission touched, earlier submissions' too, and graph_count added them up: a
