@@ -214,7 +214,12 @@ def test_an_unknown_event_type_is_stored_and_the_rest_indexed(app, token):
     odd = [
         {**events[0], "eventType": "QUANTUM_EVENT", "quantumEvent": {"spin": 0.5}},
         {**events[0], "eventType": "TASK_LIFECYCLE_EVENT", "taskLifecycleEvent": {"taskId": 7}},
-        {**events[0], "timestamp": 12, "eventType": "NODE_DEFINITION_EVENT"},
+        # (a time the reader reads; the event's own ``timestamp`` it does not read)
+        {
+            **events[0],
+            "eventType": "NODE_DEFINITION_EVENT",
+            "nodeDefinitionEvent": {"nodeId": "AQ==", "startTimestamp": 12},
+        },
         42,
     ]
     body = json.dumps(odd + events[:200]).encode()
