@@ -43,8 +43,12 @@ def compress(data: bytes, encoding: str, level: int = ZSTD_LEVEL) -> bytes:
     raise ValueError(f"unknown encoding {encoding!r}")
 
 
+ENDPOINT = "/v1/batches"
+
+
 class Sender:
-    """POST batches to ``{url}/v1/batches`` over one keep-alive HTTP connection."""
+    """POST batches to ``{url}/v1/batches`` over one keep-alive HTTP connection (``url``
+    may name the endpoint itself: the server's banner prints it)."""
 
     def __init__(
         self, url: str, token: str | None = None, encoding: str = "zstd", timeout: float = 30.0
@@ -54,7 +58,10 @@ class Sender:
             raise ValueError(f"collector URL must be http(s)://, got {url!r}")
         self._scheme = parsed.scheme
         self._netloc = parsed.netloc
-        self._path = parsed.path.rstrip("/") + "/v1/batches"
+        path = parsed.path.rstrip("/")
+        if path.endswith(ENDPOINT):  # the endpoint's URL given for the collector's
+            path = path[: -len(ENDPOINT)]
+        self._path = path + ENDPOINT
         self.token = token
         self.encoding = encoding
         self.timeout = timeout

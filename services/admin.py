@@ -158,7 +158,7 @@ def serve(data_dir: str | None, host: str, port: int) -> None:
     click.echo(f"  data:       {settings.data_dir}")
     click.echo(f"  index:      {settings.database_url}")
     click.echo(f"  blob store: {settings.blob_url}")
-    click.echo(f"  collector:  {url}/v1/batches   (point workers here: HINDSIGHT_URL={url})")
+    click.echo(f"  workers:    HINDSIGHT_URL={url}   (the collector: POST {url}/v1/batches)")
     click.echo(f"  runs:       {url}/v1/runs")
     click.echo(f"  API:        {url}/v1/openapi.json")
     if auth == "disabled":

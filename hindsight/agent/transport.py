@@ -17,6 +17,10 @@ logger = logging.getLogger(__name__)
 #: Statuses worth another try: the collector is overloaded, a proxy could not reach it, or
 #: the body stopped arriving before its end (408).
 RETRYABLE = frozenset({408, 429, 502, 503, 504})
+#: Statuses that say the URL is not a collector's (a query service, a proxy's page, a typo
+#: in the path): nothing about the batch, so it is kept, as when nothing answers, and
+#: ``hindsight spool push --url`` can deliver it once the URL is fixed.
+MISADDRESSED = frozenset({404, 405})
 
 Verdict = Literal["ok", "retry", "too_large", "reject"]
 
@@ -64,6 +68,7 @@ class Transport:
     """POSTs batch bodies over one keep-alive connection (see :class:`hindsight.sender.Sender`)."""
 
     def __init__(self, url: str, token: str | None, timeout: float) -> None:
+        self.url = url
         self._sender = Sender(url, token, timeout=timeout)
 
     def post(self, body: bytes, encoding: str) -> Outcome:
@@ -84,6 +89,10 @@ class Transport:
         if resp.status in RETRYABLE:
             retry_after = parse_retry_after(resp.headers.get("retry-after"))
             return Outcome("retry", resp.status, retry_after, message)
+        if resp.status in MISADDRESSED:
+            return Outcome("retry", resp.status, None,
+                           f"no collector at {self.url}: point the agent at the collector's "
+                           f"base URL, e.g. http://HOST:8700 (answered: {message})")  # fmt: skip
         if resp.status == 413:
             return Outcome("too_large", resp.status, None, message)
         return Outcome("reject", resp.status, None, message)

@@ -31,6 +31,24 @@ def _wants_a_page() -> bool:
     return request.accept_mimetypes.best_match(["application/json", "text/html"]) == "text/html"
 
 
+def _no_route(app: Flask) -> str:
+    """A 404 for a path no route serves, saying which service answered: an agent pointed
+    at the query service, or a reader at the collector, gets where to go instead."""
+    rules = {r.rule for r in app.url_map.iter_rules()}
+    path = request.path.rstrip("/")
+    if path in ("/v1/batches", "/v1/ray/events") and path not in rules:
+        return (
+            "this is Hindsight's query service: batches go to the collector, a service of "
+            "its own (port 8700 in docker compose; `hindsight serve` runs both on one)"
+        )
+    if path.startswith("/v1/") and "/v1/runs" not in rules and path != "/v1/openapi.json":
+        return (
+            "this is Hindsight's collector: runs are read from the query service, a service "
+            "of its own (port 8701 in docker compose; `hindsight serve` runs both on one)"
+        )
+    return f"no route {request.method} {request.path} here: the API is at /v1/openapi.json"
+
+
 def _register_errors(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> Any:
@@ -46,6 +64,8 @@ def _register_errors(app: Flask) -> None:
             return page(exc, headers)
         code = (exc.name or "error").lower().replace(" ", "_")
         message = exc.description or exc.name
+        if exc.code == 404 and request.url_rule is None:
+            message = _no_route(app)
         cap = app.config.get("MAX_CONTENT_LENGTH")
         if exc.code == 413 and cap and (request.content_length or 0) >= cap:
             # Refused by its Content-Length, before a byte was read: say the cap, as the

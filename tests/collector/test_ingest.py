@@ -306,6 +306,23 @@ def test_get_and_put_on_unknown_routes_and_methods_are_json_errors(services, mak
     collector, query = services
     assert_error(collector.get("/v1/batches"), 405, "method_not_allowed")
     assert_error(query.get("/v1/nope"), 404, "not_found")
+    assert "/v1/openapi.json" in query.get("/v1/nope").json["error"]["message"]
+
+
+def test_a_request_sent_to_the_other_service_says_where_to_go(services, make_token):
+    """Found by a new user: an agent pointed at the query service, or a reader at the
+    collector, got werkzeug's "The requested URL was not found on the server"."""
+    collector, query = services
+    token = make_token()
+    if collector is query:  # the embedded app serves both
+        assert post(query, example_bytes(), token=token).status_code == 202
+        return
+    resp = post(query, example_bytes(), token=token)
+    assert_error(resp, 404, "not_found")
+    assert "query service: batches go to the collector" in resp.json["error"]["message"]
+    resp = collector.get("/v1/runs", headers=auth(token))
+    assert_error(resp, 404, "not_found")
+    assert "collector: runs are read from the query service" in resp.json["error"]["message"]
 
 
 def test_index_down_after_blob_write_is_503_and_the_retry_converges(

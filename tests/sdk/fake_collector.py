@@ -56,7 +56,12 @@ class FakeCollector:
                 elif encoding == "gzip":
                     body = gzip.decompress(body)
                 batch = decode_batch(body)
-                status, headers, message = collector._answer(batch)
+                if self.path != "/v1/batches":  # as the collector: no such route
+                    status, headers, message = 404, {}, "The requested URL was not found"
+                    with collector._lock:
+                        collector.requests.append((status, batch))
+                else:
+                    status, headers, message = collector._answer(batch)
                 payload = b'{"batch_id": "x", "accepted": true, "duplicate": false}'
                 if status != 202:
                     payload = json.dumps(

@@ -14,7 +14,7 @@ from hindsight.schema import CustomEvent
 
 def make_agent(collector, tmp_path, **overrides) -> Agent:
     settings = Settings(
-        url=collector.url,
+        url=overrides.pop("url", collector.url),
         cluster="test",
         spool_dir=str(tmp_path / "spool"),
         flush_interval=overrides.pop("flush_interval", 0.05),
@@ -115,6 +115,33 @@ def test_retryable_answers_are_retried_until_accepted(collector, tmp_path, statu
     agent.close()
     assert [s for s, _ in collector.requests[:3]] == [status, status, 202]
     assert values(collector) == [1]
+
+
+@pytest.mark.parametrize("status", [404, 405])
+def test_an_answer_that_the_url_is_no_collector_keeps_the_batch(
+    collector, tmp_path, status, caplog
+):
+    """Found by a new user: pointed at a query service, a proxy's page or a wrong path, the
+    agent dropped every batch (404: the whole run lost, nothing spooled to push later). It
+    is the URL that is wrong, not the batch: it is kept and retried, and the log says so."""
+    collector.script.extend([(status, {}), (status, {})])
+    agent = make_agent(collector, tmp_path)
+    agent.add(ev(1))
+    collector.wait_for(lambda: values(collector) == [1])
+    agent.close()
+    assert [s for s, _ in collector.requests[:3]] == [status, status, 202]
+    assert collector.accepted[-1].dropped == {}
+    assert f"no collector at {collector.url}" in caplog.text
+
+
+@pytest.mark.parametrize("suffix", ["/v1/batches", "/v1/batches/"])
+def test_the_endpoints_url_works_as_the_collectors(collector, tmp_path, suffix):
+    """The server's banner prints the endpoint; a user who copies it loses nothing."""
+    agent = make_agent(collector, tmp_path, url=collector.url + suffix)
+    agent.add(ev(1))
+    agent.close()
+    assert values(collector) == [1]
+    assert [s for s, _ in collector.requests] == [202, 202]
 
 
 def test_retry_after_is_honoured(collector, tmp_path):
