@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -131,6 +132,23 @@ def _coerce(name: str, raw: Any) -> Any:
     return str(raw)
 
 
+def _cluster_name(value: str, source: str) -> str:
+    """A cluster name made valid (runs of other characters become ``-``), with a warning
+    saying what it became: ``my cluster`` is recorded as ``my-cluster``, not under
+    ``default`` (found by a new user, who could not tell where the run went)."""
+    name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", value)
+    name = re.sub(r"\.{2,}", ".", name).lstrip(".-")[:128]
+    if name:
+        logger.warning(
+            "hindsight: %s cluster=%r is not a valid name (up to 128 of A-Z a-z 0-9 _ . -, "
+            "not starting with . or -); recording as cluster %r",
+            source,
+            value,
+            name,
+        )
+    return name
+
+
 def _valid(name: str, value: Any) -> bool:
     if name in ("spool_max_bytes", "flush_events", "buffer_events"):
         return value > 0
@@ -188,6 +206,8 @@ def load_settings(
                 continue
             try:
                 value = _coerce(name, raw)
+                if name == "cluster" and not _valid(name, value):
+                    value = _cluster_name(value, source)
                 if not _valid(name, value):
                     raise ValueError(raw)
             except (TypeError, ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hindsight.config import Settings, load_settings
 
 
@@ -43,8 +45,27 @@ def test_invalid_values_fall_back_with_a_warning(caplog):
         "HINDSIGHT_WORKER_LOG_LEVEL": "LOUD",
     }
     s = load_settings(environ=env, dask_config={})
-    assert (s.url, s.cluster, s.flush_events, s.log_level) == (None, "default", 5000, "WARNING")
-    assert caplog.text.count("ignoring invalid") == 4
+    assert (s.url, s.flush_events, s.log_level) == (None, 5000, "WARNING")
+    assert caplog.text.count("ignoring invalid") == 3
+    # A cluster name is made valid, and the warning says what it became.
+    assert s.cluster == "etc"
+    assert "recording as cluster 'etc'" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "given,recorded",
+    [("my cluster", "my-cluster"), ("prod/eu west", "prod-eu-west"), (".hidden", "hidden"),
+     ("x" * 200, "x" * 128), ("é", "default"), ("-", "default")],
+)  # fmt: skip
+def test_an_invalid_cluster_name_is_recorded_under_a_valid_one_it_names(caplog, given, recorded):
+    """Found by a new user: ``cluster="my cluster"`` was recorded under ``default``, the
+    log saying only that the argument was ignored."""
+    s = load_settings({"cluster": given}, environ={}, dask_config={})
+    assert s.cluster == recorded
+    if recorded == "default":
+        assert "ignoring invalid argument cluster" in caplog.text
+    else:
+        assert f"recording as cluster {recorded!r}" in caplog.text
 
 
 def test_dask_config_keys_are_read_from_dask():
