@@ -83,21 +83,19 @@ def _must_exist(settings: Settings, which: str) -> None:
         )
 
 
-def _new_local_index(settings: Settings) -> Path | None:
-    """The SQLite file of the index if it has just been created (holding no token yet)."""
-    from sqlalchemy import text
+def _local_index(settings: Settings) -> Path | None:
+    """The SQLite file of a local index (None for a server's database)."""
     from sqlalchemy.engine import make_url
 
     url = make_url(settings.database_url)
     if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return None
-    engine = make_engine(settings.database_url)
-    try:
-        with engine.connect() as conn:
-            tokens = conn.execute(text("SELECT count(*) FROM tokens")).scalar()
-    finally:
-        engine.dispose()
-    return Path(url.database).resolve() if tokens == 0 else None
+    return Path(url.database).resolve()
+
+
+def _token_count(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(Token)).scalar() or 0
 
 
 def _is_loopback(host: str) -> bool:
@@ -236,18 +234,28 @@ def tokens_create(
     if for_ == "ray" and not valid_name(cluster):
         raise click.UsageError(f"invalid cluster name {cluster!r}")
     scopes = scopes or ("ray" if for_ == "ray" else "ingest,read")
+    local = _local_index(_settings(data_dir=data_dir))
+    existed = local is not None and local.exists()
     with _index(data_dir, upgrade=None) as (settings, engine):
-        new = _new_local_index(settings)
+        first = local is not None and _token_count(engine) == 0
         try:
             with make_sessionmaker(engine).begin() as session:
                 token = create_token(session, tenant, scopes, name)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
-    if new is not None:
-        # The first token of a new embedded server, or an operator's shell without the
-        # service's variables: the services would answer 401 to it (found by an operator).
-        click.echo(f"note: created a new index at {new}; a server with another "
-                   "HINDSIGHT_DATABASE_URL or --data-dir does not know this token", err=True)  # fmt: skip
+    elsewhere = "a server with another HINDSIGHT_DATABASE_URL or --data-dir does not know it"
+    if local is not None and not existed:
+        # An operator's shell without the service's variables: the services would answer
+        # 401 to the token (found by an operator).
+        click.echo(f"note: created a new index at {local} for this token; {elsewhere}", err=True)
+    elif first:
+        # The first token of an embedded server that recorded without auth (found by a new
+        # user): with auth on, its earlier runs are the tenant default's.
+        other = (
+            f"; runs recorded without auth are tenant 'default''s, not {tenant!r}'s"
+            if tenant != "default" else ""
+        )  # fmt: skip
+        click.echo(f"note: the first token of the index at {local}{other}; {elsewhere}", err=True)
     if for_ == "ray":
         click.echo(f"{url.rstrip('/')}/v1/ray/events?cluster={cluster}&token={token}")
     else:

@@ -101,6 +101,21 @@ def test_serve_answers_408_to_a_body_shorter_than_its_content_length(tmp_path):
         server.stop()
 
 
+def test_the_first_token_of_an_index_that_recorded_without_auth_says_whose_runs_are_whose(
+    tmp_path,
+):
+    """Found by a new user: after recording with ``make run``, the first token said it had
+    "created a new index" (it had not), and the runs vanished behind auth (they are the
+    tenant default's). The note now says what is true."""
+    assert run("db", "upgrade", "--data-dir", str(tmp_path), env=env()).returncode == 0
+    created = run("tokens", "create", "--tenant", "acme", "--data-dir", str(tmp_path), env=env())
+    assert created.returncode == 0, created.stderr
+    assert "new index" not in created.stderr
+    index = (tmp_path / "index.db").resolve()
+    assert f"the first token of the index at {index}" in created.stderr
+    assert "runs recorded without auth are tenant 'default''s, not 'acme''s" in created.stderr
+
+
 def test_tokens_create_then_serve_with_auth_required(tmp_path):
     created = run(
         "tokens",
@@ -120,7 +135,7 @@ def test_tokens_create_then_serve_with_auth_required(tmp_path):
     # own in silence (the services answered 401). It says so; the next token, not.
     assert f"created a new index at {(tmp_path / 'index.db').resolve()}" in created.stderr
     again = run("tokens", "create", "--tenant", "acme", "--data-dir", str(tmp_path), env=env())
-    assert again.returncode == 0 and "new index" not in again.stderr, again.stderr
+    assert again.returncode == 0 and "note:" not in again.stderr, again.stderr
     server = Served(tmp_path, environ=env(HINDSIGHT_AUTH="required"))
     try:
         assert Sender(server.url).send(example_bytes()).status == 401
