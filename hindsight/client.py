@@ -37,6 +37,28 @@ def _pd() -> Any:
     return pd
 
 
+# The columns of a frame with no rows (found by a new user: ``c.runs(cluster="x").id``
+# failed on an empty answer, a frame without columns). A frame with rows has the answer's.
+RUN_COLUMNS = ("id", "name", "cluster", "session", "run_key", "status", "started_at",
+               "finished_at", "makespan", "task_count", "error_count", "nbytes", "span", "client")  # fmt: skip
+CLUSTER_COLUMNS = ("name", "first_seen", "last_seen", "sessions", "runs", "last_run_started_at")
+SUMMARY_COLUMNS = ("prefix", "action", "tasks", "errors", "count", "total", "mean", "min", "p50",
+                   "p90", "p99", "max")  # fmt: skip
+ERROR_COLUMNS = ("exception", "count", "messages", "prefixes", "workers", "keys", "traceback")
+SEGMENT_COLUMNS = ("kind", "key", "prefix", "worker", "start", "stop", "seconds")
+TIME_COLUMNS = ("worker", "capacity", "compute", "transfer", "spill", "other", "tasks", "nthreads",
+                "idle")  # fmt: skip
+PREFIX_HISTORY_COLUMNS = ("time", "count", "mean", "p50", "p90", "p99", "max")
+CLUSTER_HISTORY_COLUMNS = ("cluster", "time", "runs", "tasks", "errors", "compute_seconds",
+                           "transfer_seconds", "disk_seconds", "nbytes")  # fmt: skip
+
+
+def _frame(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
+    """``rows`` as a DataFrame; with no rows, one with ``columns`` (and none)."""
+    pd = _pd()
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(columns))
+
+
 class Client:
     """A client of the query API. ``token`` needs the ``read`` scope (an embedded server
     on loopback may run without tokens)."""
@@ -109,14 +131,14 @@ class Client:
 
     def clusters(self) -> Any:
         """The tenant's clusters: name, sessions, runs, first/last seen."""
-        return _pd().DataFrame(self.get("/v1/clusters")["clusters"])
+        return _frame(self.get("/v1/clusters")["clusters"], CLUSTER_COLUMNS)
 
     def runs(self, limit: int | None = None, **filters: Any) -> Any:
         """Runs matching ``filters`` (cluster, status, name, since, until, min_duration,
         has_errors, sort), following cursors up to ``limit`` runs."""
         page = min(limit or 1000, 1000)
         rows = list(self._pages("/v1/runs", "runs", {**filters, "limit": page}, limit))
-        return _pd().DataFrame(rows)
+        return _frame(rows, RUN_COLUMNS)
 
     def run(self, run_id: str) -> dict[str, Any]:
         """One run's detail (a dict: it is one object with nested parts)."""
@@ -141,7 +163,7 @@ class Client:
             for action, stats in p["actions"].items():
                 rows.append({"prefix": p["prefix"], "action": action, "tasks": p["count"],
                              "errors": p["errors"], **stats})  # fmt: skip
-        return _pd().DataFrame(rows)
+        return _frame(rows, SUMMARY_COLUMNS)
 
     def metrics(self, run_id: str, points: int = 500, **filters: Any) -> Any:
         """Worker metric samples (downsampled): worker, name, time, value, max."""
@@ -168,19 +190,19 @@ class Client:
 
     def errors(self, run_id: str) -> Any:
         """Erred tasks grouped by exception."""
-        return _pd().DataFrame(self.get(f"/v1/runs/{run_id}/errors")["groups"])
+        return _frame(self.get(f"/v1/runs/{run_id}/errors")["groups"], ERROR_COLUMNS)
 
     def critical_path(self, run_id: str) -> Any:
         """The critical path's segments in time order (kind, key, worker, start, stop, seconds)."""
-        return _pd().DataFrame(self.get(f"/v1/runs/{run_id}/critical-path")["segments"])
+        return _frame(self.get(f"/v1/runs/{run_id}/critical-path")["segments"], SEGMENT_COLUMNS)
 
     def time(self, run_id: str) -> Any:
         """Where the time went, per worker (compute, transfer, spill, other, idle seconds)."""
-        return _pd().DataFrame(self.get(f"/v1/runs/{run_id}/time")["workers"])
+        return _frame(self.get(f"/v1/runs/{run_id}/time")["workers"], TIME_COLUMNS)
 
     def cluster_time(self, cluster: str, **window: Any) -> Any:
         """Where the time went on a cluster, per worker, over runs in ``since``/``until``."""
-        return _pd().DataFrame(self.get(f"/v1/clusters/{cluster}/time", **window)["workers"])
+        return _frame(self.get(f"/v1/clusters/{cluster}/time", **window)["workers"], TIME_COLUMNS)
 
     def regressions(self, run_id: str, **params: Any) -> Any:
         """Prefixes whose p90 moved beyond ``threshold`` % against ``baseline`` earlier runs."""
@@ -207,11 +229,12 @@ class Client:
 
     def prefix_history(self, prefix: str, **params: Any) -> Any:
         """A prefix's duration quantiles per hour or day across clusters."""
-        return _pd().DataFrame(self.get("/v1/history/prefixes", prefix=prefix, **params)["points"])
+        points = self.get("/v1/history/prefixes", prefix=prefix, **params)["points"]
+        return _frame(points, PREFIX_HISTORY_COLUMNS)
 
     def cluster_history(self, **params: Any) -> Any:
         """Per cluster per hour or day: runs, tasks, errors, seconds."""
-        return _pd().DataFrame(self.get("/v1/history/clusters", **params)["points"])
+        return _frame(self.get("/v1/history/clusters", **params)["points"], CLUSTER_HISTORY_COLUMNS)
 
     # ------------------------------------------------------------ why slow
 

@@ -17,6 +17,15 @@ def bad(name: str, message: str) -> ApiError:
     return ApiError(400, "invalid_parameter", f"{name}: {message}")
 
 
+def only_args(*names: str) -> None:
+    """400 for a parameter the route does not take: a misspelled filter (``clusters=``)
+    was ignored, and the answer, unfiltered, looked like an answer (found by a new user).
+    Names starting with ``_`` (cache busters) pass."""
+    for given in request.args:
+        if given not in names and not given.startswith("_"):
+            raise bad(given, f"not a parameter of this route (it takes {', '.join(names)})")
+
+
 def arg(name: str, max_length: int = MAX_PARAM) -> str | None:
     value = request.args.get(name)
     if value is None or value == "":
@@ -56,8 +65,7 @@ def int_arg(name: str, default: int, lo: int, hi: int) -> int:
 
 
 def _is_date(value: str) -> bool:
-    """A day alone in an ISO 8601 form Python reads (2026-11-21, 2026-W47-6; 20261121 is
-    read before as epoch seconds, a number)."""
+    """A day alone in an ISO 8601 form Python reads (2026-11-21, 20261121, 2026-W47-6)."""
     try:
         date.fromisoformat(value)
     except ValueError:
@@ -72,6 +80,9 @@ def time_arg(name: str) -> float | None:
     if value is None:
         return None
     try:
+        if len(value) == 8 and value.isdigit() and _is_date(value):
+            # 20261126 is a day (as seconds it is 1970, when nothing was recorded)
+            raise ValueError(value)
         t = _float(value)
     except ValueError:
         # An unencoded "+01:00" offset arrives as " 01:00": put the plus back.
@@ -118,7 +129,11 @@ def float_arg(name: str, lo: float | None = None, hi: float | None = None) -> fl
     if x != x or x in (float("inf"), float("-inf")):
         raise bad(name, "must be a finite number")
     if (lo is not None and x < lo) or (hi is not None and x > hi):
-        raise bad(name, f"must be between {lo} and {hi}")
+        if hi is None:
+            raise bad(name, f"must be at least {lo:g}")
+        if lo is None:
+            raise bad(name, f"must be at most {hi:g}")
+        raise bad(name, f"must be between {lo:g} and {hi:g}")
     return x
 
 

@@ -438,6 +438,25 @@ def test_python_client_round_trips_every_endpoint(history):
     prefix = summary["prefix"].iloc[0]
     assert c.prefix_history(prefix, bucket="day", cluster=cluster)["count"].sum() > 0
     assert c.cluster_history(cluster=cluster, bucket="day")["runs"].sum() == 3
+    # Found by a new user: an empty answer was a frame without columns (the README's
+    # ``runs.id[0]`` raised AttributeError), and a misspelled filter was ignored (every
+    # run came back). Empty frames have the columns full ones have; a typo is a 400.
+    for empty, full in (
+        (c.runs(cluster="no-such-cluster"), runs),
+        (c.errors(a), c.errors(f)),
+        (c.summary(a).iloc[0:0], summary),
+        (c.prefix_history("no-such-prefix"), c.prefix_history(prefix, bucket="day")),
+        (c.cluster_history(cluster="no-such-cluster"), c.cluster_history(cluster=cluster)),
+    ):
+        assert empty.empty and list(empty.columns) == list(full.columns)
+    for typo in ({"clusters": cluster}, {"custer": cluster}):
+        with pytest.raises(HindsightError) as err:
+            c.runs(**typo)
+        assert (err.value.status, err.value.code) == (400, "invalid_parameter")
+        assert next(iter(typo)) in err.value.message
+    with pytest.raises(HindsightError) as err:
+        c.tasks(a, prefixes="x")
+    assert err.value.status == 400
     assert c.trace(a)["traceEvents"]
     with pytest.raises(HindsightError) as err:
         c.run("no-such-run")

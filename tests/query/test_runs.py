@@ -87,6 +87,8 @@ def test_a_date_alone_as_until_includes_that_day(history):
         assert names(query.get(f"/v1/runs?until={day.isoformat()}", headers=h)) == expected
         assert names(query.get(f"/v1/runs?until={day.isocalendar()[0]}-W{day.isocalendar()[1]:02}-{day.isocalendar()[2]}",
                                headers=h)) == expected  # fmt: skip
+        # Found by a new user: 20261126 was read as epoch seconds (1970): all runs
+        assert names(query.get(f"/v1/runs?until={day:%Y%m%d}", headers=h)) == expected
         midnight = f"{day.isoformat()}T00:00:00"
         before = [f"job-r{i}" for i in (5, 4, 3, 2, 1, 0) if days[i] < day]
         assert names(query.get(f"/v1/runs?until={midnight}", headers=h)) == before
@@ -124,6 +126,23 @@ def test_bad_parameters_are_400(history, query_string):
     resp = query.get(f"/v1/runs?{query_string}", headers=auth(token))
     assert resp.status_code == 400
     assert resp.json["error"]["code"] == "invalid_parameter"
+
+
+@pytest.mark.parametrize(
+    "query_string,message",
+    [("clusters=dev", "clusters: not a parameter of this route (it takes cluster, status"),
+     ("min_duration=-1", "min_duration: must be at least 0"),
+     ("_=123&cluster=dev", None)],
+)  # fmt: skip
+def test_a_misspelled_filter_is_400_not_ignored(history, query_string, message):
+    """Found by a new user: ``?clusters=dev`` answered every run, as if filtered; and
+    ``min_duration=-1`` said "must be between 0.0 and None"."""
+    query, token = history
+    resp = query.get(f"/v1/runs?{query_string}", headers=auth(token))
+    if message is None:  # a cache buster passes
+        assert names(resp) == ["job-r4", "job-r3"]
+        return
+    assert resp.status_code == 400 and resp.json["error"]["message"].startswith(message)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "1e308", "-1", "0001-01-01"])
