@@ -453,6 +453,12 @@ def _epoch(value: Any, day_end: bool = False) -> float:
     if hasattr(value, "timestamp"):  # pandas.Timestamp
         return float(value.timestamp())
     text = str(value).replace("Z", "+00:00")
+    if len(text) == 8 and text.isdigit():
+        # eight digits are a day, as the services read them (20261126 seconds is 1970)
+        try:
+            return _epoch(date.fromisoformat(text), day_end)
+        except ValueError:
+            pass
     try:
         return float(text)
     except ValueError:

@@ -419,6 +419,7 @@ def test_python_client_round_trips_every_endpoint(history):
     assert (
         Filters.from_kwargs(until=day).until == Filters.from_kwargs(until=str(day)).until > started
     )
+    assert Filters.from_kwargs(until=f"{day:%Y%m%d}").until == Filters.from_kwargs(until=day).until
     with c._open(f"/v1/runs/{a}/tasks.parquet", {"limit": 2, "sort": "-duration"}) as resp:
         assert pq.read_table(io.BytesIO(resp.read())).num_rows == 2  # cut by the server
     summary = c.summary(a)
