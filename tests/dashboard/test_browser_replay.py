@@ -107,6 +107,9 @@ def test_moving_the_slider_redraws_the_status_page_at_that_time(recorded, page):
     hi = float(slider.get_attribute("max"))  # seconds from the run's first sample
     move_slider(page, hi / 6)
     at = float(page.get_attribute("#replay", "data-at"))
+    # Found by a new user: "s into the run" counted from the first sample, not the run's start.
+    label = page.locator("#replay-time").text_content()
+    assert f"({at - run['started_at']:.1f} s into the run)" in label, label
     middle = progress_rows(page)
     assert middle != end
     api = server.get(f"/v1/runs/{run_id}/state", at=repr(at))

@@ -115,7 +115,7 @@ function replaySetup(opts) {
   async function show(t) {
     const n = ++asked;
     label.textContent = new Date(t * 1000).toISOString().replace("T", " ").slice(0, 23) +
-      " UTC (" + (t - opts.start).toFixed(1) + " s into the run)";
+      " UTC (" + (t - opts.run_start).toFixed(1) + " s into the run)";
     try {
       const r = await fetch(`${opts.url}?at=${t}`, {credentials: "same-origin", cache: "no-store"});
       if (!r.ok) { label.textContent += " (server answered " + r.status + ")"; return; }
