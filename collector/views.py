@@ -44,7 +44,13 @@ def decode_body(body: bytes) -> Batch:
         check_no_nul(body)
         return batch
     except SchemaError as exc:
-        raise ApiError(400, "invalid_batch", str(exc)) from None
+        message = str(exc)
+        for magic, encoding in ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd")):
+            if body.startswith(magic):  # compressed, sent without its Content-Encoding
+                message += (
+                    f" (the body looks {encoding}-compressed: send Content-Encoding: {encoding})"
+                )
+        raise ApiError(400, "invalid_batch", message) from None
     except UnicodeDecodeError as exc:
         # msgspec raises this (not a DecodeError) for invalid UTF-8 inside a string: without
         # this clause a malformed body was a 500. Found by tests/reliability/test_bad_input.py.

@@ -264,6 +264,19 @@ def test_unknown_content_type_or_encoding_is_415(
     assert_nothing_written(query, token, stack)
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+def test_a_compressed_body_sent_without_its_encoding_says_so(services, make_token, stack, encoding):
+    """Found by a new user: a gzip body without Content-Encoding got "malformed JSON:
+    invalid character (byte 0)", with no word of the header."""
+    collector, query = services
+    token = make_token()
+    body = encode(json.loads(example_bytes()), encoding)
+    resp = post(collector, body, token=token, encoding="identity", raw=True)
+    assert_error(resp, 400, "invalid_batch")
+    assert f"send Content-Encoding: {encoding}" in resp.json["error"]["message"]
+    assert_nothing_written(query, token, stack)
+
+
 def test_tenant_over_its_rate_limit_gets_429_with_retry_after(stack, make_token):
     from collector.app import create_app
 
