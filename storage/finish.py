@@ -229,6 +229,17 @@ class _Renewal:
                                exc_info=True)  # fmt: skip
 
 
+def release_claims(sessions: sessionmaker[Session]) -> int:
+    """Free every claimed job at once (a process that is the index's only worker, starting:
+    the claims are a previous run's); returns how many."""
+    F = m.FinishJob
+    with sessions.begin() as db:
+        result = db.execute(
+            update(F).where(F.claimed_until.is_not(None)).values(claimed_until=None)
+        )
+        return int(result.rowcount or 0)
+
+
 def run_due(
     sessions: sessionmaker[Session], blobs: BlobStore, *, now: float | None = None, limit: int = 8
 ) -> int:
