@@ -232,14 +232,47 @@ def completeness(db: Session, session_id: int) -> dict[str, Any]:
                 "events_dropped": dropped,
             }
         )
+    silent = _silent_workers(db, session_id, [a["agent"] for a in out])
     return {
         "batches_received": received,
         "batches_expected": expected,
         "ratio": (received / expected) if expected else 1.0,
-        "closed": bool(out) and all(a["final"] for a in out),
+        "closed": bool(out) and all(a["final"] for a in out) and not silent,
         "events_dropped_at_agents": dropped_total,
         "agents": out,
+        "workers_without_batches": silent,
     }
+
+
+def _worker_agent_prefix(name: str) -> str:
+    """The start of the agent name a Dask worker named ``name`` sends as (the agent adds a
+    unique suffix: ``hindsight.agent.core.new_agent_name``)."""
+    prefix = f"worker-{name}"
+    safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
+    return f"{safe[:90] or 'agent'}-"
+
+
+def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str]:
+    """Addresses of the session's workers that have left without a batch of their own
+    arriving (killed before their agent's first batch got through, or closed while the
+    collector was away: their batches wait in a spool). An agent that delivered nothing
+    was otherwise not listed at all, and completeness read whole (found by a held-out
+    check). A worker still in the cluster may not have sent yet; it is not listed."""
+    if not any(a.startswith("scheduler-") for a in agents):
+        return []  # not Dask's agents (Ray's bridge, another scheduler's): no worker agents
+    W = m.Worker
+    rows = db.execute(
+        select(W.address, W.name).where(
+            W.session_id == session_id, W.left_at.is_not(None), W.name.is_not(None)
+        )
+    ).all()
+    if not rows:
+        return []
+    return sorted(
+        address
+        for address, name in rows
+        if not any(a.startswith(_worker_agent_prefix(name)) for a in agents)
+    )
 
 
 def finished_work(db: Session, run: m.Run) -> dict[str, Any]:

@@ -164,6 +164,35 @@ def test_completeness_reports_gaps(sessions):
     assert wa["missing"] == 1 and not wa["final"]
 
 
+def test_completeness_lists_workers_that_left_with_no_batch_of_their_own(sessions):
+    """Found by a held-out check: a worker whose agent never got a batch through (killed
+    first, or closed while the collector was away: its batches wait in a spool) was not in
+    completeness at all, which read ratio 1.0, closed. Its address is listed now, and the
+    run is not closed; a worker still in the cluster (it may not have sent yet) is not."""
+    tenant = new_tenant()
+
+    def batch(agent: str, seq: int, events: list[Any], final: bool = True) -> Batch:
+        return Batch(1, "c1", "Scheduler-1", agent, seq, events, final=final)
+
+    scheduler = [
+        RunEvent("started", "run-1", NOW, name="etl", span=["etl"]),
+        *(WorkerEvent("joined", f"tcp://w:{n}", NOW, name=str(n)) for n in range(3)),
+        WorkerEvent("left", "tcp://w:0", NOW + 5, reason="worker-close"),
+        WorkerEvent("left", "tcp://w:1", NOW + 5, reason="handle-worker-cleanup"),
+        RunEvent("finished", "run-1", NOW + 4),
+    ]
+    apply(sessions, tenant, [batch("scheduler-0123456789ab", 0, scheduler),
+                             batch("worker-0-0123456789ab", 0, [])])  # fmt: skip
+    with sessions() as db:
+        c = snapshot(db, tenant)["run-1"]["completeness"]
+    assert c["workers_without_batches"] == ["tcp://w:1"]  # w:2 is still there
+    assert c["ratio"] == 1.0 and not c["closed"]
+    apply(sessions, tenant, [batch("worker-1-ba9876543210", 0, [])])  # its spool, delivered
+    with sessions() as db:
+        c = snapshot(db, tenant)["run-1"]["completeness"]
+    assert c["workers_without_batches"] == [] and c["closed"]
+
+
 def test_cached_ids_from_a_rebuilt_index_never_misattribute_a_batch(index_url, tmp_path):
     """A collector keeps ids in memory; if the index is dropped and rebuilt under it, the
     same numeric ids now name other rows. The guarded insert must notice."""
