@@ -257,7 +257,7 @@ def tokens_create(
         # The first token of an embedded server that recorded without auth (found by a new
         # user): with auth on, its earlier runs are the tenant default's.
         other = (
-            f"; runs recorded without auth are tenant 'default''s, not {tenant!r}'s"
+            f"; runs recorded without auth belong to tenant 'default', not to {tenant!r}"
             if tenant != "default" else ""
         )  # fmt: skip
         click.echo(f"note: the first token of the index at {local}{other}; {elsewhere}", err=True)

@@ -151,7 +151,7 @@ def test_the_first_token_of_an_index_that_recorded_without_auth_says_whose_runs_
     assert "new index" not in created.stderr
     index = (tmp_path / "index.db").resolve()
     assert f"the first token of the index at {index}" in created.stderr
-    assert "runs recorded without auth are tenant 'default''s, not 'acme''s" in created.stderr
+    assert "runs recorded without auth belong to tenant 'default', not to 'acme'" in created.stderr
 
 
 def test_tokens_create_then_serve_with_auth_required(tmp_path):

@@ -23,7 +23,7 @@ def only_args(*names: str) -> None:
     Names starting with ``_`` (cache busters) pass."""
     for given in request.args:
         if given not in names and not given.startswith("_"):
-            raise bad(given, f"not a parameter of this route (it takes {', '.join(names)})")
+            raise bad(given[:64], f"not a parameter of this route (it takes {', '.join(names)})")
 
 
 def arg(name: str, max_length: int = MAX_PARAM) -> str | None:
