@@ -75,6 +75,39 @@ def test_pages_say_when_there_is_nothing_to_draw(apps, make_token):
     assert b'id="no-activity-history"' in query.get("/history?prefix=nope", headers=h).data
 
 
+def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(apps, make_token):
+    """The run page says what completeness now knows: a worker killed before its agent's
+    first batch got through (its logs, values and samples may wait in a spool)."""
+    from tests.query.test_runs import T0
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    events = [
+        {"kind": "run", "event": "started", "id": "r", "name": "etl", "time": T0},
+        *(
+            {
+                "kind": "worker",
+                "event": "joined",
+                "address": f"tcp://w:{n}",
+                "name": str(n),
+                "time": T0,
+            }
+            for n in range(2)
+        ),  # fmt: skip
+        {"kind": "worker", "event": "left", "address": "tcp://w:1", "time": T0 + 2},
+        {"kind": "run", "event": "finished", "id": "r", "time": T0 + 1},
+    ]
+    body = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=0,
+                   events=events, final=True)  # fmt: skip
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    assert (
+        '<span id="silent-workers">1 worker left with none of its own arriving (tcp://w:1)' in page
+    )
+
+
 def test_two_runs_ticked_in_the_list_compare_the_earlier_as_a(apps, make_token):
     """Found in a browser by a fresh pair of eyes: the list is newest first, so the newer run
     became A and a slowdown read as "better"; a run page's link has the previous run as A."""
