@@ -13,6 +13,7 @@ import msgspec
 from sqlalchemy import Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from hindsight.agent.core import agent_name_prefix
 from hindsight.schema import TaskEvent
 from storage import models as m
 from storage import ray_read
@@ -244,14 +245,6 @@ def completeness(db: Session, session_id: int) -> dict[str, Any]:
     }
 
 
-def _worker_agent_prefix(name: str) -> str:
-    """The start of the agent name a Dask worker named ``name`` sends as (the agent adds a
-    unique suffix: ``hindsight.agent.core.new_agent_name``)."""
-    prefix = f"worker-{name}"
-    safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
-    return f"{safe[:90] or 'agent'}-"
-
-
 def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str]:
     """Addresses of the session's workers that have left without a batch of their own
     arriving (killed before their agent's first batch got through, or closed while the
@@ -271,7 +264,8 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     return sorted(
         address
         for address, name in rows
-        if not any(a.startswith(_worker_agent_prefix(name)) for a in agents)
+        # the name a Dask worker's agent is given (hindsight.dask: "worker-{name}")
+        if not any(a.startswith(agent_name_prefix(f"worker-{name}")) for a in agents)
     )
 
 

@@ -55,10 +55,16 @@ def _event_of(item: Item) -> Any:
     return item
 
 
+def agent_name_prefix(prefix: str) -> str:
+    """What every name :func:`new_agent_name` makes of ``prefix`` starts with (the index
+    tells a Dask worker's agent by it: ``storage.queries.completeness``)."""
+    safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
+    return f"{safe[:90] or 'agent'}-"
+
+
 def new_agent_name(prefix: str) -> str:
     """A name unique to one agent instance (``seq`` restarts at 0 with each instance)."""
-    safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
-    return f"{safe[:90] or 'agent'}-{uuid.uuid4().hex[:12]}"
+    return f"{agent_name_prefix(prefix)}{uuid.uuid4().hex[:12]}"
 
 
 class Agent:
