@@ -180,6 +180,22 @@ def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], 
     return payload, rows, origin
 
 
+def wrapping_tooltips(rows: list[tuple[str, str]]) -> str:
+    """A hover's rows (label, Bokeh field template) as Bokeh lays them out, but wrapping a
+    value wider than the tooltip may be: Bokeh's own rows never wrap, and a task key longer
+    than the screen (a tuple holding a path or a token) ran off the page. Bokeh escapes the
+    fields' values in an HTML template as it does in its own rows."""
+    row = (
+        '<div style="display:table-row">'
+        '<div class="bk-tooltip-row-label" style="display:table-cell;padding-right:0.5em;'
+        'white-space:nowrap">{}: </div>'
+        '<div class="bk-tooltip-row-value" style="display:table-cell;overflow-wrap:anywhere">'
+        "{}</div></div>"
+    )
+    cells = "".join(row.format(label, field) for label, field in rows)
+    return f'<div style="display:table;max-width:min(40em,45vw);white-space:normal">{cells}</div>'
+
+
 def stream_keys(table: Any) -> list[str]:
     """The task keys :func:`task_stream_data`'s ``k`` indices refer to (the table's rows)."""
     return table.column("key").to_pylist()
@@ -214,7 +230,9 @@ def _stream_figure(
     fig.add_tools(
         HoverTool(
             renderers=[tasks],
-            tooltips=[("task", "@name"), ("key", "@key"), ("seconds", "@width{0.000}")],
+            tooltips=wrapping_tooltips(
+                [("task", "@name"), ("key", "@key"), ("seconds", "@width{0.000}")]
+            ),
         )  # fmt: skip
     )
     fig.yaxis.ticker = FixedTicker(ticks=list(range(len(rows))), name=f"{name}-rows")
@@ -466,8 +484,9 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
     fig.scatter(
         "x", "y", source=nodes, size=9, fill_color="colour", line_color="line", line_width=2
     )
-    fig.add_tools(HoverTool(tooltips=[("key", "@key"), ("worker", "@worker"), ("duration", "@duration s"),
-                                      ("nbytes", "@nbytes"), ("type", "@typename")]))  # fmt: skip
+    fig.add_tools(HoverTool(tooltips=wrapping_tooltips([
+        ("key", "@key"), ("worker", "@worker"), ("duration", "@duration s"), ("nbytes", "@nbytes"),
+        ("type", "@typename")])))  # fmt: skip
     fig.axis.visible = False
     fig.grid.visible = False
     fig.toolbar.logo = None

@@ -15,7 +15,7 @@ from bokeh.embed import json_item
 from bokeh.models import ColumnDataSource, CustomJS, FactorRange, HoverTool, Range1d, TapTool
 from bokeh.plotting import figure
 
-from services.dashboard.plots import WORKER_PALETTE, colour_of, gapped
+from services.dashboard.plots import WORKER_PALETTE, colour_of, gapped, wrapping_tooltips
 from storage.profiles import Node, Profile, merge_into, prune
 
 #: Frames drawn at most per flame graph (the least sampled are folded into their callers).
@@ -122,7 +122,7 @@ def _frames_figure(
     )  # fmt: skip
     r = fig.quad("left", "right", "top", "bottom", source=src, fill_color="colour",
                  line_color="white", line_width=0.5, hover_fill_alpha=0.7)  # fmt: skip
-    fig.add_tools(HoverTool(renderers=[r], tooltips=tooltips))
+    fig.add_tools(HoverTool(renderers=[r], tooltips=wrapping_tooltips(tooltips)))  # paths run long
     fig.add_tools(
         TapTool(renderers=[r], callback=CustomJS(args={"src": src, "xr": x_range}, code=_ZOOM))
     )

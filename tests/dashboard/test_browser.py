@@ -23,6 +23,10 @@ def fail(x: int) -> int:
     raise ValueError(f"bad record {x}")
 
 
+# A key as long as generated ones get (a tuple with a path or a token in it), unbroken.
+LONG_KEY = ("inc-long", "<i>" + "k" * 400, 1)
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
     """An embedded server holding two runs of a real LocalCluster: an array reduction and a
@@ -46,10 +50,11 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, st
                 assert da.ones((4000,), chunks=20).sum().compute() == 4000
             with span("map-with-failure"):
                 futures = client.map(inc, range(150)) + [client.submit(fail, 1)]
+                futures.append(client.submit(inc, 2, key=LONG_KEY))
                 client.gather(futures, errors="skip")
             del futures
         wait_for_run(server, cluster, "array-sum", 200)
-        wait_for_run(server, cluster, "map-with-failure", 151, status="erred")
+        wait_for_run(server, cluster, "map-with-failure", 152, status="erred")
         yield server, cluster
     finally:
         server.stop()
@@ -336,4 +341,42 @@ def test_pages_fit_a_phone(recorded, page):
         )
         width = page.evaluate("document.documentElement.scrollWidth")
         assert texts > 0 and width <= 390, (path, texts, width)
+    assert page.errors == []
+
+
+def hover_task(page: Any, source: str, where: str) -> None:
+    """Move the mouse onto the middle of the first task of ``source`` whose key matches the
+    page-side predicate ``where`` (``k => ...``), as a user points at it."""
+    x, y = page.evaluate(
+        f"""() => {{
+            const doc = Bokeh.documents[0], src = doc.get_model_by_name('{source}');
+            const i = src.data.key.findIndex({where});
+            const fig = [...doc.all_models].find(m => m.renderers !== undefined
+                && m.renderers.some(r => r.data_source === src));
+            const view = Bokeh.index.find_one(fig);
+            const box = view.canvas_view.el.getBoundingClientRect();
+            return [box.left + view.frame.x_scale.compute(src.data.x[i]),
+                    box.top + view.frame.y_scale.compute(src.data.y[i])];
+        }}"""
+    )
+    page.mouse.move(x, y)
+
+
+def test_task_stream_hover_shows_a_long_key_whole_on_screen(recorded, page):
+    """A key longer than the screen is wide (a tuple holding a path or a token) was one
+    line in the hover, running off the page (2,533 px wide, from x=-1,875): it wraps within
+    the screen, all of it shown, as text (a key is the user's data, not markup)."""
+    server, cluster = recorded
+    run = server.run_named(cluster, "map-with-failure")
+    page.goto(f"{server.url}/runs/{run['id']}")
+    page.wait_for_selector("body[data-keys='1']", timeout=60_000)
+    hover_task(page, "task-stream-source", "k => k.includes('kkkk')")
+    tip = page.locator(".bk-tooltip-content").filter(has_text="kkkk")
+    tip.wait_for(timeout=10_000)
+    box = tip.bounding_box()
+    text = "".join(tip.inner_text().split())
+    assert "<i>" + "k" * 400 in text, text
+    assert "inc-long" in text and "seconds" in text
+    shoot(page, "hover-long-key")
+    assert box["x"] >= 0 and box["x"] + box["width"] <= page.viewport_size["width"], box
     assert page.errors == []
