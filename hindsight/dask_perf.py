@@ -61,10 +61,13 @@ def flatten_profile(tree: dict[str, Any]) -> tuple[list[ProfileFrame], list[tupl
     Dask (2026.8) samples with ``profile.process(frame, True, ...)``, which never counts a
     sample for its innermost frame: a leaf's count stays 0 and its samples show up only as
     its caller's. Such trees (a childless node with count 0) are repaired here: the samples
-    a node has beyond its children's went to its innermost children, and are given to the
-    children that were only ever innermost (count 0), evenly, else to all children in
-    proportion to their counts. For the common case, a task function whose callees are
-    C code, that is exact. Trees from Dasks that count leaves are taken as they are.
+    a node has beyond its children's went to its innermost children. With one child that
+    was only ever innermost (count 0) they are its own: for the common case, a task
+    function whose callees are C code, that is exact. With several, the tree cannot tell
+    how they were shared, so they go to one frame under the caller that says so, ``one of:
+    f, g`` (a split would be made up: two helpers called in one loop, one 9x the other's
+    cost, came out even). With none, to all children in proportion to their counts. Trees
+    from Dasks that count leaves are taken as they are.
     """
     # Iterative walk: (node dict, parent index); node lists in pre-order.
     parents: list[int] = []
@@ -89,13 +92,34 @@ def flatten_profile(tree: dict[str, Any]) -> tuple[list[ProfileFrame], list[tupl
         stack.extend((c, i) for c in reversed(kids))
     n = len(parents)
     total = int(tree.get("count", 0))
+    shared: dict[int, tuple[int, list[int]]] = {}
     if any(counts[i] == 0 and not children[i] for i in range(n)):
-        counts = _count_leaves(counts, children, parents, total)
-    keep = _keep(counts, parents, n)
+        counts, shared = _count_leaves(counts, children, parents, total)
+    keep = _keep(counts, parents, n, MAX_EVENT_NODES - min(len(shared), MAX_EVENT_NODES // 2))
     frames: list[ProfileFrame] = []
     frame_ids: dict[str, int] = {}
     nodes: list[tuple[int, int, int]] = []
     new_index: dict[int, int] = {}
+
+    def add_shared(parent: int) -> None:
+        """The node of samples ``parent``'s innermost callees shared (pre-order: first
+        of its children). Past the bound of nodes they stay the caller's own."""
+        if len(nodes) >= MAX_EVENT_NODES:
+            return
+        samples, kids = shared[parent]
+        names = sorted({_frame(idents[k], descs[k]).name for k in kids})
+        files = {_frame(idents[k], descs[k]).filename for k in kids}
+        frame = ProfileFrame(name=_cut("one of: " + ", ".join(names)),
+                             filename=files.pop() if len(files) == 1 else "")  # fmt: skip
+        ident = f"{frame.name};{frame.filename};0"
+        f = frame_ids.get(ident)
+        if f is None:
+            f = frame_ids[ident] = len(frames)
+            frames.append(frame)
+        nodes.append((new_index[parent] if parent >= 0 else -1, f, samples))
+
+    if -1 in shared:
+        add_shared(-1)
     for i in range(n):
         if not keep[i] or counts[i] <= 0:
             continue
@@ -106,13 +130,17 @@ def flatten_profile(tree: dict[str, Any]) -> tuple[list[ProfileFrame], list[tupl
         parent = parents[i]
         new_index[i] = len(nodes)
         nodes.append((new_index[parent] if parent >= 0 else -1, f, counts[i]))
+        if i in shared:
+            add_shared(i)
     return frames, nodes
 
 
 def _count_leaves(
     counts: list[int], children: list[list[int]], parents: list[int], total: int
-) -> list[int]:
-    """Inclusive counts for a tree whose counts leave out each sample's innermost frame.
+) -> tuple[list[int], dict[int, tuple[int, list[int]]]]:
+    """Inclusive counts for a tree whose counts leave out each sample's innermost frame,
+    and the samples that several innermost callees of one caller shared: ``{caller (-1 for
+    the top level): (samples, the callees)}``.
 
     ``counts[i]`` is the number of samples in which frame ``i`` had a callee on the stack;
     under a parent, ``parent - sum(children)`` samples ended in one of the children. Those
@@ -120,10 +148,11 @@ def _count_leaves(
     a frame's inclusive count is then ``counts[i] + own[i]``.
     """
     own = [0] * len(counts)
+    shared: dict[int, tuple[int, list[int]]] = {}
     top = [i for i, p in enumerate(parents) if p < 0]
-    for parent_count, kids in [
-        (total, top),
-        *((counts[i], children[i]) for i in range(len(counts))),
+    for parent, parent_count, kids in [
+        (-1, total, top),
+        *((i, counts[i], children[i]) for i in range(len(counts))),
     ]:
         if not kids:
             continue
@@ -131,10 +160,10 @@ def _count_leaves(
         if missing <= 0:
             continue
         zero = [k for k in kids if counts[k] == 0]
-        if zero:
-            share, rest = divmod(missing, len(zero))
-            for j, k in enumerate(zero):
-                own[k] += share + (1 if j < rest else 0)
+        if len(zero) == 1:
+            own[zero[0]] += missing
+        elif zero:
+            shared[parent] = (missing, zero)
         else:
             weight = sum(counts[k] for k in kids)
             given = 0
@@ -143,15 +172,17 @@ def _count_leaves(
                 own[k] += add
                 given += add
             own[max(kids, key=lambda k: counts[k])] += missing - given
-    return [c + o for c, o in zip(counts, own, strict=True)]
+    return [c + o for c, o in zip(counts, own, strict=True)], shared
 
 
-def _keep(counts: list[int], parents: list[int], n: int) -> list[bool]:
-    if n <= MAX_EVENT_NODES:
+def _keep(
+    counts: list[int], parents: list[int], n: int, limit: int = MAX_EVENT_NODES
+) -> list[bool]:
+    if n <= limit:
         return [True] * n
     # A child never has more samples than its parent, so a count threshold keeps every
     # kept node's ancestors; ties at the threshold are cut in pre-order.
-    threshold = sorted(counts, reverse=True)[MAX_EVENT_NODES - 1]
+    threshold = sorted(counts, reverse=True)[limit - 1]
     keep = [False] * n
     kept = 0
     for i in range(n):
@@ -159,7 +190,7 @@ def _keep(counts: list[int], parents: list[int], n: int) -> list[bool]:
             keep[i] = parents[i] < 0 or keep[parents[i]]
             kept += keep[i]
     for i in range(n):
-        if kept >= MAX_EVENT_NODES:
+        if kept >= limit:
             break
         if counts[i] == threshold and (parents[i] < 0 or keep[parents[i]]):
             keep[i] = True

@@ -11,11 +11,17 @@ from storage.profiles import FrameKey, Node, Profile
 MAX_DEPTH = 256
 
 
+def where(filename: str, first: int) -> str:
+    """A function's place: ``file:first line``; the file alone for a frame with no first
+    line (``one of: f, g``, callees Dask's profile does not tell apart), else ""."""
+    return f"{filename}:{first}" if filename and first else filename
+
+
 def label(key: FrameKey) -> str:
     """A frame as one folded-stack element: ``name (file:line)``, without ``;`` or
     whitespace breaks (folded stacks split on both)."""
     name, filename, first = key
-    text = f"{name} ({filename}:{first})" if filename else name
+    text = f"{name} ({where(filename, first)})" if filename else name
     return text.replace(";", ":").replace("\n", " ").replace("\r", " ")
 
 

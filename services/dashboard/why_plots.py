@@ -16,6 +16,7 @@ from bokeh.models import ColumnDataSource, CustomJS, FactorRange, HoverTool, Ran
 from bokeh.plotting import figure
 
 from services.dashboard.plots import WORKER_PALETTE, colour_of, gapped, wrapping_tooltips
+from storage import flame
 from storage.profiles import Node, Profile, merge_into, prune
 
 #: Frames drawn at most per flame graph (the least sampled are folded into their callers).
@@ -84,7 +85,7 @@ def _layout(p: Profile) -> tuple[list[tuple[Any, ...]], int]:
         if fid is not None:
             key = p.keys[fid]
             line_number, line = p.lines[fid]
-            where = f"{key[1]}:{key[2]}" if key[1] else ""
+            where = flame.where(key[1], key[2])
             out.append((depth, left, right, key[0], where, line, node.count, line_number))
         x = left
         scale = (right - left) / node.count if node.count else 0.0
@@ -101,7 +102,7 @@ def flame_graph(p: Profile, title: str, name: str) -> dict[str, Any] | None:
         return None
     prune(p, MAX_FRAMES)
     rows, total = _layout(p)
-    tooltips = [("function", "@name"), ("where", "@where"), ("line", "@line"),
+    tooltips = [("function", "@name"), ("where", "@where"), ("first sampled line", "@line"),
                 ("samples", "@samples (@pct)"), ("seconds", "@seconds")]  # fmt: skip
     fig = _frames_figure(_quads(rows, p.interval, total), title, name, tooltips)
     return json_item(fig, name)
@@ -200,9 +201,7 @@ def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | 
             cols["left"].append(left)
             cols["right"].append(right)
             cols["name"].append(node["name"])
-            cols["where"].append(
-                f"{node['filename']}:{node['first_line']}" if node["filename"] else ""
-            )
+            cols["where"].append(flame.where(node["filename"], node["first_line"]))
             cols["a"].append(f"{100 * node['share_a']:.1f}%")
             cols["b"].append(f"{100 * node['share_b']:.1f}%")
             cols["delta"].append(f"{100 * node['delta']:+.1f} points")

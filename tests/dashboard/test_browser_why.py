@@ -44,6 +44,9 @@ def upload(i: int) -> int:
     return i
 
 
+BOTH = "one of: parse_rows, validate"
+
+
 def tasks_left(dask_scheduler: Any) -> int:
     return len(dask_scheduler.tasks)
 
@@ -97,7 +100,9 @@ def test_run_page_draws_the_flame_graph_activity_and_code(recorded, page):
     flame = data["profile-source"]
     # a frame per prefix, then every frame of each prefix's call tree
     names = set(flame["name"])
-    assert {"load_v2", "upload", "parse_rows", "validate"} <= names
+    # load_v2's two pure-Python callees: where one profile cycle (a second) saw both, Dask's
+    # tree cannot tell their samples apart
+    assert {"load_v2", "upload", BOTH} <= names
     per_prefix = {n: server.get(f"/v1/runs/{v2}/profile", prefix=n) for n in ("load_v2", "upload")}
     assert sum(p["samples"] for p in per_prefix.values()) == api["samples"]
     widest: dict[str, float] = {}
@@ -105,7 +110,7 @@ def test_run_page_draws_the_flame_graph_activity_and_code(recorded, page):
         widest[name] = max(widest.get(name, 0.0), right - left)
     assert widest["load_v2"] == pytest.approx(per_prefix["load_v2"]["samples"] / api["samples"])
     hottest = page.locator("#hottest tr.hot-row").first.inner_text()
-    assert hottest.split("\t")[0] in ("parse_rows", "validate")
+    assert hottest.split("\t")[0] in (BOTH, "parse_rows", "validate")
     shoot(page, "run-why")
     for section, name in (("#profile", "flame-graph"), ("#why", "activity")):
         page.locator(section).screenshot(path=str(ARTIFACTS / f"{name}.png"))
@@ -141,8 +146,9 @@ def test_compare_page_draws_the_profile_difference(recorded, page):
     page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
     diff = sources(page)["profile-diff-source"]
     frames = dict(zip(diff["name"], diff["colour"], strict=True))
-    # validate is new in b: drawn red (b spends a larger share on it than a's none)
-    red = frames["validate"]
+    # validate is new in b, with parse_rows: drawn red (b spends a larger share on the
+    # frame of the two than a's none)
+    red = frames[BOTH]
     assert int(red[1:3], 16) > int(red[5:7], 16)
     shoot(page, "compare-profile")
     assert page.errors == []

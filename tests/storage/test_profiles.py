@@ -71,17 +71,32 @@ def test_samples_land_on_the_innermost_frame_whatever_dask_counted(count_leaves)
 def test_an_ambiguous_leafless_tree_is_shared_out_and_stays_consistent():
     # Dask's leafless tree says a had a callee on the stack in 10 samples and b in 5: the
     # other 5 ended in one of a's callees that never had one (d) or in b itself. Which,
-    # it cannot tell; they go to d. With two such callees they are split evenly (the
-    # documented limit of the repair). Totals and callers stay exact.
+    # it cannot tell; they go to d. Totals and callers stay exact.
     stacks = [["a", "b", "c"]] * 5 + [["a", "b"]] * 3 + [["a", "d"]] * 2
     p = as_profile(*flatten_profile(dask_tree(stacks, count_leaves=False)))
     assert p.samples == 10
     for _path, node in flame.walk(p):
         assert node.count >= sum(c.count for c in node.children.values())
     assert own_samples(p) == {"a": 0, "b": 0, "c": 5, "d": 5}
+
+
+def test_callees_the_tree_cannot_tell_apart_are_named_together_not_split():
+    """Found by a held-out check: a loop calling two pure-Python helpers, one 9x the other's
+    cost (cProfile: 0.241 s against 0.026 s), came out even (577 against 574 samples) and
+    nothing said the split was made up. Dask's tree holds only that x's innermost callees
+    had 10 samples between them: they go to one frame that names both."""
     split = [["x", "y"]] * 9 + [["x", "z"]] * 1
     q = as_profile(*flatten_profile(dask_tree(split, count_leaves=False)))
-    assert own_samples(q) == {"x": 0, "y": 5, "z": 5}
+    assert q.samples == 10
+    assert own_samples(q) == {"x": 0, "one of: y, z": 10}
+    top = flame.top(q, 5)
+    assert (top[0]["name"], top[0]["filename"], top[0]["self"]) == ("one of: y, z", "", 10)
+    # top level alike (two outermost frames, each only ever innermost)
+    r = as_profile(*flatten_profile(dask_tree([["u"]] * 3 + [["v"]] * 4, count_leaves=False)))
+    assert own_samples(r) == {"one of: u, v": 7}
+    # a tree that counts its leaves is told apart exactly
+    t = as_profile(*flatten_profile(dask_tree(split, count_leaves=True)))
+    assert own_samples(t) == {"x": 0, "y": 9, "z": 1}
 
 
 def test_an_event_keeps_at_most_its_bound_of_frames_and_every_sample():
