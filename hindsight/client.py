@@ -205,12 +205,16 @@ class Client:
         return _frame(self.get(f"/v1/clusters/{cluster}/time", **window)["workers"], TIME_COLUMNS)
 
     def regressions(self, run_id: str, **params: Any) -> Any:
-        """Prefixes whose p90 moved beyond ``threshold`` % against ``baseline`` earlier runs."""
+        """Prefixes whose p90 moved beyond ``threshold`` % against ``baseline`` earlier runs.
+        ``.attrs["baseline_runs"]``: the ids of the runs compared against (none: nothing
+        to compare with, which an empty frame alone does not tell from no regression)."""
         body = self.get(f"/v1/runs/{run_id}/regressions", **params)
-        return _pd().DataFrame(
+        df = _pd().DataFrame(
             body["regressions"],
             columns=["prefix", "baseline_p90", "p90", "change_pct", "direction"],
         )
+        df.attrs["baseline_runs"] = body.get("baseline_runs", [])
+        return df
 
     def compare(self, a: str, b: str, action: str = "compute") -> Any:
         """Per-prefix deltas of run ``b`` against run ``a`` (tasks, mean, p90, total)."""
@@ -281,8 +285,9 @@ class Client:
         df.attrs["totals"] = body["totals"]
         return df
 
-    def state(self, run_id: str, at: Any) -> dict[str, Any]:
-        """Replay: the run at ``at`` (epoch seconds, ISO 8601 or a datetime) as Dask's
+    def state(self, run_id: str, at: Any = None) -> dict[str, Any]:
+        """Replay: the run at ``at`` (epoch seconds, ISO 8601 or a datetime; default now,
+        as on the route) as Dask's
         status page showed it. A dict: ``time``, ``sampled_at`` (the sample it comes
         from), ``workers`` (DataFrame: worker, managed, unmanaged, spilled, limit bytes,
         processing), ``prefixes`` (DataFrame: prefix, waiting, processing, memory,

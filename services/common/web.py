@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from services.common import ops
 from services.common.errors import ApiError, error_response, unavailable
+from services.common.params import only_args
 from services.common.store import Store
 from storage.config import Settings, load_settings
 from storage.tokens import Principal
@@ -205,6 +207,21 @@ def health_blueprint(openapi: dict[str, Any], metrics: bool = True, service: str
 _SERVICE_NAMES = {"collector.app": "collector", "services.query.app": "query"}
 
 
+def _query_parameters(openapi: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The query parameters each documented GET route takes, by OpenAPI path."""
+    return {
+        path: tuple(p["name"] for p in ops_["get"].get("parameters", []) if p.get("in") == "query")
+        for path, ops_ in openapi["paths"].items()
+        if "get" in ops_
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def openapi_path(rule: str) -> str:
+    """A Flask rule as an OpenAPI path: ``/v1/runs/<run_id>`` -> ``/v1/runs/{run_id}``."""
+    return re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule)
+
+
 def make_app(
     name: str,
     config: dict[str, Any] | None,
@@ -237,6 +254,21 @@ def make_app(
         values = [*request.args.values(), *(request.view_args or {}).values()]
         if any("\x00" in str(v) for v in values):
             raise ApiError(400, "invalid_parameter", "parameters must not contain NUL")
+
+    takes = _query_parameters(openapi)
+
+    @app.before_request
+    def _refuse_unknown_parameters() -> None:
+        # A misspelled parameter (``clusters=``, ``treshold=``) was ignored, and the answer
+        # looked like an answer (found by new users, route after route). Every JSON route
+        # takes what its OpenAPI operation lists; the lake's routes check their own (their
+        # filters are its columns).
+        rule = request.url_rule
+        if rule is None or request.method != "GET" or rule.rule.startswith("/v1/lake/"):
+            return
+        names = takes.get(openapi_path(rule.rule))
+        if names is not None:
+            only_args(*names)
 
     @app.teardown_appcontext
     def _close_db(exc: BaseException | None) -> None:

@@ -22,7 +22,6 @@ from services.common.params import (
     int_arg,
     label_arg,
     name_arg,
-    only_args,
     time_arg,
 )
 from services.common.web import ApiError, db, require, store
@@ -63,8 +62,6 @@ def clusters() -> Any:
 @bp.get("/v1/runs")
 def runs() -> Any:
     principal = require("read")
-    only_args("cluster", "status", "name", "since", "until", "min_duration", "has_errors",
-              "sort", "limit", "cursor")  # fmt: skip
     name = label_arg("name", 1024)
     filters = RunFilters(
         cluster=name_arg("cluster"),
@@ -99,7 +96,6 @@ def run(run_id: str) -> Any:
 def _task_query(run: Any, lazy: bool = False) -> Any:
     """The filtered, sorted tasks table; with ``lazy``, None when there is nothing to
     filter or sort (the caller then reads only the rows of its page)."""
-    only_args("prefix", "worker", "status", "since", "until", "sort", "limit", "cursor")
     filters = analysis.TaskFilters(
         prefix=label_arg("prefix", 1024),
         worker=label_arg("worker", 1024),

@@ -433,7 +433,15 @@ def test_python_client_round_trips_every_endpoint(history):
     assert c.critical_path(a)["seconds"].sum() > 0
     assert set(c.time(a)["worker"]) == history["workers"]
     assert set(c.cluster_time(cluster)["worker"]) == history["workers"]
-    assert list(c.regressions(b, threshold=10_000).columns)[:1] == ["prefix"]
+    reg = c.regressions(b, threshold=10_000)
+    assert list(reg.columns)[:1] == ["prefix"] and reg.attrs["baseline_runs"] == [a]
+    # Found by a new user: misspelled, the threshold was the default's; and an empty frame
+    # did not tell "no baseline" from "no regression" (the route's baseline_runs)
+    with pytest.raises(HindsightError) as err:
+        c.regressions(b, treshold=500)
+    assert (err.value.status, err.value.code) == (400, "invalid_parameter")
+    assert c.regressions(a).attrs["baseline_runs"] == []
+    assert set(c.state(a)["prefixes"]["prefix"]) <= set(tasks["prefix"])  # at: now
     cmp = c.compare(a, f)
     assert "new" in set(cmp["status"]) and cmp.attrs["makespan"]["a"] > 0
     prefix = summary["prefix"].iloc[0]

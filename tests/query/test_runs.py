@@ -145,6 +145,34 @@ def test_a_misspelled_filter_is_400_not_ignored(history, query_string, message):
     assert resp.status_code == 400 and resp.json["error"]["message"].startswith(message)
 
 
+def test_every_route_refuses_a_parameter_it_does_not_take(history):
+    """Found by a new user, route after route: ``/v1/history/prefixes?clusters=prod``
+    answered every cluster, ``regressions?treshold=500`` kept the default threshold and
+    ``compare?acton=transfer`` compared compute. Every GET route answers 400 naming what it
+    takes; the parameters it documents pass."""
+    query, token = history
+    h = auth(token)
+    run = query.get("/v1/runs?limit=2", headers=h).json["runs"]
+    a, b = run[0]["id"], run[1]["id"]
+    values = {"run_id": a, "cluster": "prod", "table": "tasks", "stream": "x", "day": "2026-11-01",
+              "name": "x.parquet"}  # fmt: skip
+    doc = query.get("/v1/openapi.json").json
+    checked = 0
+    for path, ops in doc["paths"].items():
+        if "get" not in ops or not path.startswith("/v1/") or path == "/v1/openapi.json":
+            continue
+        url = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)
+        resp = query.get(f"{url}?clusters=prod", headers=h)
+        assert resp.status_code == 400, (path, resp.status_code)
+        assert resp.json["error"]["code"] == "invalid_parameter", path
+        assert "clusters" in resp.json["error"]["message"], path
+        checked += 1
+    assert checked >= 30
+    for url in (f"/v1/runs/{a}/regressions?threshold=500", f"/v1/compare?a={a}&b={b}&action=transfer",
+                "/v1/history/prefixes?prefix=inc&cluster=prod"):  # fmt: skip
+        assert query.get(url, headers=h).status_code == 200, url
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "1e308", "-1", "0001-01-01"])
 @pytest.mark.parametrize(
     "route",
@@ -237,11 +265,13 @@ def test_read_routes_need_a_token(clients):
 def test_openapi_documents_every_route(stack, factory):
     import importlib
 
+    from services.common.web import openapi_path
+
     app = importlib.import_module(factory).create_app(stack)
     doc = app.test_client().get("/v1/openapi.json").json
     assert doc["openapi"].startswith("3.")
     routes = {
-        (re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
+        (openapi_path(rule.rule), method.lower())
         for rule in app.url_map.iter_rules()
         if rule.endpoint != "static" and not rule.endpoint.startswith("dashboard.")  # HTML pages
         for method in rule.methods - {"HEAD", "OPTIONS"}
