@@ -218,7 +218,7 @@ Short = Annotated[str, msgspec.Meta(max_length=64)]
 class ActivityMetric(msgspec.Struct, omit_defaults=True, gc=False):
     """One of Dask's fine performance metrics: seconds, bytes or a count spent in an
     ``activity`` (``thread-cpu``, ``thread-noncpu``, ``disk-read``, ``serialize``, ...)
-    by tasks of ``prefix`` in ``context`` (``execute``, ``gather-dep``, ``get-data``, ...)."""
+    by tasks of ``prefix`` in ``context`` (``execute``, ``p2p``: what Dask keeps per span)."""
 
     context: Short
     prefix: Label

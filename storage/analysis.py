@@ -395,10 +395,12 @@ def critical_path(data: RunData) -> dict[str, Any]:
 
 
 def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
-    """Worker-thread-seconds of the given runs: compute, transfer, spill (disk read+write),
-    other phases, and idle (thread-seconds the workers offered over each run's makespan,
-    while they were there, that no task phase used). Threads come from the worker's
-    ``joined`` event."""
+    """Worker-thread-seconds of the given runs: compute, other phases, and idle
+    (thread-seconds the workers offered over each run's makespan, while they were there,
+    that no task used); and the seconds of transfers and spilling (disk read+write), which
+    Dask does on a worker's event loop, not on its task threads: they do not take from
+    the threads' capacity (a worker waiting for its data has idle threads meanwhile).
+    Threads come from the worker's ``joined`` event."""
     if not run_ids:
         return {"runs": 0, "capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0,
                 "other": 0.0, "idle": 0.0, "workers": []}  # fmt: skip
@@ -442,7 +444,7 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
             tot[k] += v
         d["tasks"] += w.tasks
     for d in per_worker.values():
-        d["idle"] = max(0.0, d["capacity"] - d["compute"] - d["transfer"] - d["spill"] - d["other"])
+        d["idle"] = max(0.0, d["capacity"] - d["compute"] - d["other"])
     idle = sum(d["idle"] for d in per_worker.values())
     return {"runs": len(run_ids), **tot, "idle": idle,
             "workers": [{"worker": k, **v} for k, v in sorted(per_worker.items())]}  # fmt: skip

