@@ -150,13 +150,16 @@ def _task_event(
     return ev
 
 
-def _graph_event(key: Any, prefix: str, group: str, run: str | None, deps: list[Any]) -> GraphEvent:
+def _graph_event(
+    key: Any, prefix: str, group: str, run: str | None, deps: list[Any], submitted: float
+) -> GraphEvent:
     return GraphEvent(
         key=_key(key),
         prefix=_label(prefix) or "",
         dependencies=[_key(d) for d in deps],
         group=_label(group),
         run=run,
+        time=submitted,
     )
 
 
@@ -401,7 +404,9 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         if self.agent is None:
             return
         try:
-            self._pending_graphs.append([list(tasks), 0, str(client) if client else None])
+            self._pending_graphs.append(
+                [list(tasks), 0, str(client) if client else None, time.time()]
+            )
             self._pump_graph(limit=GRAPH_CHUNK)
         except Exception:
             logger.exception("hindsight: update_graph failed")
@@ -419,7 +424,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             if limit is not None and len(agent._buffer) > agent.settings.buffer_events // 2:
                 break  # the agent is behind: wait rather than drop graph events
             entry = self._pending_graphs[0]
-            keys, pos, client = entry
+            keys, pos, client, submitted = entry
             n = min(budget, len(keys) - pos)
             chunk = keys[pos : pos + n]
             if pos + n < len(keys):
@@ -441,7 +446,8 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     run = self._run_of(group, client)
                     prefix = group.prefix.name
                     gname = group.name
-                add((_graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies]))
+                add((_graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies],
+                     submitted))  # fmt: skip
             if forgotten:
                 agent.drop("graph_forgotten", forgotten)
         if self._pending_graphs and not self._pump_scheduled and self.scheduler is not None:

@@ -79,13 +79,16 @@ class TaskEvent(_Event, tag="task"):
 
 
 class GraphEvent(_Event, tag="graph"):
-    """A task of a submitted graph and the keys it depends on."""
+    """A task of a submitted graph and the keys it depends on; ``time``, when the
+    scheduler received the graph (a later computation of a run is submitted after what the
+    client waited for: the critical path follows it there)."""
 
     key: Key
     prefix: Label
     dependencies: list[Key] = []
     group: Label | None = None
     run: Label | None = None
+    time: Time | None = None
 
 
 class RunEvent(_Event, tag="run"):

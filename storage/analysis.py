@@ -4,6 +4,7 @@ a :class:`~storage.runfile.RunData`, scope by tenant, and never commit."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -286,7 +287,10 @@ def critical_path(data: RunData) -> dict[str, Any]:
     Between a dependency's end and the task's compute, the time is split into the task's
     transfers and disk reads (the phases recorded in that gap) and waiting (queued, or no
     free thread); after its compute, its own phases up to its stop (a disk-write of its
-    result). Segments are in time order."""
+    result). A task submitted after its dependencies had finished (a later computation of
+    the run: the client waited for something first) waited for its submission: the step
+    goes to the task that finished last before it (what the client waited for), and the
+    time from that end to the submission is ``unsubmitted``. Segments are in time order."""
     rows = data.tasks.select(["key", "prefix", "worker", "start", "stop", "compute_start",
                               "compute_stop", "startstops"]).to_pylist()  # fmt: skip
     # A key computed more than once in a run (recomputed after a worker died, computed
@@ -295,7 +299,12 @@ def critical_path(data: RunData) -> dict[str, Any]:
     tasks: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in sorted((r for r in rows if r["stop"] is not None), key=lambda r: r["stop"]):
         tasks[r["key"]].append(r)
-    deps = {r["key"]: r["dependencies"] for r in data.graph.to_pylist()}
+    graph = data.graph.to_pylist()
+    deps = {r["key"]: r["dependencies"] for r in graph}
+    # When the scheduler received each task (graph events since 2026-11-26; None before).
+    submitted = {r["key"]: r.get("submitted") for r in graph}
+    ends = sorted((r["stop"], i, r) for i, r in enumerate(r for rs in tasks.values() for r in rs))
+    end_times = [e[0] for e in ends]
     if not tasks:
         return {
             "makespan": None,
@@ -333,6 +342,16 @@ def critical_path(data: RunData) -> dict[str, Any]:
         preds = [_before(tasks[d], cstart) for d in deps.get(node["key"], ()) if d in tasks]
         pred = max(preds, key=lambda r: r["stop"]) if preds else None
         ready = pred["stop"] if pred is not None else t0
+        sub = submitted.get(node["key"])
+        late = sub is not None and ready < sub < cstart
+        if late:
+            # Submitted after its dependencies were done: what set the time was what the
+            # client waited for before submitting, the last task to end before then.
+            i = bisect.bisect_right(end_times, sub) - 1
+            while i >= 0 and (ends[i][2] is node or ends[i][2]["key"] in seen):
+                i -= 1
+            if i >= 0 and ends[i][0] > ready:
+                pred, ready = ends[i][2], ends[i][0]
         # The gap before compute: its recorded transfers / disk reads, the rest waiting.
         cursor = cstart
         for ph in sorted(phases, key=lambda p: -p["stop"]):
@@ -349,8 +368,13 @@ def critical_path(data: RunData) -> dict[str, Any]:
                          "worker": node["worker"], "start": lo, "stop": hi,
                          "source": ph.get("source")})  # fmt: skip
             cursor = lo
-        if cursor > ready:
+        if late and cursor > sub:
             mine.append({"kind": "wait", "key": node["key"], "prefix": node["prefix"],
+                         "worker": node["worker"], "start": sub, "stop": cursor})  # fmt: skip
+            cursor = sub
+        if cursor > ready:
+            kind = "unsubmitted" if late else "wait"
+            mine.append({"kind": kind, "key": node["key"], "prefix": node["prefix"],
                          "worker": node["worker"], "start": ready, "stop": cursor})  # fmt: skip
         segments += mine
         node = pred

@@ -99,7 +99,7 @@ def _schemas() -> tuple[Any, Any, Any]:
          ("compute", f), ("transfer", f), ("disk_read", f), ("disk_write", f),
          ("startstops", s), ("attrs", s)]
     )  # fmt: skip
-    graph = pa.schema([("key", s), ("prefix", s), ("dependencies", pa.list_(s))])
+    graph = pa.schema([("key", s), ("prefix", s), ("dependencies", pa.list_(s)), ("submitted", f)])
     metrics = pa.schema([("worker", s), ("time", f), ("name", s), ("value", f)])
     return tasks, graph, metrics
 
@@ -203,6 +203,7 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     g_key: list[str] = []
     g_prefix: list[str] = []
     g_deps: list[list[str]] = []
+    g_time: list[float | None] = []
     g_seen: set[str] = set()
     metrics: list[tuple[str, float, dict[str, float]]] = []
     run_key = run.run_key
@@ -223,13 +224,15 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
                 g_key.append(ev.key)
                 g_prefix.append(ev.prefix)
                 g_deps.append(list(ev.dependencies))
+                g_time.append(ev.time)
             elif t is MetricEvent:
                 metrics.append((ev.worker, ev.time, ev.values))
         if tasks:
             _task_columns(tasks, cols)
     tasks = pa.table(cols, schema=tasks_schema)
     graph = pa.table(
-        {"key": g_key, "prefix": g_prefix, "dependencies": g_deps}, schema=graph_schema
+        {"key": g_key, "prefix": g_prefix, "dependencies": g_deps, "submitted": g_time},
+        schema=graph_schema,
     )
     lo = run.started_at if run.started_at is not None else run.task_start
     hi = run.finished_at if run.finished_at is not None else run.task_stop
@@ -271,7 +274,8 @@ def sample_run(*, through_parquet: bool = False) -> RunData:
     cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
     _task_columns(events, cols)
     graph = pa.table({"key": ["warm-0", "warm-1", "warm-2"], "prefix": ["warm"] * 3,
-                      "dependencies": [[], ["warm-0"], ["warm-1"]]}, schema=graph_schema)  # fmt: skip
+                      "dependencies": [[], ["warm-0"], ["warm-1"]], "submitted": [t0] * 3},
+                     schema=graph_schema)  # fmt: skip
     names = ("memory.managed", "memory.unmanaged", "memory.spilled", "cpu", "tasks.processing")
     metrics = pa.table({"worker": ["tcp://127.0.0.1:1"] * 10, "time": [t0, t0 + 1] * 5,
                         "name": [n for n in names for _ in range(2)], "value": [1.0, 2.0] * 5},

@@ -80,6 +80,13 @@ def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
             with span("longer-than-history"):
                 client.gather(client.map(early_work, range(2)))
                 client.gather(client.map(late_wait, range(8)))
+            with span("submitted-later"):
+                # finish depends on base alone, but the client submits it only once it
+                # has slowstep's result: slowstep set the makespan.
+                base = client.submit(doze, 1, key="base-0")
+                client.submit(late_wait, 2, key="slowstep-0").result()
+                client.submit(doze, base, key="finish-0").result()
+                del base
 
             def history_prefixes(dask_worker: Any) -> list[str]:
                 return sorted({p for _, trees in dask_worker.profile_keys_history for p in trees})
@@ -200,6 +207,18 @@ def test_cpu_bound_and_sleep_bound_prefixes_show_where_their_time_went(hindsight
     body = server.get(f"/v1/runs/{sleepy_run}/activity")
     totals = {(t["activity"], t["unit"]): t["value"] for t in body["totals"]}
     assert totals[("thread-noncpu", "seconds")] >= sleepy["thread-noncpu"]
+
+
+def test_the_critical_path_goes_through_what_the_client_waited_for(hindsight_server, recorded):
+    """Found by a held-out check: a task submitted once the client had another's result
+    read as seconds of "wait" (no thread busy, nothing queued) after its dependency, and
+    the task that set the makespan was not on the path."""
+    run_id = run_of(hindsight_server, recorded, "submitted-later", 3)
+    cp = hindsight_server.get(f"/v1/runs/{run_id}/critical-path")
+    steps = [(s["kind"], s["key"]) for s in cp["segments"] if s["kind"] != "wait"]
+    assert steps == [("compute", "slowstep-0"), ("unsubmitted", "finish-0"),
+                     ("compute", "finish-0")], cp["segments"]  # fmt: skip
+    assert cp["totals"]["compute"] >= 0.5 + 0.25 and cp["totals"]["wait"] < 0.5
 
 
 def test_the_submitting_code_is_in_the_run_detail(hindsight_server, recorded):

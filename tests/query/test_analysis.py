@@ -13,7 +13,9 @@ from storage.analysis import critical_path
 from storage.runfile import RunData, _schemas
 
 
-def run_data(tasks: list[dict], edges: dict[str, list[str]]) -> RunData:
+def run_data(
+    tasks: list[dict], edges: dict[str, list[str]], submitted: dict[str, float] | None = None
+) -> RunData:
     import pyarrow as pa
 
     ts, gs, ms = _schemas()
@@ -30,7 +32,8 @@ def run_data(tasks: list[dict], edges: dict[str, list[str]]) -> RunData:
             "transfer": sum(s["stop"] - s["start"] for s in ss if s["action"] == "transfer"),
             "disk_read": 0.0, "disk_write": 0.0, "startstops": json.dumps(ss),
         })  # fmt: skip
-    graph = [{"key": k, "prefix": k.split("-")[0], "dependencies": v} for k, v in edges.items()]
+    graph = [{"key": k, "prefix": k.split("-")[0], "dependencies": v,
+              "submitted": (submitted or {}).get(k)} for k, v in edges.items()]  # fmt: skip
     return RunData(pa.Table.from_pylist(rows, ts), pa.Table.from_pylist(graph, gs),
                    ms.empty_table(), tag="t", source="raw")  # fmt: skip
 
@@ -39,9 +42,11 @@ def c(start: float, stop: float) -> dict:
     return {"action": "compute", "start": start, "stop": stop}
 
 
-def path_of(tasks: list[dict], edges: dict[str, list[str]]) -> tuple[dict, list[tuple]]:
+def path_of(
+    tasks: list[dict], edges: dict[str, list[str]], submitted: dict[str, float] | None = None
+) -> tuple[dict, list[tuple]]:
     """The critical path of hand-made tasks, and its segments as (kind, key, start, stop)."""
-    cp = critical_path(run_data(tasks, edges))
+    cp = critical_path(run_data(tasks, edges, submitted))
     return cp, [(s["kind"], s["key"], s["start"], s["stop"]) for s in cp["segments"]]
 
 
@@ -84,6 +89,35 @@ def test_critical_path_names_a_tasks_own_phases_after_its_compute():
         ("disk-write", "save-1", 2.0, 2.5),
     ]
     assert cp["totals"] == {"compute": 1.5, "disk-write": 0.75, "wait": 0.25}
+
+
+def test_critical_path_follows_what_the_client_waited_for_before_submitting():
+    """Found by a held-out check: in one span, base ran, then a 3 s slowstep was computed
+    and waited for, and only then was finish(base) submitted. The path was base, then 3 s
+    of "wait" for finish (no thread was busy, nothing was queued), and left out slowstep,
+    which set the makespan. With the graph's submission times it goes through slowstep."""
+    tasks = [
+        {"key": "base-0", "worker": "a", "startstops": [c(0.0, 0.25)]},
+        {"key": "slow-0", "worker": "b", "startstops": [c(0.25, 3.0)]},
+        {"key": "finish-0", "worker": "a", "startstops": [c(3.5, 3.75)]},
+    ]
+    edges = {"base-0": [], "slow-0": [], "finish-0": ["base-0"]}
+    cp, got = path_of(tasks, edges, {"base-0": 0.0, "slow-0": 0.0, "finish-0": 3.25})
+    assert got == [
+        ("wait", "slow-0", 0.0, 0.25),
+        ("compute", "slow-0", 0.25, 3.0),
+        ("unsubmitted", "finish-0", 3.0, 3.25),
+        ("wait", "finish-0", 3.25, 3.5),
+        ("compute", "finish-0", 3.5, 3.75),
+    ]
+    assert cp["totals"] == {"compute": 3.0, "unsubmitted": 0.25, "wait": 0.5}
+    # Recorded without submission times (an agent before 2026-11-26): as before.
+    cp, got = path_of(tasks, edges)
+    assert [(kind, key) for kind, key, *_ in got] == [
+        ("compute", "base-0"), ("wait", "finish-0"), ("compute", "finish-0")]  # fmt: skip
+    # Submitted before its dependency ended: the dependency, as ever.
+    _, got = path_of(tasks, edges, {"base-0": 0.0, "slow-0": 0.0, "finish-0": 0.0})
+    assert [key for _, key, *_ in got] == ["base-0", "finish-0", "finish-0"]
 
 
 def test_critical_path_clips_clock_skew_between_workers():
