@@ -842,12 +842,28 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
 PAGE_PROGRESS_BUCKETS = 120
 
 
+def outcome(data: RunData) -> dict[str, int]:
+    """How the run's tasks ended: ``keys``, the distinct tasks with a record (``task_count``
+    counts every execution: a retry or a recomputation again), and ``erred_keys``, those
+    whose last record (by stop) erred. A run whose every erred task was retried and
+    succeeded (``client.retry``) has erred records and no erred key."""
+    last: dict[str, tuple[float, str]] = {}
+    keys, stops, statuses = (data.tasks[c].to_pylist() for c in ("key", "stop", "status"))
+    for k, stop, status in zip(keys, stops, statuses, strict=True):
+        t = stop if stop is not None else -math.inf
+        if k not in last or t >= last[k][0]:
+            last[k] = (t, status)
+    return {"keys": len(last), "erred_keys": sum(1 for _, s in last.values() if s == "erred")}
+
+
 def facts_of(data: RunData) -> dict[str, Any]:
-    """The run page's critical path, progress and errors, computed from the run's tables."""
+    """The run page's critical path, progress, errors and outcome, computed from the run's
+    tables."""
     return {
         "critical": critical_path(data),
         "progress": progress(data, PAGE_PROGRESS_BUCKETS),
         "errors": errors(data),
+        "outcome": outcome(data),
     }
 
 
@@ -858,7 +874,7 @@ def page_facts(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, 
     import msgspec
     import zstandard
 
-    key = f"{compact_prefix(db, run)}/{data.tag}/page-v1.json.zst"
+    key = f"{compact_prefix(db, run)}/{data.tag}/page-v2.json.zst"  # v2: with outcome
     if run.status != "running":
         try:
             return msgspec.json.decode(zstandard.ZstdDecompressor().decompress(blobs.get(key)))

@@ -267,6 +267,7 @@ def run_page(run_id: str) -> Any:
         counts=items["counts"],
         critical=critical,
         errors=facts["errors"],
+        outcome=facts.get("outcome"),
         dag_max=plots.DAG_MAX_NODES,
         live=live,
         refresh=_refresh_seconds(),

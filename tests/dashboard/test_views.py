@@ -108,6 +108,53 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
     )
 
 
+@pytest.mark.parametrize(
+    "case,tasks_fact,errors_fact",
+    [("retried", "4 runs of 3 tasks (some ran again", "1 (every erred task ran again and succeeded)"),
+     ("cancelled", "2 of the graph's 5 never ran (cancelled, or the client left)", None),
+     ("still-erred", "3 runs of 2 tasks (some ran again", "2 (1 task erred at the end)")],
+)  # fmt: skip
+def test_a_run_page_tells_runs_from_tasks_and_errors_that_were_retried(
+    apps, make_token, case, tasks_fact, errors_fact
+):
+    """Found by a new user: a run whose 20 failures were all retried and succeeded
+    (``client.retry``) read "tasks 220, errors 20" with nothing saying so, and a cancelled
+    run of 200 tasks of which 28 ran read "tasks 28" beside a progress bar of 200/200."""
+    from tests.query.test_runs import T0
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    ran = {"retried": [("a-0", "erred", 1), ("a-0", "memory", 2), ("a-1", "memory", 1),
+                       ("a-2", "memory", 1)],
+           "cancelled": [("a-0", "memory", 1), ("a-1", "memory", 1), ("a-2", "memory", 1)],
+           "still-erred": [("a-0", "erred", 1), ("a-0", "erred", 2), ("a-1", "memory", 1)]}[case]  # fmt: skip
+    graph = {"retried": 3, "cancelled": 5, "still-erred": 2}[case]
+    events = [
+        {"kind": "run", "event": "started", "id": "r", "name": "etl", "time": T0},
+        *({"kind": "graph", "key": f"a-{i}", "prefix": "a", "run": "r"} for i in range(graph)),
+        *({"kind": "task", "key": k, "prefix": "a", "status": st, "run": "r", "worker": "tcp://w:1",
+           "startstops": [{"action": "compute", "start": T0 + t, "stop": T0 + t + 0.5}]}
+          for k, st, t in ran),
+        {"kind": "run", "event": "finished", "id": "r", "time": T0 + 3},
+    ]  # fmt: skip
+    body = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=0,
+                   events=events, final=True)  # fmt: skip
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    tasks = page.split('<div id="tasks-fact"><span>tasks</span>', 1)[1].split("</div>", 1)[0]
+    errors = page.split('<div id="errors-fact"><span>errors</span>', 1)[1].split("</div>", 1)[0]
+    if tasks_fact is None:
+        assert tasks == str(len(ran))
+    else:
+        assert tasks_fact in tasks, tasks
+    if errors_fact is None:
+        assert errors == "0"
+    else:
+        assert errors == errors_fact
+
+
 def test_two_runs_ticked_in_the_list_compare_the_earlier_as_a(apps, make_token):
     """Found in a browser by a fresh pair of eyes: the list is newest first, so the newer run
     became A and a slowdown read as "better"; a run page's link has the previous run as A."""

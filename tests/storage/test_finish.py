@@ -114,7 +114,7 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
         "graph.parquet",
         "metrics.parquet",
         # storage.analysis: the run page's critical path, progress and errors
-        "page-v1.json.zst",
+        "page-v2.json.zst",
         "tasks.parquet",
         # storage.runlogs: the run's log records, emitted values, worker events
         "logs.parquet",
