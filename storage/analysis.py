@@ -544,11 +544,13 @@ def compare(db: Session, a: m.Run, b: m.Run, action: str = "compute") -> dict[st
     }
 
 
-def previous_runs(db: Session, run: m.Run, n: int, scan: int = 1000) -> list[m.Run]:
+def previous_runs(
+    db: Session, run: m.Run, n: int, scan: int = 1000, *, same_cluster: bool = False
+) -> list[m.Run]:
     """The ``n`` latest runs of the tenant with the same fingerprint, started before ``run``
     and ended by its scheduler (a run still running, or closed "lost" when its scheduler
     went silent, holds part of its tasks: as a baseline it made the next run look 80%
-    faster)."""
+    faster); with ``same_cluster``, of ``run``'s cluster only."""
     fp = run_fingerprint(db, run)
     q = select(m.Run).where(
         m.Run.tenant_id == run.tenant_id,
@@ -556,6 +558,8 @@ def previous_runs(db: Session, run: m.Run, n: int, scan: int = 1000) -> list[m.R
         m.Run.started_at <= run.started_at,
         m.Run.status.in_(("finished", "erred")),
     )
+    if same_cluster:
+        q = q.where(m.Run.cluster_id == run.cluster_id)
     if run.name and run.name != DEFAULT_SPAN:  # the default span names no job
         q = q.where(m.Run.name == run.name)  # ix_runs_tenant_name
     candidates = list(db.execute(q.order_by(m.Run.started_at.desc()).limit(scan)).scalars())
@@ -572,11 +576,13 @@ def previous_runs(db: Session, run: m.Run, n: int, scan: int = 1000) -> list[m.R
 
 
 def regressions(
-    db: Session, run: m.Run, baseline: int, threshold_pct: float, action: str = "compute"
-) -> dict[str, Any]:
+    db: Session, run: m.Run, baseline: int, threshold_pct: float, action: str = "compute",
+    *, same_cluster: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Prefixes whose p90 in ``run`` moved more than ``threshold_pct`` against the merged
-    histogram of the previous ``baseline`` runs with the same fingerprint."""
-    prev = previous_runs(db, run, baseline)
+    histogram of the previous ``baseline`` runs with the same fingerprint (of ``run``'s
+    cluster only, with ``same_cluster``)."""
+    prev = previous_runs(db, run, baseline, same_cluster=same_cluster)
     mine = _prefix_stats(db, [run.id], action)
     base = _prefix_stats(db, [p.id for p in prev], action) if prev else {}
     flagged, checked = [], []

@@ -224,6 +224,11 @@ PATHS = {
             _q("baseline", {"type": "integer", "minimum": 1, "maximum": 100, "default": 5}),
             _q("threshold", {"type": "number", "minimum": 0, "maximum": 10_000, "default": 20}),
             _action,
+            _q(
+                "same_cluster",
+                {"type": "boolean", "default": False},
+                "baselines from this run's cluster only (else any cluster's runs of the job)",
+            ),
         ],
         {"type": "object", "properties": {"regressions": _arr, "baseline_runs": {"type": "array"}}},
         _not_found,

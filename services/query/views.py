@@ -240,8 +240,9 @@ def run_regressions(run_id: str) -> Any:
     threshold = float_arg("threshold", 0.0, 10_000.0)
     action = label_arg("action", 64) or "compute"
     return analysis.regressions(
-        db(), run, baseline, 20.0 if threshold is None else threshold, action
-    )
+        db(), run, baseline, 20.0 if threshold is None else threshold, action,
+        same_cluster=bool(bool_arg("same_cluster")),
+    )  # fmt: skip
 
 
 @bp.get("/v1/runs/<run_id>/trace")

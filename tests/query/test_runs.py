@@ -322,6 +322,22 @@ def test_a_run_still_running_is_no_baseline(clients, make_token):
     assert reg["baseline_runs"] == [first["id"]]
 
 
+def test_regressions_can_take_their_baselines_from_the_runs_cluster_only(clients, make_token):
+    """Found by a new user: a prod run's baselines included a dev cluster's run of the same
+    job (a job is its span name, on any cluster), with no way to keep to prod."""
+    collector, query = clients
+    token = make_token()
+    for i, cluster in enumerate(("prod", "dev", "prod")):
+        body = run_batch(cluster, f"s{i}", f"nightly-{i}", 0, t=T0 + 3600 * i)
+        body["events"][0]["name"] = "nightly"
+        assert post(collector, body, token=token).status_code == 202
+    latest, dev, first = query.get("/v1/runs?name=nightly", headers=auth(token)).json["runs"]
+    url = f"/v1/runs/{latest['id']}/regressions"
+    assert query.get(url, headers=auth(token)).json["baseline_runs"] == [dev["id"], first["id"]]
+    reg = query.get(f"{url}?same_cluster=true", headers=auth(token)).json
+    assert reg["baseline_runs"] == [first["id"]]
+
+
 def test_a_name_prefix_matches_case_as_exact_names_do(clients, make_token):
     """Found by a fresh pair of eyes: name=ETL* matched "etl-nightly" on SQLite, not on
     Postgres (an exact name is case-sensitive on both)."""
