@@ -88,8 +88,10 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
     one agent's directory.  Batches go out byte for byte under their original cluster,
     session, agent and sequence numbers, in order; each is removed once the collector has
     acknowledged it, so running this again is safe.  A directory whose agent is still
-    running is left alone.  Exit status: 0 everything was delivered; 1 some batches were
-    corrupted or refused and are lost; 75 some are still on disk (run it again).
+    running is left alone.  Exit status: 0 everything was delivered (or no spool was ever
+    written at the default place); 1 some batches were corrupted or refused and are lost;
+    2 a wrong argument (DIRECTORY is not a directory); 75 some are still on disk (run it
+    again).
     """
     import time
 
@@ -103,8 +105,13 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
     if not settings.url:
         raise click.UsageError("give --url or set HINDSIGHT_URL")
     root = directory or settings.spool_dir
+    if directory is None and not os.path.exists(root):
+        # No agent ever spooled here: nothing to push, not a failure (exit 1 says batches
+        # were lost; found by a new user).
+        click.echo(f"{root}: no spool here, nothing to push")
+        return
     if not os.path.isdir(root):
-        raise click.ClickException(f"{root} is not a directory")
+        raise click.UsageError(f"{root} is not a directory")
     directories = spool_directories(root)
     counts = {path: spooled(path) for path in directories}
     total = sum(n for n, _ in counts.values())

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 from flask import Blueprint, Response
+from sqlalchemy import select
 
 from hindsight.schema import valid_name
 from services.common.params import (
@@ -279,6 +280,13 @@ def cluster_time(cluster: str) -> Any:
     principal = require("read")
     if not valid_name(cluster):
         raise bad("cluster", "not a valid name")
+    known = db().scalar(
+        select(m.Cluster.id).where(
+            m.Cluster.tenant_id == principal.tenant_id, m.Cluster.name == cluster
+        )
+    )
+    if known is None:  # answered zeros, as if it had run nothing (found by a new user)
+        raise ApiError(404, "not_found", f"no cluster {cluster!r} (GET /v1/clusters lists them)")
     return {
         "cluster": cluster,
         **analysis.cluster_time_breakdown(

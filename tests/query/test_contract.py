@@ -67,7 +67,11 @@ def test_every_route_answers_only_the_callers_tenant(apps, make_token):
             continue
         assert mine.status_code == 200, (url, mine.data[:300])
         theirs = query.get(url, headers=auth(bob))
-        if "{run_id}" in path or path in ("/v1/compare", "/v1/compare/profile"):
+        if (
+            "{run_id}" in path
+            or "{cluster}" in path
+            or path in ("/v1/compare", "/v1/compare/profile")
+        ):
             assert theirs.status_code == 404 and theirs.json["error"]["code"] == "not_found", url
         else:
             body = theirs.json
@@ -75,6 +79,8 @@ def test_every_route_answers_only_the_callers_tenant(apps, make_token):
             assert not any(
                 body.get(k) for k in ("runs", "clusters", "points", "workers", "rows", "files")
             ), url
+    # a cluster nobody recorded is no cluster (it answered zeros: found by a new user)
+    assert query.get("/v1/clusters/nope/time", headers=auth(alice)).status_code == 404
 
 
 def test_compare_needs_both_runs_and_histories_validate(apps, make_token):

@@ -259,6 +259,18 @@ def test_spool_push_says_what_is_wrong_with_a_url_without_a_scheme(collector, tm
     assert len(list(orphan.glob("*.hsb"))) == 6  # nothing sent, nothing removed
 
 
+def test_spool_push_without_a_spool_is_not_a_loss(collector, tmp_path, monkeypatch):
+    """Found by a new user: with no spool directory it exited 1, which its help defines as
+    "some batches were corrupted or refused and are lost"."""
+    monkeypatch.setenv("HINDSIGHT_SPOOL_DIR", str(tmp_path / "never-written"))
+    result = push("--url", collector.url)
+    assert result.exit_code == 0 and "no spool here, nothing to push" in result.output
+    result = CliRunner().invoke(
+        main, ["spool", "push", str(tmp_path / "nope"), "--url", collector.url]
+    )
+    assert result.exit_code == 2 and "is not a directory" in result.output
+
+
 def test_spool_push_leaves_batches_on_disk_while_the_collector_is_away(collector, tmp_path):
     orphan = make_orphan(collector, tmp_path)
     collector.rule = lambda b: (503, {"Retry-After": "1"})
