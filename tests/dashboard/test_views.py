@@ -108,6 +108,36 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
     )
 
 
+def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(apps, make_token):
+    """Found by a new user: the run of a worker killed mid-run read "100.0% of batches"
+    while its completeness was not closed: the killed worker's last batch never came."""
+    from tests.query.test_runs import T0
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    events = [
+        {"kind": "run", "event": "started", "id": "r", "name": "etl", "time": T0},
+        {"kind": "run", "event": "finished", "id": "r", "time": T0 + 1},
+    ]
+    sched = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=0,
+                    events=events, final=False)  # fmt: skip
+    worker = example(cluster="c", session="Scheduler-1", agent="worker-1-0123456789ab", seq=0,
+                     events=[], final=False)  # fmt: skip
+    assert post(collector, sched, token=token).status_code == 202
+    assert post(collector, worker, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    assert 'id="unclosed-agents"' not in query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    last = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=1,
+                   events=[], final=True)  # fmt: skip
+    assert post(collector, last, token=token).status_code == 202  # the cluster closed
+    page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    assert (
+        '<span id="unclosed-agents">the cluster closed, and 1 worker agent never sent its last'
+        " batch (worker-1-0123456789ab)" in page
+    )
+
+
 @pytest.mark.parametrize(
     "case,tasks_fact,errors_fact",
     [("retried", "4 runs of 3 tasks (some ran again", "1 (every erred task ran again and succeeded)"),
