@@ -554,19 +554,26 @@ def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
     """Per-cluster runs, tasks, errors and compute-seconds per time bucket (``bucket_s``
     seconds); a cluster's lines break over buckets without runs."""
     from bokeh.layouts import column
-    from bokeh.models import DataRange1d
+    from bokeh.models import DataRange1d, Legend, LegendItem
 
     if not rows:
         return None
     clusters = sorted({r["cluster"] for r in rows})
+    # One legend, above the first plot, in rows: inside each 170 px plot a fifth cluster's
+    # entry fell off the bottom (found by a new user).
+    per_row = 6
+    legend_rows = -(-len(clusters) // per_row)
     colours = {c: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, c in enumerate(clusters)}
     x_range = DataRange1d(name="history-time")
     figs = []
     for field, title in (("runs", "Runs started"), ("tasks", "Tasks"), ("errors", "Failed tasks"),
                          ("compute_seconds", "Compute seconds")):  # fmt: skip
-        fig = figure(title=title, x_axis_type="datetime", x_range=x_range, height=170,
+        first = not figs
+        fig = figure(title=title, x_axis_type="datetime", x_range=x_range,
+                     height=170 + (26 * legend_rows + 30 if first else 0),
                      sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset,save,hover",
                      tooltips=[("cluster", "@cluster"), (field, "@y")], name=f"history-{field}")  # fmt: skip
+        items = []
         for c in clusters:
             mine = gapped(sorted((r for r in rows if r["cluster"] == c), key=lambda r: r["time"]),
                           bucket_s)  # fmt: skip
@@ -574,10 +581,12 @@ def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
             src = ColumnDataSource({"x": [r["time"] * 1000 if r else nan for r in mine],
                                     "y": [(r[field] or 0) if r else nan for r in mine],
                                     "cluster": [c] * len(mine)}, name=f"history-{field}-line")  # fmt: skip
-            fig.line("x", "y", source=src, line_color=colours[c], line_width=2, legend_label=c)
+            line = fig.line("x", "y", source=src, line_color=colours[c], line_width=2)
             fig.scatter("x", "y", source=src, fill_color=colours[c], line_color=None, size=6)
-        fig.legend.label_text_font_size = "8pt"
-        fig.legend.location = "top_left"
+            items.append(LegendItem(label=c, renderers=[line]))
+        if first:
+            fig.add_layout(Legend(items=items, orientation="horizontal", label_text_font_size="8pt",
+                                  ncols=min(per_row, len(clusters)), name="history-legend"), "above")  # fmt: skip
         fig.toolbar.logo = None
         figs.append(fig)
     return json_item(column(*figs, sizing_mode="stretch_width"), "history")

@@ -380,3 +380,48 @@ def test_task_stream_hover_shows_a_long_key_whole_on_screen(recorded, page):
     shoot(page, "hover-long-key")
     assert box["x"] >= 0 and box["x"] + box["width"] <= page.viewport_size["width"], box
     assert page.errors == []
+
+
+def test_history_legend_names_every_cluster_without_squashing_a_plot(tmp_path, page):
+    """Found by a new user: in each 170 px plot the legend of five clusters ran off the
+    bottom. One legend above the first plot names every cluster, in rows, and that plot's
+    frame is as tall as the others."""
+    import requests
+
+    from tests.dask.conftest import EmbeddedServer
+    from tests.helpers import encode
+    from tests.query.test_runs import T0, run_batch
+
+    server = EmbeddedServer(tmp_path / "data")
+    server.start()
+    try:
+        clusters = [f"cluster-number-{i}" for i in range(8)]
+        for i, c in enumerate(clusters):
+            body = encode(run_batch(c, f"s{i}", f"r{i}", 0, t=T0 + 3600 * (i % 3)))
+            resp = requests.post(f"{server.url}/v1/batches", data=body, timeout=30, headers={
+                "Content-Type": "application/json", "Content-Encoding": "zstd"})  # fmt: skip
+            assert resp.status_code == 202, resp.text
+        page.goto(f"{server.url}/history?bucket=hour&since=2020-01-01")
+        page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
+        got = page.evaluate(
+            """() => { const doc = Bokeh.documents[0];
+                 const legends = Array.from(doc.all_models).filter(m => m.type === 'Legend');
+                 const heights = ['runs', 'tasks', 'errors', 'compute_seconds'].map(
+                   f => Bokeh.index.find_one(doc.get_model_by_name('history-' + f)).frame.bbox.height);
+                 const plot = Bokeh.index.find_one(doc.get_model_by_name('history-runs'));
+                 const boxes = legends.map(l => { const b = Bokeh.index.find_one(l).bbox;
+                   return [b.top, b.bottom, b.left, b.right]; });
+                 return {labels: legends.flatMap(l => l.items.map(i => i.label.value)), heights,
+                         boxes, frame_top: plot.frame.bbox.top, canvas: [plot.bbox.width, plot.bbox.height]}; }"""
+        )
+        assert sorted(got["labels"]) == clusters
+        # the legend is whole on the canvas and above the data, and the plot under it is
+        # not squashed by it
+        ((top, bottom, left, right),) = got["boxes"]
+        width, height = got["canvas"]
+        assert 0 <= top and bottom <= got["frame_top"] and 0 <= left and right <= width, got
+        assert min(got["heights"]) >= 0.9 * max(got["heights"]), got["heights"]
+        shoot(page, "history-many-clusters")
+        assert page.errors == []
+    finally:
+        server.stop()
