@@ -150,6 +150,21 @@ def _task_event(
     return ev
 
 
+def _received(stimulus_id: Any) -> float:
+    """When the scheduler received a graph: Dask stamps ``update-graph-{time}`` on arrival,
+    before it deserialises, materialises and orders the graph (which can take seconds, and
+    runs before this plugin's hook); else now."""
+    if type(stimulus_id) is str and stimulus_id.startswith("update-graph-"):
+        try:
+            t = float(stimulus_id[13:])
+        except ValueError:
+            pass
+        else:
+            if 0 < t <= time.time() + 1:
+                return t
+    return time.time()
+
+
 def _graph_event(
     key: Any, prefix: str, group: str, run: str | None, deps: list[Any], submitted: float
 ) -> GraphEvent:
@@ -405,7 +420,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             return
         try:
             self._pending_graphs.append(
-                [list(tasks), 0, str(client) if client else None, time.time()]
+                [list(tasks), 0, str(client) if client else None, _received(kw.get("stimulus_id"))]
             )
             self._pump_graph(limit=GRAPH_CHUNK)
         except Exception:

@@ -80,8 +80,8 @@ class TaskEvent(_Event, tag="task"):
 
 class GraphEvent(_Event, tag="graph"):
     """A task of a submitted graph and the keys it depends on; ``time``, when the
-    scheduler received the graph (a later computation of a run is submitted after what the
-    client waited for: the critical path follows it there)."""
+    scheduler received the graph (the critical path tells a task not yet submitted from
+    one waiting for a thread)."""
 
     key: Key
     prefix: Label

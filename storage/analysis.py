@@ -4,7 +4,6 @@ a :class:`~storage.runfile.RunData`, scope by tenant, and never commit."""
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import math
@@ -287,10 +286,12 @@ def critical_path(data: RunData) -> dict[str, Any]:
     Between a dependency's end and the task's compute, the time is split into the task's
     transfers and disk reads (the phases recorded in that gap) and waiting (queued, or no
     free thread); after its compute, its own phases up to its stop (a disk-write of its
-    result). A task submitted after its dependencies had finished (a later computation of
-    the run: the client waited for something first) waited for its submission: the step
-    goes to the task that finished last before it (what the client waited for), and the
-    time from that end to the submission is ``unsubmitted``. Segments are in time order."""
+    result). A task the scheduler received after its dependency had finished (a later
+    computation of the run: the client waited for something first) did not exist before:
+    the time from that end to its submission is ``unsubmitted``, not waiting. The step
+    still goes to the dependency: what the client waited for is not recorded (stepping to
+    the task that ended last before the submission named unrelated tasks in busy runs).
+    Segments are in time order."""
     rows = data.tasks.select(["key", "prefix", "worker", "start", "stop", "compute_start",
                               "compute_stop", "startstops"]).to_pylist()  # fmt: skip
     # A key computed more than once in a run (recomputed after a worker died, computed
@@ -301,10 +302,9 @@ def critical_path(data: RunData) -> dict[str, Any]:
         tasks[r["key"]].append(r)
     graph = data.graph.to_pylist()
     deps = {r["key"]: r["dependencies"] for r in graph}
-    # When the scheduler received each task (graph events since 2026-11-26; None before).
-    submitted = {r["key"]: r.get("submitted") for r in graph}
-    ends = sorted((r["stop"], i, r) for i, r in enumerate(r for rs in tasks.values() for r in rs))
-    end_times = [e[0] for e in ends]
+    # When the scheduler received each task, each time it did (graph events since
+    # 2026-11-26; none before).
+    submitted = {r["key"]: r.get("submitted") or [] for r in graph}
     if not tasks:
         return {
             "makespan": None,
@@ -342,16 +342,10 @@ def critical_path(data: RunData) -> dict[str, Any]:
         preds = [_before(tasks[d], cstart) for d in deps.get(node["key"], ()) if d in tasks]
         pred = max(preds, key=lambda r: r["stop"]) if preds else None
         ready = pred["stop"] if pred is not None else t0
-        sub = submitted.get(node["key"])
-        late = sub is not None and ready < sub < cstart
-        if late:
-            # Submitted after its dependencies were done: what set the time was what the
-            # client waited for before submitting, the last task to end before then.
-            i = bisect.bisect_right(end_times, sub) - 1
-            while i >= 0 and (ends[i][2] is node or ends[i][2]["key"] in seen):
-                i -= 1
-            if i >= 0 and ends[i][0] > ready:
-                pred, ready = ends[i][2], ends[i][0]
+        # This record's submission: the latest before its compute (a key computed again by
+        # a later computation was submitted again).
+        sub = max((s for s in submitted.get(node["key"], ()) if s <= cstart), default=None)
+        late = sub is not None and ready < sub
         # The gap before compute: its recorded transfers / disk reads, the rest waiting.
         cursor = cstart
         for ph in sorted(phases, key=lambda p: -p["stop"]):

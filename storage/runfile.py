@@ -99,7 +99,9 @@ def _schemas() -> tuple[Any, Any, Any]:
          ("compute", f), ("transfer", f), ("disk_read", f), ("disk_write", f),
          ("startstops", s), ("attrs", s)]
     )  # fmt: skip
-    graph = pa.schema([("key", s), ("prefix", s), ("dependencies", pa.list_(s)), ("submitted", f)])
+    graph = pa.schema(
+        [("key", s), ("prefix", s), ("dependencies", pa.list_(s)), ("submitted", pa.list_(f))]
+    )
     metrics = pa.schema([("worker", s), ("time", f), ("name", s), ("value", f)])
     return tasks, graph, metrics
 
@@ -203,8 +205,8 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     g_key: list[str] = []
     g_prefix: list[str] = []
     g_deps: list[list[str]] = []
-    g_time: list[float | None] = []
-    g_seen: set[str] = set()
+    g_time: list[list[float]] = []
+    g_row: dict[str, int] = {}
     metrics: list[tuple[str, float, dict[str, float]]] = []
     run_key = run.run_key
     for _, key, mine in batch_keys(db, run):
@@ -214,17 +216,17 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
             t = type(ev)
             if t is TaskEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
                 tasks.append(ev)
-            elif (
-                t is GraphEvent
-                and mine
-                and (ev.run or DEFAULT_RUN) == run_key
-                and ev.key not in g_seen  # a later submission that touched it sent it again
-            ):
-                g_seen.add(ev.key)
+            elif t is GraphEvent and mine and (ev.run or DEFAULT_RUN) == run_key:
+                row = g_row.get(ev.key)
+                if row is not None:  # a later submission that touched it sent it again
+                    if ev.time is not None:
+                        g_time[row].append(ev.time)
+                    continue
+                g_row[ev.key] = len(g_key)
                 g_key.append(ev.key)
                 g_prefix.append(ev.prefix)
                 g_deps.append(list(ev.dependencies))
-                g_time.append(ev.time)
+                g_time.append([ev.time] if ev.time is not None else [])
             elif t is MetricEvent:
                 metrics.append((ev.worker, ev.time, ev.values))
         if tasks:
@@ -274,7 +276,7 @@ def sample_run(*, through_parquet: bool = False) -> RunData:
     cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
     _task_columns(events, cols)
     graph = pa.table({"key": ["warm-0", "warm-1", "warm-2"], "prefix": ["warm"] * 3,
-                      "dependencies": [[], ["warm-0"], ["warm-1"]], "submitted": [t0] * 3},
+                      "dependencies": [[], ["warm-0"], ["warm-1"]], "submitted": [[t0]] * 3},
                      schema=graph_schema)  # fmt: skip
     names = ("memory.managed", "memory.unmanaged", "memory.spilled", "cpu", "tasks.processing")
     metrics = pa.table({"worker": ["tcp://127.0.0.1:1"] * 10, "time": [t0, t0 + 1] * 5,

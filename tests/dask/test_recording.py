@@ -304,3 +304,17 @@ def test_numbers_past_what_the_protocol_holds_do_not_cost_the_batch():
     batch = Batch(schema=1, cluster="c", session="s", agent="a", seq=0, events=[ev])
     (got,) = decode_batch(encode_batch(batch)).events  # what the collector validates
     assert got.key == "huge-0" and got.nbytes is None and got.thread is None
+
+
+def test_a_graph_is_stamped_when_the_scheduler_received_it():
+    """Dask stamps ``update-graph-{time}`` on arrival, before it materialises and orders
+    the graph (seconds, for a big one) and calls plugins: a later stamp made tasks of a
+    graph submitted at once look submitted after their dependencies had ended."""
+    import time
+
+    from hindsight.dask import _received
+
+    assert _received("update-graph-1795000000.5") == 1795000000.5
+    for other in (None, "update-graph-soon", "update-graph-1e99", "client-retry-1.0", 3.0):
+        before = time.time()
+        assert before <= _received(other) <= time.time()

@@ -14,7 +14,7 @@ from storage.runfile import RunData, _schemas
 
 
 def run_data(
-    tasks: list[dict], edges: dict[str, list[str]], submitted: dict[str, float] | None = None
+    tasks: list[dict], edges: dict[str, list[str]], submitted: dict[str, list[float]] | None = None
 ) -> RunData:
     import pyarrow as pa
 
@@ -33,7 +33,7 @@ def run_data(
             "disk_read": 0.0, "disk_write": 0.0, "startstops": json.dumps(ss),
         })  # fmt: skip
     graph = [{"key": k, "prefix": k.split("-")[0], "dependencies": v,
-              "submitted": (submitted or {}).get(k)} for k, v in edges.items()]  # fmt: skip
+              "submitted": (submitted or {}).get(k, [])} for k, v in edges.items()]  # fmt: skip
     return RunData(pa.Table.from_pylist(rows, ts), pa.Table.from_pylist(graph, gs),
                    ms.empty_table(), tag="t", source="raw")  # fmt: skip
 
@@ -43,7 +43,7 @@ def c(start: float, stop: float) -> dict:
 
 
 def path_of(
-    tasks: list[dict], edges: dict[str, list[str]], submitted: dict[str, float] | None = None
+    tasks: list[dict], edges: dict[str, list[str]], submitted: dict[str, list[float]] | None = None
 ) -> tuple[dict, list[tuple]]:
     """The critical path of hand-made tasks, and its segments as (kind, key, start, stop)."""
     cp = critical_path(run_data(tasks, edges, submitted))
@@ -91,33 +91,53 @@ def test_critical_path_names_a_tasks_own_phases_after_its_compute():
     assert cp["totals"] == {"compute": 1.5, "disk-write": 0.75, "wait": 0.25}
 
 
-def test_critical_path_follows_what_the_client_waited_for_before_submitting():
+def test_critical_path_tells_a_task_not_yet_submitted_from_one_waiting():
     """Found by a held-out check: in one span, base ran, then a 3 s slowstep was computed
-    and waited for, and only then was finish(base) submitted. The path was base, then 3 s
-    of "wait" for finish (no thread was busy, nothing was queued), and left out slowstep,
-    which set the makespan. With the graph's submission times it goes through slowstep."""
+    and waited for, and only then was finish(base) submitted. The path read 3 s of "wait"
+    for finish (queued, or no free thread), though no thread was busy and nothing was
+    queued: finish did not exist. With the graph's submission times that time is
+    "unsubmitted". The step stays with the dependency: what the client waited for is not
+    recorded (the task that ended last before the submission was, in a busy run, often
+    not it: found by a reviewer)."""
     tasks = [
         {"key": "base-0", "worker": "a", "startstops": [c(0.0, 0.25)]},
         {"key": "slow-0", "worker": "b", "startstops": [c(0.25, 3.0)]},
         {"key": "finish-0", "worker": "a", "startstops": [c(3.5, 3.75)]},
     ]
     edges = {"base-0": [], "slow-0": [], "finish-0": ["base-0"]}
-    cp, got = path_of(tasks, edges, {"base-0": 0.0, "slow-0": 0.0, "finish-0": 3.25})
+    cp, got = path_of(tasks, edges, {"base-0": [0.0], "slow-0": [0.0], "finish-0": [3.25]})
     assert got == [
-        ("wait", "slow-0", 0.0, 0.25),
-        ("compute", "slow-0", 0.25, 3.0),
-        ("unsubmitted", "finish-0", 3.0, 3.25),
+        ("compute", "base-0", 0.0, 0.25),
+        ("unsubmitted", "finish-0", 0.25, 3.25),
         ("wait", "finish-0", 3.25, 3.5),
         ("compute", "finish-0", 3.5, 3.75),
     ]
-    assert cp["totals"] == {"compute": 3.0, "unsubmitted": 0.25, "wait": 0.5}
-    # Recorded without submission times (an agent before 2026-11-26): as before.
+    assert cp["totals"] == {"compute": 0.5, "unsubmitted": 3.0, "wait": 0.25}
+    # Recorded without submission times (an agent before 2026-11-26): all of it waiting.
     cp, got = path_of(tasks, edges)
-    assert [(kind, key) for kind, key, *_ in got] == [
-        ("compute", "base-0"), ("wait", "finish-0"), ("compute", "finish-0")]  # fmt: skip
-    # Submitted before its dependency ended: the dependency, as ever.
-    _, got = path_of(tasks, edges, {"base-0": 0.0, "slow-0": 0.0, "finish-0": 0.0})
-    assert [key for _, key, *_ in got] == ["base-0", "finish-0", "finish-0"]
+    assert [kind for kind, *_ in got] == ["compute", "wait", "compute"]
+    # Submitted before its dependency ended: waiting, as ever.
+    _, got = path_of(tasks, edges, {"base-0": [0.0], "slow-0": [0.0], "finish-0": [0.0]})
+    assert [kind for kind, *_ in got] == ["compute", "wait", "compute"]
+
+
+def test_a_key_computed_again_counts_from_its_own_submission():
+    """A reviewer's case: a later computation of the run recomputed a-0; its record's
+    submission is the later one, not the key's first."""
+    tasks = [
+        {"key": "a-0", "worker": "a", "startstops": [c(100.0, 110.0)]},
+        {"key": "b-0", "worker": "a", "startstops": [c(110.0, 120.0)]},
+        {"key": "a-0", "worker": "b", "startstops": [c(205.0, 210.0)]},
+        {"key": "c-0", "worker": "b", "startstops": [c(210.0, 215.0)]},
+    ]
+    edges = {"a-0": [], "b-0": ["a-0"], "c-0": ["a-0"]}
+    cp, got = path_of(tasks, edges, {"a-0": [100.0, 200.0], "b-0": [100.0], "c-0": [200.0]})
+    assert got == [
+        ("unsubmitted", "a-0", 100.0, 200.0),
+        ("wait", "a-0", 200.0, 205.0),
+        ("compute", "a-0", 205.0, 210.0),
+        ("compute", "c-0", 210.0, 215.0),
+    ]
 
 
 def test_critical_path_clips_clock_skew_between_workers():
