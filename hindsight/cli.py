@@ -90,8 +90,8 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
     acknowledged it, so running this again is safe.  A directory whose agent is still
     running is left alone.  Exit status: 0 everything was delivered (or no spool was ever
     written at the default place); 1 some batches were corrupted or refused and are lost;
-    2 a wrong argument (DIRECTORY is not a directory); 75 some are still on disk (run it
-    again).
+    2 a wrong argument (DIRECTORY, or HINDSIGHT_SPOOL_DIR, is not a directory); 75 some are
+    still on disk (run it again).
     """
     import time
 
@@ -105,7 +105,7 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
     if not settings.url:
         raise click.UsageError("give --url or set HINDSIGHT_URL")
     root = directory or settings.spool_dir
-    if directory is None and not os.path.exists(root):
+    if directory is None and not os.environ.get("HINDSIGHT_SPOOL_DIR") and not os.path.exists(root):
         # No agent ever spooled here: nothing to push, not a failure (exit 1 says batches
         # were lost; found by a new user).
         click.echo(f"{root}: no spool here, nothing to push")

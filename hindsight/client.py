@@ -197,7 +197,8 @@ class Client:
         return _frame(self.get(f"/v1/runs/{run_id}/critical-path")["segments"], SEGMENT_COLUMNS)
 
     def time(self, run_id: str) -> Any:
-        """Where the time went, per worker (compute, transfer, spill, other, idle seconds)."""
+        """Where the time went, per worker: compute, spill, other and idle thread-seconds, and
+        transfer seconds (on the worker's event loop, not taken from its threads)."""
         return _frame(self.get(f"/v1/runs/{run_id}/time")["workers"], TIME_COLUMNS)
 
     def cluster_time(self, cluster: str, **window: Any) -> Any:

@@ -413,12 +413,14 @@ def critical_path(data: RunData) -> dict[str, Any]:
 
 
 def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
-    """Worker-thread-seconds of the given runs: compute, other phases, and idle
-    (thread-seconds the workers offered over each run's makespan, while they were there,
-    that no task used); and the seconds of transfers and spilling (disk read+write), which
-    Dask does on a worker's event loop, not on its task threads: they do not take from
-    the threads' capacity (a worker waiting for its data has idle threads meanwhile).
-    Threads come from the worker's ``joined`` event."""
+    """Worker-thread-seconds of the given runs: compute, spill (disk read+write), other
+    phases, and idle (thread-seconds the workers offered over each run's makespan, while
+    they were there, that no task used); and the seconds of transfers, which Dask does on
+    a worker's event loop before the task takes a thread: they do not take from the
+    threads' capacity (a worker waiting for its data has idle threads meanwhile). A
+    task's disk phases do: Dask reads its spilled inputs while it holds a thread's slot
+    (``executing``), as its own metrics count them. Threads come from the worker's
+    ``joined`` event."""
     if not run_ids:
         return {"runs": 0, "capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0,
                 "other": 0.0, "idle": 0.0, "workers": []}  # fmt: skip
@@ -462,7 +464,7 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
             tot[k] += v
         d["tasks"] += w.tasks
     for d in per_worker.values():
-        d["idle"] = max(0.0, d["capacity"] - d["compute"] - d["other"])
+        d["idle"] = max(0.0, d["capacity"] - d["compute"] - d["spill"] - d["other"])
     idle = sum(d["idle"] for d in per_worker.values())
     return {"runs": len(run_ids), **tot, "idle": idle,
             "workers": [{"worker": k, **v} for k, v in sorted(per_worker.items())]}  # fmt: skip
@@ -844,16 +846,41 @@ PAGE_PROGRESS_BUCKETS = 120
 
 def outcome(data: RunData) -> dict[str, int]:
     """How the run's tasks ended: ``keys``, the distinct tasks with a record (``task_count``
-    counts every execution: a retry or a recomputation again), and ``erred_keys``, those
-    whose last record (by stop) erred. A run whose every erred task was retried and
-    succeeded (``client.retry``) has erred records and no erred key."""
-    last: dict[str, tuple[float, str]] = {}
-    keys, stops, statuses = (data.tasks[c].to_pylist() for c in ("key", "stop", "status"))
-    for k, stop, status in zip(keys, stops, statuses, strict=True):
-        t = stop if stop is not None else -math.inf
-        if k not in last or t >= last[k][0]:
-            last[k] = (t, status)
-    return {"keys": len(last), "erred_keys": sum(1 for _, s in last.values() if s == "erred")}
+    counts every execution: a retry or a recomputation again); ``erred_keys``, those whose
+    last record (by stop) erred; ``errored_keys``, those with an erred record, and of them
+    ``recovered_keys``, whose last record succeeded (``client.retry``); ``graph``, the
+    distinct tasks of the recorded graph, and ``unrecorded``, those of them without a
+    record (never ran: cancelled, the client left; or their records were lost)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    t = data.tasks
+    out = {"keys": 0, "erred_keys": 0, "errored_keys": 0, "recovered_keys": 0,
+           "graph": data.graph.num_rows, "unrecorded": 0}  # fmt: skip
+    if data.graph.num_rows:
+        recorded = pc.is_in(data.graph["key"], value_set=t["key"].combine_chunks())
+        out["unrecorded"] = int(pc.sum(pc.invert(recorded)).as_py() or 0)
+    n = t.num_rows
+    if not n:
+        return out
+    # a key's records by stop (a record without one first), the last one its end
+    order = pc.sort_indices(t.select(["key", "stop"]), sort_keys=[
+        ("key", "ascending"), ("stop", "ascending", "at_start")])  # fmt: skip
+    keys = pc.take(t["key"], order).combine_chunks()
+    codes = np.asarray(pc.dictionary_encode(keys).indices)
+    first = np.ones(n, dtype=bool)
+    first[1:] = codes[1:] != codes[:-1]
+    last = np.ones(n, dtype=bool)
+    last[:-1] = first[1:]
+    status = pc.take(t["status"], order)
+    erred = np.asarray(pc.fill_null(pc.equal(status, "erred"), False))
+    memory = np.asarray(pc.fill_null(pc.equal(status, "memory"), False))
+    any_erred = np.maximum.reduceat(erred, np.flatnonzero(first))
+    out["keys"] = int(first.sum())
+    out["erred_keys"] = int(erred[last].sum())
+    out["errored_keys"] = int(any_erred.sum())
+    out["recovered_keys"] = int((any_erred & memory[last]).sum())
+    return out
 
 
 def facts_of(data: RunData) -> dict[str, Any]:

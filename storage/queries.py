@@ -269,6 +269,28 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     )
 
 
+def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]) -> list[str]:
+    """The agents of ``run``'s workers that never sent their last batch though the
+    scheduler's agent did (the cluster closed): a killed worker, or batches waiting in a
+    spool. A run's page said "100% of batches" for one (found by a new user). Only this
+    run's workers: one killed in an earlier run of the session is not this run's loss
+    (found by a reviewer); while the cluster lives, none."""
+    agents = completeness.get("agents") or []
+    if not any(a["final"] and a["agent"].startswith("scheduler-") for a in agents):
+        return []
+    unclosed = [a["agent"] for a in agents if not a["final"] and a["agent"].startswith("worker-")]
+    if not unclosed:
+        return []
+    W, RW = m.Worker, m.RunWorker
+    names = db.scalars(
+        select(W.name)
+        .join(RW, and_(RW.worker == W.address, RW.run_id == run.id))
+        .where(W.session_id == run.session_id, W.name.is_not(None))
+    ).all()
+    prefixes = tuple(agent_name_prefix(f"worker-{n}") for n in names)
+    return [a for a in unclosed if prefixes and a.startswith(prefixes)]
+
+
 def finished_work(db: Session, run: m.Run) -> dict[str, Any]:
     """Whether the run's finished-run work (``storage.finish``: compacted copy, ...) is
     done for its current data (``done_at``) or still queued (``pending``)."""

@@ -23,7 +23,8 @@ def only_args(*names: str) -> None:
     Names starting with ``_`` (cache busters) pass."""
     for given in request.args:
         if given not in names and not given.startswith("_"):
-            raise bad(given[:64], f"not a parameter of this route (it takes {', '.join(names)})")
+            takes = f"it takes {', '.join(names)}" if names else "it takes none"
+            raise bad(given[:64], f"not a parameter of this route ({takes})")
 
 
 def arg(name: str, max_length: int = MAX_PARAM) -> str | None:

@@ -264,7 +264,11 @@ def make_app(
         # takes what its OpenAPI operation lists; the lake's routes check their own (their
         # filters are its columns).
         rule = request.url_rule
-        if rule is None or request.method != "GET" or rule.rule.startswith("/v1/lake/"):
+        if (
+            rule is None
+            or request.method not in ("GET", "HEAD")
+            or rule.rule.startswith("/v1/lake/")
+        ):
             return
         names = takes.get(openapi_path(rule.rule))
         if names is not None:

@@ -268,7 +268,7 @@ def run_page(run_id: str) -> Any:
         critical=critical,
         errors=facts["errors"],
         outcome=facts.get("outcome"),
-        unclosed=unclosed_worker_agents(detail["completeness"]),
+        unclosed=queries.unclosed_worker_agents(db(), run, detail["completeness"]),
         dag_max=plots.DAG_MAX_NODES,
         live=live,
         refresh=_refresh_seconds(),
@@ -276,18 +276,6 @@ def run_page(run_id: str) -> Any:
         **side_records(run, data),
         **replay_slider(run, detail, items["origin"]),
     )
-
-
-def unclosed_worker_agents(completeness: dict[str, Any]) -> list[str]:
-    """Worker agents that never sent their last batch though their scheduler's agent did
-    (the cluster closed): a killed worker, or batches waiting in a spool. A run's page said
-    "100% of batches" for one (found by a new user); while the cluster lives, none."""
-    agents = completeness.get("agents") or []
-    if not any(a["final"] and a["agent"].startswith("scheduler-") for a in agents):
-        return []
-    return [
-        a["agent"] for a in agents if not a["final"] and not a["agent"].startswith("scheduler-")
-    ]
 
 
 @bp.get("/runs/<run_id>/stream-keys")

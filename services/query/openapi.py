@@ -213,7 +213,8 @@ PATHS = {
         {"makespan": {"type": ["number", "null"]}, "segments": _arr, "totals": _obj},
     ),
     "/v1/runs/{run_id}/time": _json(
-        "Where the time went: compute / transfer / spill / other / idle worker-thread-seconds",
+        "Where the time went: compute / spill / other / idle worker-thread-seconds, and transfer "
+        "seconds (on the event loop, beside the threads)",
         _time_props,
     ),
     "/v1/runs/{run_id}/regressions": _get(

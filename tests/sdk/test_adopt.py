@@ -262,9 +262,16 @@ def test_spool_push_says_what_is_wrong_with_a_url_without_a_scheme(collector, tm
 def test_spool_push_without_a_spool_is_not_a_loss(collector, tmp_path, monkeypatch):
     """Found by a new user: with no spool directory it exited 1, which its help defines as
     "some batches were corrupted or refused and are lost"."""
-    monkeypatch.setenv("HINDSIGHT_SPOOL_DIR", str(tmp_path / "never-written"))
+    import tempfile
+
+    monkeypatch.delenv("HINDSIGHT_SPOOL_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default spool's place
+    assert not os.path.exists(tmp_path / "hindsight-spool")
     result = push("--url", collector.url)
     assert result.exit_code == 0 and "no spool here, nothing to push" in result.output
+    # a place named and missing is a mistake (a volume not mounted; found by a reviewer)
+    monkeypatch.setenv("HINDSIGHT_SPOOL_DIR", str(tmp_path / "not-mounted"))
+    assert push("--url", collector.url).exit_code == 2
     result = CliRunner().invoke(
         main, ["spool", "push", str(tmp_path / "nope"), "--url", collector.url]
     )
