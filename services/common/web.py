@@ -136,6 +136,7 @@ def require(scope: str) -> Principal:
     st = store()
     if st.open_principal is not None:
         g.principal = st.open_principal
+        _refuse_unknown_parameters()
         return st.open_principal
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
@@ -151,7 +152,22 @@ def require(scope: str) -> Principal:
     g.principal = principal  # for the access log
     if scope not in principal.scopes:
         raise ApiError(403, "forbidden", f"token lacks the {scope!r} scope")
+    _refuse_unknown_parameters()
     return principal
+
+
+def _refuse_unknown_parameters() -> None:
+    """400 for a parameter the route does not take (after the caller is known: a stranger
+    gets 401 whatever it sends). A misspelled one (``clusters=``, ``treshold=``) was
+    ignored, and the answer looked like an answer (found by new users, route after route).
+    Every JSON route takes what its OpenAPI operation lists; the lake's routes check their
+    own (their filters are its columns), and pages are not API routes."""
+    rule = request.url_rule
+    if rule is None or request.method not in ("GET", "HEAD") or rule.rule.startswith("/v1/lake/"):
+        return
+    names = current_app.extensions["hindsight.parameters"].get(openapi_path(rule.rule))
+    if names is not None:
+        only_args(*names)
 
 
 def health_blueprint(openapi: dict[str, Any], metrics: bool = True, service: str = "") -> Blueprint:
@@ -255,24 +271,7 @@ def make_app(
         if any("\x00" in str(v) for v in values):
             raise ApiError(400, "invalid_parameter", "parameters must not contain NUL")
 
-    takes = _query_parameters(openapi)
-
-    @app.before_request
-    def _refuse_unknown_parameters() -> None:
-        # A misspelled parameter (``clusters=``, ``treshold=``) was ignored, and the answer
-        # looked like an answer (found by new users, route after route). Every JSON route
-        # takes what its OpenAPI operation lists; the lake's routes check their own (their
-        # filters are its columns).
-        rule = request.url_rule
-        if (
-            rule is None
-            or request.method not in ("GET", "HEAD")
-            or rule.rule.startswith("/v1/lake/")
-        ):
-            return
-        names = takes.get(openapi_path(rule.rule))
-        if names is not None:
-            only_args(*names)
+    app.extensions["hindsight.parameters"] = _query_parameters(openapi)
 
     @app.teardown_appcontext
     def _close_db(exc: BaseException | None) -> None:

@@ -280,6 +280,7 @@ def cluster_time(cluster: str) -> Any:
     principal = require("read")
     if not valid_name(cluster):
         raise bad("cluster", "not a valid name")
+    since, until = time_arg("since"), time_arg("until")  # a bad one is a 400 either way
     known = db().scalar(
         select(m.Cluster.id).where(
             m.Cluster.tenant_id == principal.tenant_id, m.Cluster.name == cluster
@@ -289,9 +290,7 @@ def cluster_time(cluster: str) -> Any:
         raise ApiError(404, "not_found", f"no cluster {cluster!r} (GET /v1/clusters lists them)")
     return {
         "cluster": cluster,
-        **analysis.cluster_time_breakdown(
-            db(), principal.tenant_id, cluster, time_arg("since"), time_arg("until")
-        ),
+        **analysis.cluster_time_breakdown(db(), principal.tenant_id, cluster, since, until),
     }
 
 
