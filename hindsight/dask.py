@@ -20,6 +20,7 @@ events.  Nothing here raises into Dask or holds a TaskState.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
@@ -28,6 +29,7 @@ import shutil
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +152,12 @@ def _task_event(
     return ev
 
 
+def _unstamp(stamped: dict[Any, Any], key: Any, ref: Any) -> None:
+    """A stamped task state was collected: forget it (unless the key was stamped anew)."""
+    if stamped.get(key) is ref:
+        stamped.pop(key, None)
+
+
 def _received(stimulus_id: Any) -> float:
     """When the scheduler received a graph: Dask stamps ``update-graph-{time}`` on arrival,
     before it deserialises, materialises and orders the graph (which can take seconds, and
@@ -166,7 +174,7 @@ def _received(stimulus_id: Any) -> float:
 
 
 def _graph_event(
-    key: Any, prefix: str, group: str, run: str | None, deps: list[Any], submitted: float
+    key: Any, prefix: str, group: str, run: str | None, deps: list[Any], submitted: float | None
 ) -> GraphEvent:
     return GraphEvent(
         key=_key(key),
@@ -261,8 +269,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self._spans: Any = None
         self._span_runs: dict[str, str] = {}
         self._open_runs: dict[str, _Run] = {}
-        # [keys, next position, client] per submission still being walked
+        # [keys, next position, client, received] per submission still being walked
         self._pending_graphs: deque[list[Any]] = deque()
+        # key -> weak reference to the task state whose submission was stamped: a graph
+        # also lists the tasks it touches that the scheduler already had (a persisted key
+        # still queued), which were not submitted then (found by a held-out check)
+        self._stamped: dict[Any, Any] = {}
         self._pump_scheduled = False
         self._workers: dict[str, str] = {}
         # what the scheduler's own events said about workers: the last status each reported,
@@ -434,6 +446,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             return
         budget = limit if limit is not None else sys.maxsize
         tasks = self._tasks
+        stamped = self._stamped
         add = agent.add
         while self._pending_graphs and budget > 0:
             if limit is not None and len(agent._buffer) > agent.settings.buffer_events // 2:
@@ -461,8 +474,14 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     run = self._run_of(group, client)
                     prefix = group.prefix.name
                     gname = group.name
+                ref = stamped.get(key)
+                if ref is None or ref() is not ts:  # first seen in this task state
+                    stamped[key] = weakref.ref(ts, functools.partial(_unstamp, stamped, key))
+                    when = submitted
+                else:
+                    when = None
                 add((_graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies],
-                     submitted))  # fmt: skip
+                     when))  # fmt: skip
             if forgotten:
                 agent.drop("graph_forgotten", forgotten)
         if self._pending_graphs and not self._pump_scheduled and self.scheduler is not None:

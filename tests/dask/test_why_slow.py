@@ -87,6 +87,15 @@ def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
                 client.submit(late_wait, 2, key="slowstep-0").result()
                 client.submit(doze, base, key="finish-0").result()
                 del base
+            with span("persisted-then-computed"):
+                # 6 tasks of 0.25 s on 2 threads, most still queued when the client, busy
+                # with something else first, submits their sum: the sum's graph lists
+                # them again, and they were not submitted then
+                held = dask.persist(*(dask.delayed(doze)(i, dask_key_name=f"part-{i}")
+                                      for i in range(6)))  # fmt: skip
+                time.sleep(0.3)
+                dask.delayed(sum)(list(held), dask_key_name="total-0").compute()
+                del held
 
             def history_prefixes(dask_worker: Any) -> list[str]:
                 return sorted({p for _, trees in dask_worker.profile_keys_history for p in trees})
@@ -222,6 +231,16 @@ def test_the_critical_path_tells_a_task_not_yet_submitted_from_one_waiting(
                      ("compute", "finish-0")], cp["segments"]  # fmt: skip
     # from base's end (0.25 s, beside slowstep) to slowstep's result at the client (0.5 s)
     assert cp["totals"]["unsubmitted"] >= 0.2 > cp["totals"].get("wait", 0.0)
+
+
+def test_tasks_a_later_graph_touches_keep_their_own_submission(hindsight_server, recorded):
+    """Found by a held-out check: persisted tasks still queued when a later compute()
+    referenced them read "unsubmitted" until that compute (2 s of a run they were queued
+    in from its start): the later graph lists them again."""
+    run_id = run_of(hindsight_server, recorded, "persisted-then-computed", 7)
+    cp = hindsight_server.get(f"/v1/runs/{run_id}/critical-path")
+    assert "unsubmitted" not in cp["totals"], cp["segments"]
+    assert [s["key"] for s in cp["segments"] if s["kind"] == "compute"][-1] == "total-0"
 
 
 def test_the_submitting_code_is_in_the_run_detail(hindsight_server, recorded):
