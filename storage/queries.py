@@ -273,8 +273,9 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
     """The agents of ``run``'s workers that never sent their last batch though the
     scheduler's agent did (the cluster closed): a killed worker, or batches waiting in a
     spool. A run's page said "100% of batches" for one (found by a new user). Only this
-    run's workers: one killed in an earlier run of the session is not this run's loss
-    (found by a reviewer); while the cluster lives, none."""
+    run's workers (found by a reviewer), and of them the agents whose events reach into
+    the run: a nanny restarts a killed worker under its name, and the killed one's agent
+    is not a later run's loss (found by a held-out check). While the cluster lives, none."""
     agents = completeness.get("agents") or []
     if not any(a["final"] and a["agent"].startswith("scheduler-") for a in agents):
         return []
@@ -288,7 +289,19 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
         .where(W.session_id == run.session_id, W.name.is_not(None))
     ).all()
     prefixes = tuple(agent_name_prefix(f"worker-{n}") for n in names)
-    return [a for a in unclosed if prefixes and a.startswith(prefixes)]
+    mine = [a for a in unclosed if prefixes and a.startswith(prefixes)]
+    if not mine or run.started_at is None:
+        return mine
+    A, B = m.Agent, m.Batch
+    last = dict(
+        db.execute(
+            select(A.name, func.max(B.t_max))
+            .join(B, B.agent_id == A.id)
+            .where(A.session_id == run.session_id, A.name.in_(mine))
+            .group_by(A.name)
+        ).all()
+    )
+    return [a for a in mine if last.get(a) is None or last[a] >= run.started_at]
 
 
 def finished_work(db: Session, run: m.Run) -> dict[str, Any]:
