@@ -160,10 +160,10 @@ def _refuse_unknown_parameters() -> None:
     """400 for a parameter the route does not take (after the caller is known: a stranger
     gets 401 whatever it sends). A misspelled one (``clusters=``, ``treshold=``) was
     ignored, and the answer looked like an answer (found by new users, route after route).
-    Every JSON route takes what its OpenAPI operation lists; the lake's routes check their
-    own (their filters are its columns), and pages are not API routes."""
+    Every JSON route takes what its OpenAPI operation lists; the lake's query route checks
+    its own (its filters are the table's columns), and pages are not API routes."""
     rule = request.url_rule
-    if rule is None or request.method not in ("GET", "HEAD") or rule.rule.startswith("/v1/lake/"):
+    if rule is None or request.method not in ("GET", "HEAD") or rule.rule == "/v1/lake/<table>":
         return
     names = current_app.extensions["hindsight.parameters"].get(openapi_path(rule.rule))
     if names is not None:

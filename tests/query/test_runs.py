@@ -169,6 +169,9 @@ def test_every_route_refuses_a_parameter_it_does_not_take(history):
         assert query.head(f"{url}?clusters=prod", headers=h).status_code == 400, path
         checked += 1
     assert checked >= 30
+    # the lake's file listing too (found by a held-out check: ?limit=1 answered every file)
+    resp = query.get("/v1/lake/tasks/files?limit=1", headers=h)
+    assert resp.status_code == 400 and "limit" in resp.json["error"]["message"]
     msg = query.get("/v1/clusters?x=1", headers=h).json["error"]["message"]
     assert msg == "x: not a parameter of this route (it takes none)"
     for url in (f"/v1/runs/{a}/regressions?threshold=500", f"/v1/compare?a={a}&b={b}&action=transfer",
