@@ -164,11 +164,11 @@ def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(a
 
 @pytest.mark.parametrize(
     "case,tasks_fact,errors_fact",
-    [("retried", "4 runs of 3 tasks (some ran again", "1 (every erred task ran again and succeeded)"),
+    [("retried", "4 records of 3 tasks (some ran again", "1 (every erred task ran again and succeeded)"),
      ("cancelled", "2 of the graph's 5 tasks have no record (never ran: cancelled, or the client", None),
-     ("still-erred", "3 runs of 2 tasks (some ran again", "2 (1 task erred at the end)"),
+     ("still-erred", "3 records of 2 tasks (some ran again", "2 (1 task erred at the end)"),
      # a reviewer's: an attempt that erred, then one whose end never came (Ray's lost)
-     ("erred-then-lost", "3 runs of 2 tasks (some ran again", "1")],
+     ("erred-then-lost", "3 records of 2 tasks (some ran again", "1")],
 )  # fmt: skip
 def test_a_run_page_tells_runs_from_tasks_and_errors_that_were_retried(
     apps, make_token, case, tasks_fact, errors_fact
