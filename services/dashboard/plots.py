@@ -561,10 +561,11 @@ def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
     clusters = sorted({r["cluster"] for r in rows})
     # One legend, above the first plot, in rows: inside each 170 px plot a fifth cluster's
     # entry fell off the bottom (found by a new user).
-    per_row = 6
+    per_row = 2  # two names fit a phone's width (six ran off a 390 px screen)
     legend_rows = -(-len(clusters) // per_row)
     colours = {c: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, c in enumerate(clusters)}
-    x_range = DataRange1d(name="history-time")
+    # runs all in one bucket: a bucket either side, not +-1 ms (found in a browser)
+    x_range = DataRange1d(name="history-time", default_span=2 * bucket_s * 1000)
     figs = []
     for field, title in (("runs", "Runs started"), ("tasks", "Tasks"), ("errors", "Failed tasks"),
                          ("compute_seconds", "Compute seconds")):  # fmt: skip
@@ -586,6 +587,7 @@ def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
             items.append(LegendItem(label=c, renderers=[line]))
         if first:
             fig.add_layout(Legend(items=items, orientation="horizontal", label_text_font_size="8pt",
+                                  location="top_left",
                                   ncols=min(per_row, len(clusters)), name="history-legend"), "above")  # fmt: skip
         fig.toolbar.logo = None
         figs.append(fig)

@@ -402,14 +402,13 @@ def test_history_legend_names_every_cluster_without_squashing_a_plot(tmp_path, p
     try:
         clusters = [f"cluster-number-{i}" for i in range(8)]
         for i, c in enumerate(clusters):
-            body = encode(run_batch(c, f"s{i}", f"r{i}", 0, t=T0 + 3600 * (i % 3)))
+            body = encode(run_batch(c, f"s{i}", f"r{i}", 0, t=T0 + i))  # all in one hour
             resp = requests.post(f"{server.url}/v1/batches", data=body, timeout=30, headers={
                 "Content-Type": "application/json", "Content-Encoding": "zstd"})  # fmt: skip
             assert resp.status_code == 202, resp.text
         page.goto(f"{server.url}/history?bucket=hour&since=2020-01-01")
         page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
-        got = page.evaluate(
-            """() => { const doc = Bokeh.documents[0];
+        js = """() => { const doc = Bokeh.documents[0];
                  const legends = Array.from(doc.all_models).filter(m => m.type === 'Legend');
                  const heights = ['runs', 'tasks', 'errors', 'compute_seconds'].map(
                    f => Bokeh.index.find_one(doc.get_model_by_name('history-' + f)).frame.bbox.height);
@@ -418,14 +417,29 @@ def test_history_legend_names_every_cluster_without_squashing_a_plot(tmp_path, p
                    return [b.top, b.bottom, b.left, b.right]; });
                  return {labels: legends.flatMap(l => l.items.map(i => i.label.value)), heights,
                          boxes, frame_top: plot.frame.bbox.top, canvas: [plot.bbox.width, plot.bbox.height]}; }"""
-        )
+        got = page.evaluate(js)
         assert sorted(got["labels"]) == clusters
         # the legend is whole on the canvas and above the data, and the plot under it is
-        # not squashed by it
-        ((top, bottom, left, right),) = got["boxes"]
-        width, height = got["canvas"]
-        assert 0 <= top and bottom <= got["frame_top"] and 0 <= left and right <= width, got
-        assert min(got["heights"]) >= 0.9 * max(got["heights"]), got["heights"]
+        # not squashed by it; on a phone too (six names a row ran off a 390 px screen)
+        for width in (1400, 390):
+            page.set_viewport_size({"width": width, "height": 900})
+            page.wait_for_function(
+                "(w) => Bokeh.index.find_one(Bokeh.documents[0].get_model_by_name("
+                "'history-runs')).bbox.width <= w",
+                arg=width,
+            )
+            got = page.evaluate(js)
+            ((top, bottom, left, right),) = got["boxes"]
+            canvas_width, _ = got["canvas"]
+            assert 0 <= top and bottom <= got["frame_top"], got
+            assert 0 <= left and right <= canvas_width, (width, got)
+            assert min(got["heights"]) >= 0.9 * max(got["heights"]), got["heights"]
+        # runs all in one hour: the time axis spans hours, not +-1 ms (found in a browser)
+        span = page.evaluate(
+            "() => { const r = Bokeh.documents[0].get_model_by_name('history-time');"
+            " return r.end - r.start; }"
+        )
+        assert span >= 3600 * 1000
         shoot(page, "history-many-clusters")
         assert page.errors == []
     finally:
