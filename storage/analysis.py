@@ -753,13 +753,13 @@ def cluster_history(
 
 def cluster_time_breakdown(
     db: Session, tenant_id: int, cluster: str, since: float | None, until: float | None
-) -> dict[str, Any]:
-    """Where the time went on one cluster: the time breakdown of its runs in the window."""
-    q = (
-        select(m.Run.id)
-        .join(m.Cluster, m.Cluster.id == m.Run.cluster_id)
-        .where(m.Run.tenant_id == tenant_id, m.Cluster.name == cluster)
-    )
+) -> dict[str, Any] | None:
+    """Where the time went on one cluster: the time breakdown of its runs in the window;
+    None for a cluster the tenant never recorded."""
+    ids = _tenant_clusters(db, tenant_id, cluster)
+    if not ids:
+        return None
+    q = select(m.Run.id).where(m.Run.tenant_id == tenant_id, m.Run.cluster_id.in_(ids))
     if since is not None:
         q = q.where(m.Run.started_at >= since)
     if until is not None:

@@ -245,6 +245,12 @@ def completeness(db: Session, session_id: int) -> dict[str, Any]:
     }
 
 
+def _worker_agent_prefix(name: str) -> str:
+    """How the agent of the Dask worker named ``name`` is named (hindsight.dask gives it
+    ``worker-{name}``), up to its random part."""
+    return agent_name_prefix(f"worker-{name}")
+
+
 def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str]:
     """Addresses of the session's workers that have left without a batch of their own
     arriving (killed before their agent's first batch got through, or closed while the
@@ -264,8 +270,7 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     return sorted(
         address
         for address, name in rows
-        # the name a Dask worker's agent is given (hindsight.dask: "worker-{name}")
-        if not any(a.startswith(agent_name_prefix(f"worker-{name}")) for a in agents)
+        if not any(a.startswith(_worker_agent_prefix(name)) for a in agents)
     )
 
 
@@ -288,7 +293,7 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
         .join(RW, and_(RW.worker == W.address, RW.run_id == run.id))
         .where(W.session_id == run.session_id, W.name.is_not(None))
     ).all()
-    prefixes = tuple(agent_name_prefix(f"worker-{n}") for n in names)
+    prefixes = tuple(_worker_agent_prefix(n) for n in names)
     mine = [a for a in unclosed if prefixes and a.startswith(prefixes)]
     if not mine or run.started_at is None:
         return mine

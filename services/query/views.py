@@ -11,7 +11,6 @@ from typing import Any
 
 import msgspec
 from flask import Blueprint, Response
-from sqlalchemy import select
 
 from hindsight.schema import valid_name
 from services.common.params import (
@@ -281,17 +280,10 @@ def cluster_time(cluster: str) -> Any:
     if not valid_name(cluster):
         raise bad("cluster", "not a valid name")
     since, until = time_arg("since"), time_arg("until")  # a bad one is a 400 either way
-    known = db().scalar(
-        select(m.Cluster.id).where(
-            m.Cluster.tenant_id == principal.tenant_id, m.Cluster.name == cluster
-        )
-    )
-    if known is None:  # answered zeros, as if it had run nothing (found by a new user)
+    breakdown = analysis.cluster_time_breakdown(db(), principal.tenant_id, cluster, since, until)
+    if breakdown is None:  # answered zeros, as if it had run nothing (found by a new user)
         raise ApiError(404, "not_found", f"no cluster {cluster!r} (GET /v1/clusters lists them)")
-    return {
-        "cluster": cluster,
-        **analysis.cluster_time_breakdown(db(), principal.tenant_id, cluster, since, until),
-    }
+    return {"cluster": cluster, **breakdown}
 
 
 @bp.get("/v1/history/prefixes")
