@@ -107,8 +107,9 @@ def flatten_profile(tree: dict[str, Any]) -> tuple[list[ProfileFrame], list[tupl
         if len(nodes) >= MAX_EVENT_NODES:
             return
         samples, kids = shared[parent]
-        names = sorted({_frame(idents[k], descs[k]).name for k in kids})
-        files = {_frame(idents[k], descs[k]).filename for k in kids}
+        callees = [_frame(idents[k], descs[k]) for k in kids]
+        names = sorted({c.name for c in callees})
+        files = {c.filename for c in callees}
         frame = ProfileFrame(name=_cut("one of: " + ", ".join(names)),
                              filename=files.pop() if len(files) == 1 else "")  # fmt: skip
         ident = f"{frame.name};{frame.filename};0"
