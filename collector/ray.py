@@ -14,6 +14,7 @@ no batch identity, and retries any refused body forever. So:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -112,6 +113,7 @@ def post_ray_events() -> Any:
     st = store()
     # With a sweeper, tasks are written by it (``emit_ready``), many bodies to a batch.
     sweeper = current_app.extensions.get("hindsight.ray_sweeper")
+    hold = sweeper.hold if sweeper is not None else None
     written = []
     for p in parts:
         key = ray.raw_key(principal.tenant, cluster, p.session, p.sha)
@@ -123,20 +125,16 @@ def post_ray_events() -> Any:
     for p in parts:
         t0 = time.perf_counter()
         try:
-            results.append(
-                ray.index_part(
-                    session,
-                    st.blobs,
-                    tenant_id=principal.tenant_id,
-                    tenant=principal.tenant,
-                    cluster=cluster,
-                    stored=p,
-                    now=time.time(),
-                    defer_tasks=sweeper is not None,
-                    cache=st.ids,
-                )  # fmt: skip
-            )
+            res = ray.index_part(
+                session, st.blobs, tenant_id=principal.tenant_id, tenant=principal.tenant,
+                cluster=cluster, stored=p, now=time.time(), defer_tasks=sweeper is not None,
+                cache=st.ids, hold=hold is not None,
+            )  # fmt: skip
             session.commit()
+            if res.held:  # committed: the manifest row says they are held
+                assert hold is not None and res.session_id is not None and res.body_id is not None
+                hold.add(res.session_id, res.body_id, res.held)
+            results.append(res)
         except DataError as exc:
             # A value the index cannot hold (the reader bounds every one it knows of): the
             # body is stored, and refusing it would have Ray send it again forever. Logged
@@ -147,6 +145,8 @@ def post_ray_events() -> Any:
             results.append(ray.PartResult(p.session, False, len(p.part.raw),
                                           {"unindexable": len(p.part.raw)}))  # fmt: skip
         INDEX_SECONDS.observe(time.perf_counter() - t0)
+    if hold is not None and hold.full:  # back-pressure: the sweeper's flushes fall behind
+        hold.flush(st.sessions)
     if sweeper is not None:
         sweeper.wake()
     skipped: dict[str, int] = {}
@@ -239,6 +239,7 @@ class Sweeper:
 
     PARKED = 30.0  # a parked sweeper looks again this often (and checks its app still exists)
     EMIT_GAP = 0.25  # bodies arriving meanwhile share one derived batch
+    FLUSH_GAP = 0.1  # held task patches are looked at this often
 
     def __init__(self, st: Store) -> None:
         self._store = weakref.ref(st)
@@ -246,12 +247,19 @@ class Sweeper:
         self.settle = s.ray_settle_seconds
         self.idle = s.ray_idle_close_seconds
         self.interval = min(2.0, max(0.2, self.settle / 4))
+        # Postgres: task patches are held a moment before they are merged (storage.ray.
+        # TaskHold), well within the settle time a job's end waits for its tasks.
+        self.hold: ray.TaskHold | None = None
+        age = min(s.ray_hold_seconds, self.settle / 4)
+        if st.engine.dialect.name == "postgresql" and age > 0:
+            self.hold = ray.TaskHold(age=age)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._lock = threading.Lock()
         self._due_at = 0.0  # of the next run_due
+        self._emit_at = 0.0  # of the next emit_ready while patches are held
 
     def start(self) -> None:
         """Start the thread (again after a fork: threads do not survive one)."""
@@ -269,10 +277,19 @@ class Sweeper:
         self._wake.set()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread and merge the task patches still held (a process that exits
+        without this leaves them to another sweeper's recovery, ~10 s later)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
+        st = self._store()
+        if self.hold is not None and len(self.hold) and st is not None:
+            try:
+                self.hold.flush(st.sessions, force=True)
+            except Exception:
+                logger.warning("Ray sweeper: held task patches not merged at exit; another "
+                               "sweeper merges their bodies again", exc_info=True)  # fmt: skip
 
     def _pass(self) -> bool:
         """One pass; whether there is still open work (None-safe if the app is gone)."""
@@ -280,11 +297,17 @@ class Sweeper:
         if st is None:
             self._stop.set()
             return False
-        ray.emit_ready(st.sessions, st.blobs, cache=st.ids)
+        if self.hold is not None:
+            self.hold.flush(st.sessions)
+        now = time.monotonic()
+        if now >= self._emit_at:
+            self._emit_at = now + self.EMIT_GAP
+            ray.emit_ready(st.sessions, st.blobs, cache=st.ids)
         with st.sessions() as session:
             busy = ray.has_open_work(session)
         if busy and time.monotonic() >= self._due_at:
             self._due_at = time.monotonic() + self.interval
+            ray.recover_held(st.sessions, st.blobs)
             ray.run_due(st.sessions, st.blobs, settle=self.settle, idle=self.idle, cache=st.ids)
         return busy
 
@@ -304,7 +327,9 @@ class Sweeper:
                 continue
             if self._stop.is_set():
                 return
-            if busy:
+            if self.hold is not None and len(self.hold):
+                self._stop.wait(self.FLUSH_GAP)
+            elif busy:
                 # Let bodies gather, then go again when one arrives (or run_due is due).
                 self._stop.wait(self.EMIT_GAP)
                 self._wake.wait(max(0.0, self._due_at - time.monotonic()))
@@ -320,3 +345,12 @@ def init_ray(app: Flask) -> None:
         sweeper = Sweeper(st)
         app.extensions["hindsight.ray_sweeper"] = sweeper
         sweeper.start()
+        atexit.register(_merge_held_at_exit, weakref.ref(sweeper))
+
+
+def _merge_held_at_exit(ref: weakref.ref[Sweeper]) -> None:
+    """A process that exits normally (a gunicorn worker stopped or recycled) merges the
+    task patches it holds instead of leaving them to another sweeper's recovery."""
+    sweeper = ref()
+    if sweeper is not None and sweeper.hold is not None and len(sweeper.hold):
+        sweeper.stop(timeout=5.0)

@@ -37,6 +37,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_RAY_SETTLE_SECONDS": ("ray_settle_seconds", float, 5.0),
     "HINDSIGHT_RAY_IDLE_CLOSE_SECONDS": ("ray_idle_close_seconds", float, 900.0),
     "HINDSIGHT_RAY_SWEEPER": ("ray_sweeper", bool, True),
+    "HINDSIGHT_RAY_HOLD_SECONDS": ("ray_hold_seconds", float, 0.5),
     "HINDSIGHT_FINISH_WORKER": ("finish_worker", bool, True),
     "HINDSIGHT_FINISH_SETTLE_SECONDS": ("finish_settle_seconds", float, 5.0),
     "HINDSIGHT_SILENT_CLOSE_SECONDS": ("silent_close_seconds", float, 1800.0),
@@ -71,6 +72,7 @@ class Settings:
     ray_settle_seconds: float
     ray_idle_close_seconds: float
     ray_sweeper: bool
+    ray_hold_seconds: float
     finish_worker: bool
     finish_settle_seconds: float
     silent_close_seconds: float
@@ -142,6 +144,8 @@ def load_settings(
         raise ConfigError("HINDSIGHT_SILENT_CLOSE_SECONDS must not be negative (0: never)")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
+    if not values["ray_hold_seconds"] >= 0:  # NaN fails too
+        raise ConfigError("HINDSIGHT_RAY_HOLD_SECONDS must not be negative (0: no hold)")
     if values["ray_settle_seconds"] < 0 or values["ray_idle_close_seconds"] <= 0:
         raise ConfigError(
             "HINDSIGHT_RAY_SETTLE_SECONDS must not be negative and "

@@ -23,6 +23,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
     text,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -418,7 +419,11 @@ class RayBody(Base):
     """The manifest of stored exporter bodies: one row per (session, content hash)."""
 
     __tablename__ = "ray_bodies"
-    __table_args__ = (UniqueConstraint("session_id", "sha"),)
+    __table_args__ = (
+        UniqueConstraint("session_id", "sha"),
+        Index("ix_ray_bodies_held", "received_at", postgresql_where=text("tasks_merged IS false"),
+              sqlite_where=text("tasks_merged IS 0")),
+    )  # fmt: skip
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
     sha: Mapped[str] = mapped_column(String(64))
@@ -426,6 +431,9 @@ class RayBody(Base):
     events: Mapped[int] = mapped_column(Integer)
     bytes: Mapped[int] = mapped_column(BigInteger)
     received_at: Mapped[float] = mapped_column(Float)
+    # False while its task patches are held by the collector that took it (TaskHold in
+    # storage/ray.py); a sweeper merges a body left so by a dead process from its blob.
+    tasks_merged: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class RayEventCount(Base):

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import zstandard
@@ -92,6 +92,7 @@ from storage.ingest import index_batch
 from storage.ray_events import (
     NO_SESSION,
     SessionPart,
+    TaskPatch,
     clean,
     error_summary,
     parse,
@@ -267,7 +268,7 @@ def _statements(dialect: str) -> SimpleNamespace:
     )
     # Through the ids cached for the session's derived batches, guarded by their names (as
     # ``storage.ingest`` does): None when the ids are stale, or the body a duplicate.
-    body_cols = ("session_id", "sha", "blob_key", "events", "bytes", "received_at")
+    body_cols = ("session_id", "sha", "blob_key", "events", "bytes", "received_at", "tasks_merged")
     guard = select(*(bindparam(c, type_=B.c[c].type) for c in body_cols)).where(
         select(S.c.id)
         .join(C, C.c.id == S.c.cluster_id)
@@ -761,6 +762,18 @@ class PartResult:
     emitted: int = 0
     derived_key: str | None = None
     session_id: int | None = None
+    body_id: int | None = None
+    # The body's task patches, not merged: for the caller's TaskHold (``hold=True``).
+    held: list[TaskPatch] | None = None
+
+
+class Merged(NamedTuple):
+    cluster_id: int
+    session_id: int
+    job_rows: list[Any]
+    worker_rows: list[Any]
+    body_id: int
+    held: list[TaskPatch] | None  # the task patches left to the caller (``hold=True``)
 
 
 def _chunks(items: list[Any], n: int = _CHUNK) -> Iterable[list[Any]]:
@@ -777,17 +790,20 @@ def merge_part(
     key: str,
     now: float,
     cache: IdCache | None = None,
-) -> tuple[int, int, list[Any], list[Any]] | None:
+    hold: bool = False,
+) -> Merged | None:
     """Merge one stored part into the tables and queue (``ray_ready``) the tasks it
-    completes. Returns (cluster id, session id, job rows, worker rows), or None if this
-    body was merged before. Order: the manifest, then nodes, workers, actors, jobs, tasks,
-    each in key order, so concurrent merges lock rows alike. ``cache`` (the writer's, see
-    ``storage.idcache``) spares the cluster and session look-ups once this process has
-    written the session's records."""
+    completes; None if this body was merged before. Order: the manifest, then nodes,
+    workers, actors, jobs, tasks, each in key order, so concurrent merges lock rows alike.
+    ``cache`` (the writer's, see ``storage.idcache``) spares the cluster and session
+    look-ups once this process has written the session's records. ``hold`` (Postgres): the
+    task patches are returned instead of merged, for a :class:`TaskHold`, and the manifest
+    row says so (``tasks_merged`` false)."""
     st = _stmts(db)
     part = stored.part
+    held = hold and st.task_bulk is not None and bool(part.tasks)
     body = {"sha": stored.sha, "blob_key": key, "events": len(part.raw),
-            "bytes": len(stored.data), "received_at": now}  # fmt: skip
+            "bytes": len(stored.data), "received_at": now, "tasks_merged": not held}  # fmt: skip
     body_id = None
     cached = cache.get((tenant_id, cluster, part.session, AGENT)) if cache else None
     if cached is not None:
@@ -842,7 +858,10 @@ def merge_part(
             "end_seen": now if ended else None, "last_event_at": now, "closed_at": None,
             "closed_by": None,
         }).all()  # fmt: skip
-    if part.tasks:
+    patches = None
+    if held:
+        patches = list(part.tasks.values())
+    elif part.tasks:
         patches = [t for _, t in sorted(part.tasks.items())]
         if st.task_bulk is not None:  # merges, and queues what it completes (see _statements)
             db.execute(
@@ -870,7 +889,7 @@ def merge_part(
     ]
     if counts:
         db.execute(st.counts, counts)
-    return cluster_id, sid, job_rows, workers
+    return Merged(cluster_id, sid, job_rows, workers, body_id, patches if held else None)
 
 
 def index_part(
@@ -885,24 +904,27 @@ def index_part(
     emit: bool = True,
     defer_tasks: bool = False,
     cache: IdCache | None = None,
+    hold: bool = False,
 ) -> PartResult:
     """Merge one stored part and write what became complete. The caller has stored the
     raw part (``raw_key``) and owns the transaction. With ``emit=False`` (reindex's first
     pass) only the merge tables change (complete tasks are queued). With ``defer_tasks``
     the queued tasks are left for :func:`emit_ready` (a collector with a sweeper): the
-    body's job starts and workers are still written here."""
+    body's job starts and workers are still written here. With ``hold`` the body's task
+    patches are not merged but returned (``held``) for the caller's :class:`TaskHold`, to
+    be added to it once this transaction commits."""
     part = stored.part
     result = PartResult(part.session, False, len(part.raw), dict(part.skipped))
     if part.session == NO_SESSION:
         return result  # stored and counted by the caller; nothing to index
     key = raw_key(tenant, cluster, part.session, stored.sha)
     merged = merge_part(db, tenant_id=tenant_id, cluster=cluster, stored=stored, key=key, now=now,
-                        cache=cache)  # fmt: skip
+                        cache=cache, hold=hold)  # fmt: skip
     if merged is None:
         result.duplicate = True
         return result
-    _cluster_id, sid, job_rows, worker_rows = merged
-    result.session_id = sid
+    sid, job_rows, worker_rows = merged.session_id, merged.job_rows, merged.worker_rows
+    result.session_id, result.body_id, result.held = sid, merged.body_id, merged.held
     if not emit:
         return result
     derived = Derived()
@@ -1277,14 +1299,284 @@ def emit_ready(
 
 def has_open_work(db: Session) -> bool:
     """Whether anything is left for the sweeper (an open job, a job closed before its
-    FINISHED came, an unemitted task)."""
-    J, T, R = m.RayJob, m.RayTask, m.RayReady
+    FINISHED came, a body whose tasks are not merged yet, an unemitted task)."""
+    J, T, R, B = m.RayJob, m.RayTask, m.RayReady, m.RayBody
     reclose = and_(J.closed_by != "finished", J.finished_at.is_not(None))
     return (
         db.scalar(select(J.job_id).where(or_(J.closed_at.is_(None), reclose)).limit(1)) is not None
+        or db.scalar(select(B.id).where(B.tasks_merged.is_(False)).limit(1)) is not None
         or db.scalar(select(R.task_id).limit(1)) is not None
         or db.scalar(select(T.task_id).where(T.emitted.is_(False)).limit(1)) is not None
     )
+
+
+# ------------------------------------------------------------------ held task patches
+
+_FIRST = ("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id", "node_id",
+          "worker_id", "pid", "error_type", "error_message")  # fmt: skip
+_LOW = ("pending_at", "submitted_at", "running_at", "finished_at", "failed_at")
+
+
+def _fold(into: TaskPatch, p: TaskPatch) -> None:
+    """Merge patch ``p`` into ``into`` as the merge statement merges a patch into a row:
+    a value set once stays, times keep the earliest, ``defined`` is OR-ed."""
+    for f in _FIRST:
+        if getattr(into, f) is None:
+            v = getattr(p, f)
+            if v is not None:
+                setattr(into, f, v)
+    for f in _LOW:
+        v = getattr(p, f)
+        if v is not None:
+            old = getattr(into, f)
+            if old is None or v < old:
+                setattr(into, f, v)
+    if p.defined:
+        into.defined = True
+
+
+def _complete(p: TaskPatch) -> bool:
+    return (
+        p.defined
+        and p.running_at is not None
+        and (p.finished_at is not None or p.failed_at is not None)
+    )
+
+
+class _Held:
+    __slots__ = ("patch", "since", "bodies")
+
+    def __init__(self, patch: TaskPatch, since: float, bodies: list[int]) -> None:
+        self.patch, self.since, self.bodies = patch, since, bodies
+
+
+class TaskHold:
+    """Task patches of acknowledged bodies, held in this process for a moment before they
+    are merged into ``ray_tasks`` (a Postgres collector with a sweeper; the sweeper's
+    thread flushes). Ray sends a task's definition and RUNNING in one body of a node's
+    aggregator and its end in a later one: held together they become one row write
+    instead of an insert and an update, and one patch to read and encode instead of two
+    (a sixth more events a second through the same two cores, bench/ray_ingest.py).
+
+    A patch is merged once its task is complete in the hold (defined, RUNNING and ended)
+    or ``age`` seconds after it came, whichever is first. Nothing acknowledged depends on
+    this process living: the body is stored before the ack, and its manifest row
+    (``ray_bodies.tasks_merged`` false) stays so until the flush that merges its last held
+    patch, in the same transaction. A body left so by a process that died is merged again
+    from its blob by any sweeper (:func:`recover_held`; merges are idempotent).
+    ``limit`` bounds the patches held: past it the request that adds more flushes first
+    (back-pressure, never a drop)."""
+
+    def __init__(self, age: float = 0.5, limit: int = 200_000) -> None:
+        self.age = age
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one flush at a time: patches merge in key order
+        # session id -> held patches in the order they came (so the aged ones lead)
+        self._tasks: dict[int, dict[tuple[str, int], _Held]] = {}
+        self._complete: dict[int, set[tuple[str, int]]] = {}  # complete in the hold
+        self._left: dict[int, int] = {}  # body id -> its patches still held
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, session_id: int, body_id: int, patches: list[TaskPatch]) -> None:
+        """Hold a committed body's task patches (one per task attempt)."""
+        now = time.monotonic()
+        with self._lock:
+            held = self._tasks.setdefault(session_id, {})
+            complete = self._complete.setdefault(session_id, set())
+            for p in patches:
+                k = (p.task_id, p.attempt)
+                h = held.get(k)
+                if h is None:
+                    held[k] = h = _Held(p, now, [body_id])
+                    self._count += 1
+                else:
+                    _fold(h.patch, p)
+                    h.bodies.append(body_id)
+                if _complete(h.patch):
+                    complete.add(k)
+            self._left[body_id] = self._left.get(body_id, 0) + len(patches)
+
+    @property
+    def full(self) -> bool:
+        """Over ``limit`` patches: the caller flushes before acknowledging more."""
+        return self._count > self.limit
+
+    def _take(self, force: bool) -> tuple[dict[int, list[_Held]], list[int]]:
+        """The patches due (all with ``force``), and the bodies none of whose patches
+        stay held."""
+        cutoff = time.monotonic() - self.age
+        due: dict[int, list[_Held]] = {}
+        done: list[int] = []
+        with self._lock:
+            for sid, held in self._tasks.items():
+                if force:
+                    go = list(held)
+                else:
+                    go = list(self._complete.get(sid, ()))
+                    for k, h in held.items():  # oldest first
+                        if h.since > cutoff:
+                            break
+                        if k not in self._complete.get(sid, ()):
+                            go.append(k)
+                self._complete.pop(sid, None)
+                if go:
+                    due[sid] = [held.pop(k) for k in go]
+                    self._count -= len(go)
+                    for h in due[sid]:
+                        for b in h.bodies:
+                            n = self._left[b] - 1
+                            if n:
+                                self._left[b] = n
+                            else:
+                                del self._left[b]
+                                done.append(b)
+            self._tasks = {sid: held for sid, held in self._tasks.items() if held}
+        return due, done
+
+    def _put_back(self, due: dict[int, list[_Held]]) -> None:
+        """After a failed flush: the patches lead their sessions again (still the oldest),
+        folded with any that came meanwhile."""
+        with self._lock:
+            for sid, hs in due.items():
+                held: dict[tuple[str, int], _Held] = {}
+                for h in hs:
+                    held[(h.patch.task_id, h.patch.attempt)] = h
+                    for b in h.bodies:
+                        self._left[b] = self._left.get(b, 0) + 1
+                self._count += len(held)
+                for k, h in self._tasks.get(sid, {}).items():
+                    old = held.get(k)
+                    if old is None:
+                        held[k] = h
+                    else:
+                        _fold(old.patch, h.patch)
+                        old.bodies += h.bodies
+                        self._count -= 1
+                self._tasks[sid] = held
+                complete = self._complete.setdefault(sid, set())
+                complete.update(k for k, h in held.items() if _complete(h.patch))
+
+    def flush(self, sessions: sessionmaker[Session], *, force: bool = False) -> int:
+        """Merge the patches due (every one with ``force``) in one transaction, marking the
+        bodies whose last held patch it merges; patches go back to the hold if it fails.
+        Returns how many patches it merged."""
+        with self._flushing:
+            due, done = self._take(force)
+            if not due:
+                return 0
+            patches = {
+                sid: sorted((h.patch for h in hs), key=lambda p: (p.task_id, p.attempt))
+                for sid, hs in due.items()
+            }
+            try:
+                try:
+                    with sessions.begin() as db:
+                        _mark_merged(db, done)  # the manifest rows first, as merge_part locks them
+                        for sid in sorted(patches):
+                            _merge_patches(db, sid, patches[sid])
+                except DataError:  # a value the index cannot hold: not the others' fault
+                    for sid in sorted(patches):
+                        _merge_each(sessions, sid, patches[sid])
+                    with sessions.begin() as db:
+                        _mark_merged(db, done)
+            except BaseException:
+                self._put_back(due)
+                raise
+            return sum(len(ps) for ps in patches.values())
+
+
+def _mark_merged(db: Session, bodies: list[int]) -> None:
+    if bodies:
+        B = m.RayBody.__table__
+        db.execute(update(B).where(B.c.id.in_(sorted(bodies))).values(tasks_merged=True))
+
+
+def _merge_patches(db: Session, session_id: int, patches: list[TaskPatch]) -> None:
+    """Merge task patches (in key order) as merge_part does, queueing what they complete."""
+    st, now = _stmts(db), time.time()
+    for chunk in _chunks(patches, 5_000):
+        db.execute(st.task_bulk, {"p_rows": _encode(chunk).decode(), "p_session": session_id,
+                                  "p_now": now})  # fmt: skip
+
+
+def _merge_each(sessions: sessionmaker[Session], session_id: int, patches: list[TaskPatch]) -> None:
+    """Merge patches one a transaction; one the index cannot hold is logged and left out
+    (its body is stored, as a body refused whole in its request is)."""
+    for p in patches:
+        try:
+            with sessions.begin() as db:
+                _merge_patches(db, session_id, [p])
+        except DataError as exc:
+            logger.error("Ray task %s attempt %s: the index cannot hold it; stored, not "
+                         "indexed: %s", p.task_id, p.attempt, exc.orig)  # fmt: skip
+
+
+#: A body whose task patches are still not merged this long after it came was held by a
+#: process that died (a live one merges within TaskHold.age, or retries while the index is
+#: down); any sweeper merges it again from its blob.
+RECOVER_AFTER = 10.0
+
+
+def recover_held(sessions: sessionmaker[Session], blobs: BlobStore, *, now: float | None = None,
+                 after: float = RECOVER_AFTER, limit: int = 50) -> SweepCounts:  # fmt: skip
+    """Merge the task patches of bodies a dead process held (``ray_bodies.tasks_merged``
+    false ``after`` seconds after they came) from their stored blobs, one body a
+    transaction, each taken with SKIP LOCKED. Returns how many bodies (``batches``)."""
+    now = time.time() if now is None else now
+    B = m.RayBody
+    out = SweepCounts()
+    with sessions() as db:
+        rows = db.execute(
+            select(B.id, B.session_id)
+            .where(B.tasks_merged.is_(False), B.received_at <= now - after)
+            .order_by(B.received_at)
+            .limit(limit)
+        ).all()
+    for body_id, sid in rows:
+        if not _quarantine.ready(sessions, [sid], time.monotonic()):
+            continue
+        out.add(_quarantine.run(sessions, sid, f"merging held body {body_id} again",
+                                lambda b=body_id: _remerge(sessions, blobs, b)))  # fmt: skip
+    return out
+
+
+def _remerge(sessions: sessionmaker[Session], blobs: BlobStore, body_id: int) -> SweepCounts:
+    try:
+        return _remerge_body(sessions, blobs, body_id, each=False)
+    except DataError:  # a value the index cannot hold: the body's other tasks are merged
+        return _remerge_body(sessions, blobs, body_id, each=True)
+
+
+def _remerge_body(sessions: sessionmaker[Session], blobs: BlobStore, body_id: int, *, each: bool) -> SweepCounts:  # fmt: skip
+    B = m.RayBody
+    with sessions.begin() as db:
+        q = select(B.session_id, B.blob_key).where(B.id == body_id, B.tasks_merged.is_(False))
+        row = db.execute(_skip_locked(q, db)).first()
+        if row is None:  # merged meanwhile, or another sweeper has it
+            return SweepCounts()
+        sid, key = row
+        name = db.scalar(select(m.Session.name).where(m.Session.id == sid))
+        patches: list[TaskPatch] = []
+        try:
+            data = blobs.get(key)
+        except FileNotFoundError:  # retention took it
+            logger.error("Ray body %s: its blob %s is gone; its tasks cannot be merged", body_id, key)  # fmt: skip
+        else:
+            part = parse(read_stored(data)).get(name or "")
+            if part is not None:
+                patches = [t for _, t in sorted(part.tasks.items())]
+        if each:
+            _merge_each(sessions, sid, patches)
+        else:
+            _merge_patches(db, sid, patches)
+        _mark_merged(db, [body_id])
+    logger.warning("Ray body %s: merged %d task patches a collector had held and not merged "
+                   "(it stopped)", body_id, len(patches))  # fmt: skip
+    return SweepCounts(tasks=0, batches=1)
 
 
 # ------------------------------------------------------------------ reindex

@@ -801,3 +801,107 @@ def test_a_body_of_many_sessions_is_split_and_bounded(app, token):
         ray.read_stored(r.store.blobs.get(k)) for k in r.store.blobs.list(f"{ray.RAW_PREFIX}/")
     ]
     assert sum(len(json.loads(b)) for b in stored) == len(events)  # every event kept
+
+
+@pytest.mark.postgres
+def test_task_patches_a_killed_collector_held_are_merged_from_the_stored_bodies(
+    pg_url, s3_url, moto_endpoint, tmp_path
+):
+    """A collector holds acknowledged bodies' task patches a moment before merging them
+    (storage.ray.TaskHold). Killed (SIGKILL) while it holds them, nothing acknowledged is
+    lost: another collector's sweeper merges those bodies again from their stored blobs,
+    and users see what a collector that merged each body at once shows."""
+    from services.embedded import create_app
+    from tests.test_cli import Served, env
+
+    stack = {"database_url": pg_url, "blob_url": s3_url, "s3_endpoint_url": moto_endpoint,
+             "auth": "required", "access_log": False, "finish_worker": False,
+             "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE}  # fmt: skip
+    engine = make_engine(pg_url)
+    tenants = new_tenant(), new_tenant()
+    with make_sessionmaker(engine).begin() as db:
+        inline_token, held_token = (create_token(db, t, "ray,read") for t in tenants)
+    _, _, events = workload(seed=6)
+    chunks = bodies(events, 30)
+    inline = Ray(create_app({**stack, "ray_sweeper": False}), inline_token)
+    inline.post_all(chunks)
+    inline.sweep(after=SETTLE + 1)
+
+    # A collector with a sweeper that holds patches for a minute (its settle time allows
+    # it), so the kill surely comes while it holds them.
+    server = Served(tmp_path, environ=env(
+        HINDSIGHT_DATABASE_URL=pg_url, HINDSIGHT_BLOB_URL=s3_url,
+        HINDSIGHT_S3_ENDPOINT_URL=moto_endpoint, HINDSIGHT_AUTH="required",
+        HINDSIGHT_FINISH_WORKER="false", HINDSIGHT_RAY_SETTLE_SECONDS="600",
+        HINDSIGHT_RAY_HOLD_SECONDS="60",
+    ))  # fmt: skip
+    try:
+        for chunk in chunks:
+            r = requests.post(f"{server.url}/v1/ray/events", params={"cluster": "rc"},
+                              data=chunk, headers={"Authorization": f"Bearer {held_token}",
+                                                   "Content-Type": "application/json"},
+                              timeout=30)  # fmt: skip
+            assert r.status_code == 200, r.text
+    finally:
+        server.proc.kill()
+        server.proc.communicate(timeout=30)
+    with engine.connect() as conn:
+        tenant_sessions = text(
+            "SELECT s.id FROM sessions s JOIN clusters c ON c.id = s.cluster_id"
+            " JOIN tenants t ON t.id = c.tenant_id WHERE t.name = :t"
+        )
+        sids = [r[0] for r in conn.execute(tenant_sessions, {"t": tenants[1]})]
+        held = conn.execute(
+            text("SELECT count(*) FROM ray_bodies WHERE NOT tasks_merged AND session_id = ANY(:s)"),
+            {"s": sids},
+        ).scalar()
+        merged = conn.execute(
+            text("SELECT count(*) FROM ray_tasks WHERE session_id = ANY(:s)"), {"s": sids}
+        ).scalar()
+    assert held > 0 and merged < 63, "the kill came after the patches were merged"
+
+    after = create_app({**stack, "ray_sweeper": False})
+    st = after.extensions["hindsight"]
+    now = time.time()
+    assert ray.recover_held(st.sessions, st.blobs, now=now).batches == 0  # not yet: held
+    got = ray.recover_held(st.sessions, st.blobs, now=now + ray.RECOVER_AFTER + 1)
+    assert got.batches == held and got.failed == 0
+    survivor = Ray(after, held_token)
+    survivor.sweep(after=SETTLE + 1)
+    assert survivor.view() == inline.view()
+    assert survivor.view()["runs"][ray_job(1)]["summary"]["task_count"] == 60
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_held_task_postgres_refuses_is_left_out_and_the_others_merge(stack, tmp_path):
+    """The same net for held task patches (merged by the sweeper, many bodies at once): a
+    task whose value the index cannot hold (its name's column narrowed by hand) is left
+    out, logged; the other tasks of the flush are merged and written, and the bodies are
+    not merged again."""
+    if make_engine(stack["database_url"]).dialect.name != "postgresql":
+        pytest.skip("SQLite does not hold strings to a column's length")
+    from services.embedded import create_app
+
+    url = fresh_index(stack, tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE ray_tasks ALTER COLUMN name TYPE varchar(12)"))
+    with make_sessionmaker(engine).begin() as db:
+        t = create_token(db, new_tenant(), "ray,read")
+    app = create_app({**stack, "database_url": url, "ray_sweeper": True, "access_log": False,
+                      "ray_settle_seconds": 0.5, "ray_idle_close_seconds": IDLE})  # fmt: skip
+    try:
+        r = Ray(app, t)
+        sim, tasks, events = workload(seed=9)
+        odd = sim.task(1, "a-name-longer-than-twelve", T0 + 1, 0.01, func="work")
+        r.post_all(bodies(events[:-2] + sim.task_events(odd) + events[-2:], 30))
+        wait_until(lambda: any(x["run_key"] == ray_job(1) and x["status"] != "running"
+                               for x in r.runs()), 60, "job 1 to be written and closed")  # fmt: skip
+        assert r.run(1)["task_count"] == 60
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM ray_bodies WHERE NOT tasks_merged")).scalar() == 0  # fmt: skip
+    finally:
+        app.extensions["hindsight.ray_sweeper"].stop()
+        engine.dispose()
