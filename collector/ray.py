@@ -352,5 +352,5 @@ def _merge_held_at_exit(ref: weakref.ref[Sweeper]) -> None:
     """A process that exits normally (a gunicorn worker stopped or recycled) merges the
     task patches it holds instead of leaving them to another sweeper's recovery."""
     sweeper = ref()
-    if sweeper is not None and sweeper.hold is not None and len(sweeper.hold):
+    if sweeper is not None and sweeper.hold is not None:  # even empty: a flush may be under way
         sweeper.stop(timeout=5.0)

@@ -1226,8 +1226,17 @@ def run_due(
     now = time.time() if now is None else now
     cutoff = now - settle
     out = SweepCounts()
-    J, T = m.RayJob, m.RayTask
+    J, T, B = m.RayJob, m.RayTask, m.RayBody
     with sessions() as db:
+        # Sessions with a body whose task patches a collector took and has not merged
+        # for a while (it died, or its index connection failed): until they are merged
+        # (by that collector, or by recover_held), their tasks are not written as they
+        # are and their jobs are not closed, or a task whose end it holds would be
+        # written without it (lost or failed with its job) for good.
+        held = set(db.scalars(
+            select(B.session_id).where(B.tasks_merged.is_(False),
+                                       B.received_at <= now - min(HELD_LATE, settle)).distinct()
+        ))  # fmt: skip
         stale = db.scalars(
             select(T.session_id).where(T.emitted.is_(False), T.end_seen <= cutoff).distinct().limit(limit)
         ).all()  # fmt: skip
@@ -1253,6 +1262,9 @@ def run_due(
             .distinct()
             .limit(limit)
         ).all()
+    stale = [sid for sid in stale if sid not in held]
+    closing = [(sid, job) for sid, job in closing if sid not in held]
+    stragglers = [sid for sid in stragglers if sid not in held]
     q, mono = _quarantine, time.monotonic()
     for sid in q.ready(sessions, stale, mono):
         out.add(q.run(sessions, sid, "writing settled tasks", lambda sid=sid: _sweep_session(
@@ -1376,6 +1388,9 @@ class TaskHold:
         self._tasks: dict[int, dict[tuple[str, int], _Held]] = {}
         self._complete: dict[int, set[tuple[str, int]]] = {}  # complete in the hold
         self._left: dict[int, int] = {}  # body id -> its patches still held
+        # bodies a failed flush dropped patches of: never marked by the hold (recovery
+        # merges them from their blobs, body by body)
+        self._poisoned: set[int] = set()
         self._count = 0
 
     def __len__(self) -> int:
@@ -1433,7 +1448,10 @@ class TaskHold:
                                 self._left[b] = n
                             else:
                                 del self._left[b]
-                                done.append(b)
+                                if b in self._poisoned:
+                                    self._poisoned.discard(b)
+                                else:
+                                    done.append(b)
             self._tasks = {sid: held for sid, held in self._tasks.items() if held}
         return due, done
 
@@ -1473,20 +1491,38 @@ class TaskHold:
                 for sid, hs in due.items()
             }
             try:
-                try:
-                    with sessions.begin() as db:
-                        _mark_merged(db, done)  # the manifest rows first, as merge_part locks them
-                        for sid in sorted(patches):
-                            _merge_patches(db, sid, patches[sid])
-                except DataError:  # a value the index cannot hold: not the others' fault
+                with sessions.begin() as db:
+                    _mark_merged(db, done)  # the manifest rows first, as merge_part locks them
                     for sid in sorted(patches):
-                        _merge_each(sessions, sid, patches[sid])
-                    with sessions.begin() as db:
-                        _mark_merged(db, done)
+                        if _session_kept(db, sid):
+                            _merge_patches(db, sid, patches[sid])
+            except DataError as exc:
+                # A value the index cannot hold. Folded patches mix bodies, so which body
+                # brought it is unknown here: the bodies are left unmerged for recovery,
+                # which merges them one by one from their blobs, as each body's own
+                # request would have (a good body's fields of the same task are kept).
+                bodies = {b for hs in due.values() for h in hs for b in h.bodies}
+                with self._lock:
+                    self._poisoned |= {b for b in bodies if b in self._left}
+                logger.error("Ray: the index refused held task patches (%s); their %d bodies "
+                             "are merged again from their blobs, one by one", exc.orig,
+                             len(bodies))  # fmt: skip
+                return 0
             except BaseException:
                 self._put_back(due)
                 raise
             return sum(len(ps) for ps in patches.values())
+
+
+def _session_kept(db: Session, session_id: int) -> bool:
+    """Whether the session still exists, its row held (KEY SHARE, as a foreign key would)
+    until the transaction ends: retention, which deletes the session row before its
+    ray_tasks (no foreign key there), then waits for this merge or is seen to have run."""
+    S = m.Session
+    q = select(S.id).where(S.id == session_id)
+    if db.get_bind().dialect.name == "postgresql":
+        q = q.with_for_update(key_share=True)
+    return db.execute(q).first() is not None
 
 
 def _mark_merged(db: Session, bodies: list[int]) -> None:
@@ -1514,6 +1550,11 @@ def _merge_each(sessions: sessionmaker[Session], session_id: int, patches: list[
             logger.error("Ray task %s attempt %s: the index cannot hold it; stored, not "
                          "indexed: %s", p.task_id, p.attempt, exc.orig)  # fmt: skip
 
+
+#: A body whose task patches are not merged this long after it came holds up its session's
+#: settled tasks and job closes (run_due) until they are: a live collector merges within
+#: TaskHold.age (0.5 s) and a flush.
+HELD_LATE = 1.0
 
 #: A body whose task patches are still not merged this long after it came was held by a
 #: process that died (a live one merges within TaskHold.age, or retries while the index is
@@ -1569,6 +1610,8 @@ def _remerge_body(sessions: sessionmaker[Session], blobs: BlobStore, body_id: in
             part = parse(read_stored(data)).get(name or "")
             if part is not None:
                 patches = [t for _, t in sorted(part.tasks.items())]
+        if not _session_kept(db, sid):
+            return SweepCounts()
         if each:
             _merge_each(sessions, sid, patches)
         else:
@@ -1640,8 +1683,17 @@ def reindex(
                 counts["ray_skipped"] += 1
                 continue
             counts["ray_already" if res.duplicate else "ray_merged"] += 1
+    # Bodies a collector held and did not merge (it died; no sweeper came since), from
+    # their blobs (a live collector's held bodies merge twice: merges are idempotent).
+    counts["ray_recovered"] = 0
+    while True:
+        got = recover_held(sessions, blobs, now=time.time(), after=0, limit=1_000)
+        counts["ray_recovered"] += got.batches
+        if got.batches + got.failed < 1_000:
+            break
     for sid, (tenant_id, tenant, cluster, session) in touched.items():
         emit_session(sessions, blobs, sid, tenant_id, tenant, cluster, session)
+    emit_ready(sessions, blobs, limit=1_000_000)  # what recovery completed
     sweep = run_due(sessions, blobs, settle=settle, idle=idle, limit=1_000_000)
     counts["ray_jobs_closed"] = sweep.jobs_closed
     return counts

@@ -1,0 +1,304 @@
+"""Task patches a collector holds (storage.ray.TaskHold) and what happens when it cannot
+merge them: it dies, its index connection fails, retention removes the session, a value
+is refused, the index is rebuilt. In every case users see what merging each body at once
+gives. Found by a review of the change; each test failed before its fix."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from storage import ray
+from storage.db import make_engine, make_sessionmaker
+from storage.tokens import create_token
+from tests.conftest import new_tenant
+from tests.ray.test_ingest import IDLE, SETTLE, Ray, bodies, ray_job, workload
+
+
+def _split(events):
+    """Body A: everything but the owners' end events and the jobs' ends (definition +
+    RUNNING); body B: the ends (Ray's aggregator sends a task's end in a later body)."""
+    a, b = [], []
+    for e in events:
+        tl = e.get("taskLifecycleEvent")
+        jl = e.get("driverJobLifecycleEvent")
+        ends = tl and any(s["state"] in ("FINISHED", "FAILED") for s in tl["stateTransitions"])
+        jend = jl and any(s["state"] == "FINISHED" for s in jl["stateTransitions"])
+        (b if ends or jend else a).append(e)
+    return a, b
+
+
+@pytest.mark.postgres
+def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_endpoint):
+    """A collector merged the tasks' definitions and RUNNING, another died holding the
+    acknowledged body with their ends. The survivor's sweeper does not close the job at
+    the settle time (it closed it and wrote the tasks as failed with the job, for good,
+    before recovery merged their ends); recovery merges the ends, then the job closes."""
+    from services.embedded import create_app
+
+    stack = {
+        "database_url": pg_url,
+        "blob_url": s3_url,
+        "s3_endpoint_url": moto_endpoint,
+        "auth": "required",
+        "access_log": False,
+        "finish_worker": False,
+        "ray_settle_seconds": SETTLE,
+        "ray_idle_close_seconds": IDLE,
+    }
+    engine = make_engine(pg_url)
+    with make_sessionmaker(engine).begin() as db:
+        tok_inline, tok_held = (create_token(db, new_tenant(), "ray,read") for _ in range(2))
+    _, _, events = workload(seed=11)
+    a, b = _split(events)
+
+    inline = Ray(create_app({**stack, "ray_sweeper": False}), tok_inline)
+    inline.post_all(bodies(a, 10_000) + bodies(b, 10_000))
+    inline.sweep(after=SETTLE + 1)
+    ray.emit_ready(inline.store.sessions, inline.store.blobs)
+
+    # P1 merged body A (no hold needed to show it: its patches went in).
+    p1 = Ray(create_app({**stack, "ray_sweeper": False}), tok_held)
+    p1.post_all(bodies(a, 10_000))
+    # P2 holds body B's patches and dies (its sweeper stopped: nothing flushes).
+    app2 = create_app({**stack, "ray_sweeper": True})
+    sw = app2.extensions["hindsight.ray_sweeper"]
+    assert sw.hold is not None
+    sw.stop()
+    p2 = Ray(app2, tok_held)
+    p2.post_all(bodies(b, 10_000))
+    assert len(sw.hold) > 0  # held, acknowledged
+
+    # The survivor's sweeper: passes at +6 s (job settles) and at +11 s (recovery).
+    st = p1.store
+    now = time.time()
+    assert ray.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1).batches == 0
+    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
+    ray.emit_ready(st.sessions, st.blobs)
+    got = ray.recover_held(st.sessions, st.blobs, now=now + ray.RECOVER_AFTER + 1)
+    assert got.batches == 1
+    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
+    ray.emit_ready(st.sessions, st.blobs)
+
+    want, have = inline.view(), p1.view()
+    engine.dispose()
+    assert have["runs"][ray_job(1)]["tasks"] == want["runs"][ray_job(1)]["tasks"]
+
+
+@pytest.mark.postgres
+def test_a_flush_after_retention_removed_the_session_writes_nothing(pg_url, s3_url, moto_endpoint):
+    """Retention removes a session while a collector holds patches of its bodies: the
+    flush then merges nothing into ray_tasks / ray_ready (no foreign key there), where it
+    left rows of a session that no longer existed, which the sweeper failed on forever."""
+    from services.embedded import create_app
+    from storage import retention
+
+    stack = {
+        "database_url": pg_url,
+        "blob_url": s3_url,
+        "s3_endpoint_url": moto_endpoint,
+        "auth": "required",
+        "access_log": False,
+        "finish_worker": False,
+        "ray_settle_seconds": SETTLE,
+        "ray_idle_close_seconds": IDLE,
+    }
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    with make_sessionmaker(engine).begin() as db:
+        tok = create_token(db, tenant, "ray,read")
+    app = create_app({**stack, "ray_sweeper": True})
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.stop()  # we drive the hold by hand
+    r = Ray(app, tok)
+    _, _, events = workload(seed=12)
+    r.post_all(bodies(events, 10_000))
+    assert len(sw.hold)
+    st = r.store
+    with engine.connect() as c:
+        (sid,) = c.execute(
+            text(
+                "SELECT s.id FROM sessions s JOIN clusters c ON c.id=s.cluster_id"
+                " JOIN tenants t ON t.id=c.tenant_id WHERE t.name=:t"
+            ),
+            {"t": tenant},
+        ).scalars()
+    plan = retention.apply(st.blobs, st.sessions, tenant, max_age=0, now=time.time() + 3600)
+    assert [s.id for s in plan.sessions] == [sid]
+    n = sw.hold.flush(st.sessions, force=True)
+    assert n > 0
+    with engine.connect() as c:
+        orphans = c.execute(
+            text("SELECT count(*) FROM ray_tasks WHERE session_id=:s"), {"s": sid}
+        ).scalar()
+        ready = c.execute(
+            text("SELECT count(*) FROM ray_ready WHERE session_id=:s"), {"s": sid}
+        ).scalar()
+        exists = c.execute(text("SELECT count(*) FROM sessions WHERE id=:s"), {"s": sid}).scalar()
+    engine.dispose()
+    assert exists == 0 and orphans == 0 and ready == 0
+
+
+@pytest.mark.postgres
+def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(s3_url, moto_endpoint):
+    """Held patches are folded per task; when Postgres refuses a folded patch (one body's
+    value it cannot hold), the task's definition and RUNNING from another, good, body are
+    kept: the bodies are merged again one by one from their blobs, as for a collector that
+    died holding them (the task was left out whole before)."""
+    import uuid
+
+    from sqlalchemy import create_engine
+
+    from services.embedded import create_app
+    from storage.db import upgrade
+
+    name = f"hindsight_review_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(
+        "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres", isolation_level="AUTOCOMMIT"
+    )
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{name}"
+    try:
+        upgrade(url)
+        engine = make_engine(url)
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE ray_tasks ALTER COLUMN error_type TYPE varchar(12)"))
+        with make_sessionmaker(engine).begin() as db:
+            t_live, t_dead = new_tenant(), new_tenant()
+            tok_live, tok_dead = (
+                create_token(db, t_live, "ray,read"),
+                create_token(db, t_dead, "ray,read"),
+            )
+        stack = {
+            "database_url": url,
+            "blob_url": s3_url,
+            "s3_endpoint_url": moto_endpoint,
+            "auth": "required",
+            "access_log": False,
+            "finish_worker": False,
+            "ray_settle_seconds": SETTLE,
+            "ray_idle_close_seconds": IDLE,
+            "ray_sweeper": True,
+        }
+        _, _, events = workload(seed=13)
+        a, b = _split(events)
+        apps = [create_app(stack), create_app(stack)]
+        for ap in apps:
+            ap.extensions["hindsight.ray_sweeper"].stop()
+        live, dead = Ray(apps[0], tok_live), Ray(apps[1], tok_dead)
+        live.post_all(bodies(a, 10_000) + bodies(b, 10_000))
+        dead.post_all(bodies(a, 10_000) + bodies(b, 10_000))
+        hold = apps[0].extensions["hindsight.ray_sweeper"].hold
+        hold.flush(live.store.sessions, force=True)  # the live collector's flush
+        st = dead.store  # the dead one's bodies: recovered from their blobs
+        ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
+        q = text(
+            "SELECT count(*) FILTER (WHERE defined AND running_at IS NOT NULL) FROM ray_tasks t"
+            " JOIN sessions s ON s.id=t.session_id JOIN clusters c ON c.id=s.cluster_id"
+            " JOIN tenants n ON n.id=c.tenant_id WHERE n.name=:t"
+        )
+        with engine.connect() as c:
+            n_live = c.execute(q, {"t": t_live}).scalar()
+            n_dead = c.execute(q, {"t": t_dead}).scalar()
+        engine.dispose()
+        for ap in apps:
+            ap.extensions["hindsight"].engine.dispose()
+        assert n_live == n_dead
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.mark.postgres
+def test_reindex_merges_the_bodies_a_dead_collector_held(pg_url, s3_url, moto_endpoint):
+    """A body a dead collector held (tasks_merged false) is merged by `hindsight reindex`
+    too, not only by a collector's sweeper: with HINDSIGHT_RAY_SWEEPER=false after the
+    crash it stayed unmerged for good (reindex counted it as merged)."""
+    from services.embedded import create_app
+
+    stack = {
+        "database_url": pg_url,
+        "blob_url": s3_url,
+        "s3_endpoint_url": moto_endpoint,
+        "auth": "required",
+        "access_log": False,
+        "finish_worker": False,
+        "ray_settle_seconds": SETTLE,
+        "ray_idle_close_seconds": IDLE,
+    }
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    with make_sessionmaker(engine).begin() as db:
+        tok = create_token(db, tenant, "ray,read")
+    app = create_app({**stack, "ray_sweeper": True})
+    app.extensions["hindsight.ray_sweeper"].stop()  # "dies": nothing flushes
+    r = Ray(app, tok)
+    _, _, events = workload(seed=14)
+    r.post_all(bodies(events, 10_000))
+    after = create_app({**stack, "ray_sweeper": False})  # restarted without a sweeper
+    st = after.extensions["hindsight"]
+    counts = ray.reindex(st.blobs, st.sessions, settle=SETTLE, idle=IDLE)
+    assert counts["ray_recovered"] == len(bodies(events, 10_000))
+    q = text(
+        "SELECT (SELECT count(*) FROM ray_tasks t WHERE t.session_id=s.id),"
+        " (SELECT count(*) FROM ray_bodies b WHERE b.session_id=s.id AND NOT tasks_merged)"
+        " FROM sessions s JOIN clusters c ON c.id=s.cluster_id JOIN tenants n ON n.id=c.tenant_id"
+        " WHERE n.name=:t"
+    )
+    with engine.connect() as c:
+        tasks, unmerged = c.execute(q, {"t": tenant}).one()
+    engine.dispose()
+    assert tasks == 63 and unmerged == 0
+
+
+@pytest.mark.postgres
+def test_a_job_waits_for_a_live_collector_whose_flush_failed(pg_url, s3_url, moto_endpoint):
+    """No crash: collector P2's flush fails (Postgres restarted; its sweeper backs off) and
+    its patches go back to the hold. Collector P1's sweeper does not close the job at the
+    settle time meanwhile (it did, writing the tasks as failed with the job); P2's next
+    flush merges the ends and the job closes with the right errors."""
+    from sqlalchemy.orm import sessionmaker
+
+    from services.embedded import create_app
+
+    stack = {
+        "database_url": pg_url,
+        "blob_url": s3_url,
+        "s3_endpoint_url": moto_endpoint,
+        "auth": "required",
+        "access_log": False,
+        "finish_worker": False,
+        "ray_settle_seconds": SETTLE,
+        "ray_idle_close_seconds": IDLE,
+    }
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    with make_sessionmaker(engine).begin() as db:
+        tok = create_token(db, tenant, "ray,read")
+    _, _, events = workload(seed=15)
+    a, b = _split(events)
+    p1 = Ray(create_app({**stack, "ray_sweeper": False}), tok)
+    p1.post_all(bodies(a, 10_000))
+    app2 = create_app({**stack, "ray_sweeper": True})
+    sw = app2.extensions["hindsight.ray_sweeper"]
+    sw.stop()
+    Ray(app2, tok).post_all(bodies(b, 10_000))
+    down = sessionmaker(bind=make_engine("postgresql+psycopg2://postgres@127.0.0.1:1/x"))
+    with pytest.raises(OperationalError):
+        sw.hold.flush(down, force=True)  # Postgres away: put back
+    assert len(sw.hold) > 0
+    st = p1.store
+    now = time.time()
+    ray.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1)
+    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
+    sw.hold.flush(app2.extensions["hindsight"].sessions, force=True)  # P2 back
+    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
+    ray.emit_ready(st.sessions, st.blobs)
+    summary = p1.run(1)
+    engine.dispose()
+    assert summary["error_count"] == 8  # every 7th of 60 fails
