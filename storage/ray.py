@@ -1187,6 +1187,14 @@ class _Quarantine:
         with self._lock:
             return [s for s in sids if self._until.get((index, s), (0.0, 0.0))[0] <= now]
 
+    def waiting(self, sessions: sessionmaker[Session], now: float) -> list[int]:
+        """The sessions of this index left alone at ``now``."""
+        index = self._index(sessions)
+        with self._lock:
+            return sorted(
+                s for (i, s), (until, _) in self._until.items() if i == index and until > now
+            )
+
     def run(self, sessions: sessionmaker[Session], sid: int, what: str,
             fn: Callable[[], SweepCounts]) -> SweepCounts:  # fmt: skip
         key = (self._index(sessions), sid)
@@ -1570,13 +1578,12 @@ def recover_held(sessions: sessionmaker[Session], blobs: BlobStore, *, now: floa
     now = time.time() if now is None else now
     B = m.RayBody
     out = SweepCounts()
+    q = select(B.id, B.session_id).where(B.tasks_merged.is_(False), B.received_at <= now - after)
+    waiting = _quarantine.waiting(sessions, time.monotonic())
+    if waiting:  # a session whose bodies fail must not hold up the others'
+        q = q.where(B.session_id.not_in(waiting))
     with sessions() as db:
-        rows = db.execute(
-            select(B.id, B.session_id)
-            .where(B.tasks_merged.is_(False), B.received_at <= now - after)
-            .order_by(B.received_at)
-            .limit(limit)
-        ).all()
+        rows = db.execute(q.order_by(B.received_at).limit(limit)).all()
     for body_id, sid in rows:
         if not _quarantine.ready(sessions, [sid], time.monotonic()):
             continue

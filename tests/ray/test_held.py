@@ -302,3 +302,42 @@ def test_a_job_waits_for_a_live_collector_whose_flush_failed(pg_url, s3_url, mot
     summary = p1.run(1)
     engine.dispose()
     assert summary["error_count"] == 8  # every 7th of 60 fails
+
+
+@pytest.mark.postgres
+def test_a_session_whose_held_bodies_cannot_be_read_does_not_hold_up_the_others(pg_url, tmp_path):
+    """Recovery takes the oldest held bodies first: a session whose bodies fail to merge
+    again (their blobs unreadable) is left alone for a while, and another session's held
+    body, behind more than a pass's worth of them, is merged meanwhile (it waited)."""
+    from services.embedded import create_app
+
+    stack = {"database_url": pg_url, "blob_url": (tmp_path / "blobs").as_uri(),
+             "auth": "required", "access_log": False, "finish_worker": False,
+             "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE}  # fmt: skip
+    engine = make_engine(pg_url)
+    bad, good = new_tenant(), new_tenant()
+    with make_sessionmaker(engine).begin() as db:
+        bad_tok, good_tok = (create_token(db, t, "ray,read") for t in (bad, good))
+    app = create_app({**stack, "ray_sweeper": True})
+    app.extensions["hindsight.ray_sweeper"].stop()  # a collector that dies holding them
+    _, _, events = workload(seed=16)
+    Ray(app, bad_tok).post_all(bodies(events, 5))  # 13 bodies, held
+    Ray(app, good_tok).post_all(bodies(events, 10_000))  # then 1 body, held
+    st = app.extensions["hindsight"]
+    for key in list(st.blobs.list(f"{ray.RAW_PREFIX}/{bad}/")):
+        path = tmp_path / "blobs" / key
+        path.unlink()
+        path.mkdir()  # a directory where the blob goes: reading it fails
+    later = time.time() + ray.RECOVER_AFTER + 1
+    first = ray.recover_held(st.sessions, st.blobs, now=later, limit=5)
+    assert first.failed == 1 and first.batches == 0  # the bad session, then left alone
+    second = ray.recover_held(st.sessions, st.blobs, now=later, limit=5)
+    assert second.batches == 1 and second.failed == 0  # the good session's body
+    with engine.connect() as c:
+        merged = c.execute(
+            text("SELECT count(*) FROM ray_tasks t JOIN sessions s ON s.id = t.session_id"
+                 " JOIN clusters c ON c.id = s.cluster_id JOIN tenants n ON n.id = c.tenant_id"
+                 " WHERE n.name = :t"), {"t": good},
+        ).scalar()  # fmt: skip
+    engine.dispose()
+    assert merged == 63
