@@ -6,6 +6,7 @@ gives. Found by a review of the change; each test failed before its fix."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -31,6 +32,18 @@ def _split(events):
     return a, b
 
 
+def _stack(db_url: str, blob_url: str, s3_endpoint: str | None = None) -> dict[str, Any]:
+    return {"database_url": db_url, "blob_url": blob_url, "s3_endpoint_url": s3_endpoint,
+            "auth": "required", "access_log": False, "finish_worker": False,
+            "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE}  # fmt: skip
+
+
+def _tokens(engine: Any, *tenants: str) -> list[str]:
+    """A ray,read token for each tenant."""
+    with make_sessionmaker(engine).begin() as db:
+        return [create_token(db, t, "ray,read") for t in tenants]
+
+
 @pytest.mark.postgres
 def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_endpoint):
     """A collector merged the tasks' definitions and RUNNING, another died holding the
@@ -39,19 +52,9 @@ def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_end
     before recovery merged their ends); recovery merges the ends, then the job closes."""
     from services.embedded import create_app
 
-    stack = {
-        "database_url": pg_url,
-        "blob_url": s3_url,
-        "s3_endpoint_url": moto_endpoint,
-        "auth": "required",
-        "access_log": False,
-        "finish_worker": False,
-        "ray_settle_seconds": SETTLE,
-        "ray_idle_close_seconds": IDLE,
-    }
+    stack = _stack(pg_url, s3_url, moto_endpoint)
     engine = make_engine(pg_url)
-    with make_sessionmaker(engine).begin() as db:
-        tok_inline, tok_held = (create_token(db, new_tenant(), "ray,read") for _ in range(2))
+    tok_inline, tok_held = _tokens(engine, new_tenant(), new_tenant())
     _, _, events = workload(seed=11)
     a, b = _split(events)
 
@@ -96,20 +99,10 @@ def test_a_flush_after_retention_removed_the_session_writes_nothing(pg_url, s3_u
     from services.embedded import create_app
     from storage import retention
 
-    stack = {
-        "database_url": pg_url,
-        "blob_url": s3_url,
-        "s3_endpoint_url": moto_endpoint,
-        "auth": "required",
-        "access_log": False,
-        "finish_worker": False,
-        "ray_settle_seconds": SETTLE,
-        "ray_idle_close_seconds": IDLE,
-    }
+    stack = _stack(pg_url, s3_url, moto_endpoint)
     engine = make_engine(pg_url)
     tenant = new_tenant()
-    with make_sessionmaker(engine).begin() as db:
-        tok = create_token(db, tenant, "ray,read")
+    (tok,) = _tokens(engine, tenant)
     app = create_app({**stack, "ray_sweeper": True})
     sw = app.extensions["hindsight.ray_sweeper"]
     sw.stop()  # we drive the hold by hand
@@ -143,75 +136,49 @@ def test_a_flush_after_retention_removed_the_session_writes_nothing(pg_url, s3_u
 
 
 @pytest.mark.postgres
-def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(s3_url, moto_endpoint):
+def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(
+    pg_url, s3_url, moto_endpoint, tmp_path
+):
     """Held patches are folded per task; when Postgres refuses a folded patch (one body's
     value it cannot hold), the task's definition and RUNNING from another, good, body are
     kept: the bodies are merged again one by one from their blobs, as for a collector that
     died holding them (the task was left out whole before)."""
-    import uuid
-
-    from sqlalchemy import create_engine
-
     from services.embedded import create_app
     from storage.db import upgrade
+    from tests.test_reindex import fresh_index
 
-    name = f"hindsight_review_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(
-        "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres", isolation_level="AUTOCOMMIT"
+    url = fresh_index({"database_url": pg_url}, tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE ray_tasks ALTER COLUMN error_type TYPE varchar(12)"))
+    t_live, t_dead = new_tenant(), new_tenant()
+    tok_live, tok_dead = _tokens(engine, t_live, t_dead)
+    stack = {**_stack(url, s3_url, moto_endpoint), "ray_sweeper": True}
+    _, _, events = workload(seed=13)
+    a, b = _split(events)
+    apps = [create_app(stack), create_app(stack)]
+    for ap in apps:
+        ap.extensions["hindsight.ray_sweeper"].stop()
+    live, dead = Ray(apps[0], tok_live), Ray(apps[1], tok_dead)
+    live.post_all(bodies(a, 10_000) + bodies(b, 10_000))
+    dead.post_all(bodies(a, 10_000) + bodies(b, 10_000))
+    hold = apps[0].extensions["hindsight.ray_sweeper"].hold
+    hold.flush(live.store.sessions, force=True)  # the live collector's flush
+    st = dead.store  # the dead one's bodies (and the refused flush's): from their blobs
+    ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
+    q = text(
+        "SELECT count(*) FILTER (WHERE defined AND running_at IS NOT NULL) FROM ray_tasks t"
+        " JOIN sessions s ON s.id=t.session_id JOIN clusters c ON c.id=s.cluster_id"
+        " JOIN tenants n ON n.id=c.tenant_id WHERE n.name=:t"
     )
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{name}"
-    try:
-        upgrade(url)
-        engine = make_engine(url)
-        with engine.begin() as conn:
-            conn.execute(text("ALTER TABLE ray_tasks ALTER COLUMN error_type TYPE varchar(12)"))
-        with make_sessionmaker(engine).begin() as db:
-            t_live, t_dead = new_tenant(), new_tenant()
-            tok_live, tok_dead = (
-                create_token(db, t_live, "ray,read"),
-                create_token(db, t_dead, "ray,read"),
-            )
-        stack = {
-            "database_url": url,
-            "blob_url": s3_url,
-            "s3_endpoint_url": moto_endpoint,
-            "auth": "required",
-            "access_log": False,
-            "finish_worker": False,
-            "ray_settle_seconds": SETTLE,
-            "ray_idle_close_seconds": IDLE,
-            "ray_sweeper": True,
-        }
-        _, _, events = workload(seed=13)
-        a, b = _split(events)
-        apps = [create_app(stack), create_app(stack)]
-        for ap in apps:
-            ap.extensions["hindsight.ray_sweeper"].stop()
-        live, dead = Ray(apps[0], tok_live), Ray(apps[1], tok_dead)
-        live.post_all(bodies(a, 10_000) + bodies(b, 10_000))
-        dead.post_all(bodies(a, 10_000) + bodies(b, 10_000))
-        hold = apps[0].extensions["hindsight.ray_sweeper"].hold
-        hold.flush(live.store.sessions, force=True)  # the live collector's flush
-        st = dead.store  # the dead one's bodies: recovered from their blobs
-        ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
-        q = text(
-            "SELECT count(*) FILTER (WHERE defined AND running_at IS NOT NULL) FROM ray_tasks t"
-            " JOIN sessions s ON s.id=t.session_id JOIN clusters c ON c.id=s.cluster_id"
-            " JOIN tenants n ON n.id=c.tenant_id WHERE n.name=:t"
-        )
-        with engine.connect() as c:
-            n_live = c.execute(q, {"t": t_live}).scalar()
-            n_dead = c.execute(q, {"t": t_dead}).scalar()
-        engine.dispose()
-        for ap in apps:
-            ap.extensions["hindsight"].engine.dispose()
-        assert n_live == n_dead
-    finally:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with engine.connect() as c:
+        n_live = c.execute(q, {"t": t_live}).scalar()
+        n_dead = c.execute(q, {"t": t_dead}).scalar()
+    engine.dispose()
+    for ap in apps:
+        ap.extensions["hindsight"].engine.dispose()
+    assert n_live == n_dead == 63
 
 
 @pytest.mark.postgres
@@ -221,20 +188,10 @@ def test_reindex_merges_the_bodies_a_dead_collector_held(pg_url, s3_url, moto_en
     crash it stayed unmerged for good (reindex counted it as merged)."""
     from services.embedded import create_app
 
-    stack = {
-        "database_url": pg_url,
-        "blob_url": s3_url,
-        "s3_endpoint_url": moto_endpoint,
-        "auth": "required",
-        "access_log": False,
-        "finish_worker": False,
-        "ray_settle_seconds": SETTLE,
-        "ray_idle_close_seconds": IDLE,
-    }
+    stack = _stack(pg_url, s3_url, moto_endpoint)
     engine = make_engine(pg_url)
     tenant = new_tenant()
-    with make_sessionmaker(engine).begin() as db:
-        tok = create_token(db, tenant, "ray,read")
+    (tok,) = _tokens(engine, tenant)
     app = create_app({**stack, "ray_sweeper": True})
     app.extensions["hindsight.ray_sweeper"].stop()  # "dies": nothing flushes
     r = Ray(app, tok)
@@ -266,20 +223,10 @@ def test_a_job_waits_for_a_live_collector_whose_flush_failed(pg_url, s3_url, mot
 
     from services.embedded import create_app
 
-    stack = {
-        "database_url": pg_url,
-        "blob_url": s3_url,
-        "s3_endpoint_url": moto_endpoint,
-        "auth": "required",
-        "access_log": False,
-        "finish_worker": False,
-        "ray_settle_seconds": SETTLE,
-        "ray_idle_close_seconds": IDLE,
-    }
+    stack = _stack(pg_url, s3_url, moto_endpoint)
     engine = make_engine(pg_url)
     tenant = new_tenant()
-    with make_sessionmaker(engine).begin() as db:
-        tok = create_token(db, tenant, "ray,read")
+    (tok,) = _tokens(engine, tenant)
     _, _, events = workload(seed=15)
     a, b = _split(events)
     p1 = Ray(create_app({**stack, "ray_sweeper": False}), tok)
@@ -311,13 +258,10 @@ def test_a_session_whose_held_bodies_cannot_be_read_does_not_hold_up_the_others(
     body, behind more than a pass's worth of them, is merged meanwhile (it waited)."""
     from services.embedded import create_app
 
-    stack = {"database_url": pg_url, "blob_url": (tmp_path / "blobs").as_uri(),
-             "auth": "required", "access_log": False, "finish_worker": False,
-             "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE}  # fmt: skip
+    stack = _stack(pg_url, (tmp_path / "blobs").as_uri())
     engine = make_engine(pg_url)
     bad, good = new_tenant(), new_tenant()
-    with make_sessionmaker(engine).begin() as db:
-        bad_tok, good_tok = (create_token(db, t, "ray,read") for t in (bad, good))
+    bad_tok, good_tok = _tokens(engine, bad, good)
     app = create_app({**stack, "ray_sweeper": True})
     app.extensions["hindsight.ray_sweeper"].stop()  # a collector that dies holding them
     _, _, events = workload(seed=16)

@@ -549,21 +549,29 @@ def test_events_after_the_job_closed_are_still_written_once(app, token):
     assert run["task_count"] == 12 and len(r.tasks(run["id"])) == 12
 
 
-def test_a_value_postgres_refuses_is_stored_and_skipped_not_refused(stack, tmp_path):
-    """The net under the reader's bounds: a value the index still cannot hold (here Postgres
-    refuses a job's entrypoint, its column narrowed by hand) is stored, answered 200 with
-    what was skipped (Ray retries a refused body forever), and the next body indexes."""
+def narrowed_index(stack: dict[str, Any], tmp_path: Any, table: str, column: str, n: int) -> tuple[str, Any, str]:  # fmt: skip
+    """A fresh Postgres index whose ``table.column`` holds at most ``n`` characters (a value
+    the reader's bounds let through that the index still refuses), its engine and a
+    ray,read token; skips on SQLite, which does not hold strings to a column's length."""
     if make_engine(stack["database_url"]).dialect.name != "postgresql":
         pytest.skip("SQLite does not hold strings to a column's length")
-    from services.embedded import create_app
-
     url = fresh_index(stack, tmp_path)
     upgrade(url)
     engine = make_engine(url)
     with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE ray_jobs ALTER COLUMN entrypoint TYPE varchar(20)"))
+        conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar({n})"))
     with make_sessionmaker(engine).begin() as db:
-        t = create_token(db, new_tenant(), "ray,read")
+        token = create_token(db, new_tenant(), "ray,read")
+    return url, engine, token
+
+
+def test_a_value_postgres_refuses_is_stored_and_skipped_not_refused(stack, tmp_path):
+    """The net under the reader's bounds: a value the index still cannot hold (here Postgres
+    refuses a job's entrypoint, its column narrowed by hand) is stored, answered 200 with
+    what was skipped (Ray retries a refused body forever), and the next body indexes."""
+    from services.embedded import create_app
+
+    url, engine, t = narrowed_index(stack, tmp_path, "ray_jobs", "entrypoint", 20)
     r = Ray(create_app({**stack, "database_url": url, "ray_sweeper": False}), t)
     odd = RaySim(seed=8)
     started = odd.job_start(1, T0, "python " + "x" * 40)
@@ -879,17 +887,9 @@ def test_a_held_task_postgres_refuses_is_left_out_and_the_others_merge(stack, tm
     task whose value the index cannot hold (its name's column narrowed by hand) is left
     out, logged; the other tasks of the flush are merged and written, and the bodies are
     not merged again."""
-    if make_engine(stack["database_url"]).dialect.name != "postgresql":
-        pytest.skip("SQLite does not hold strings to a column's length")
     from services.embedded import create_app
 
-    url = fresh_index(stack, tmp_path)
-    upgrade(url)
-    engine = make_engine(url)
-    with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE ray_tasks ALTER COLUMN name TYPE varchar(12)"))
-    with make_sessionmaker(engine).begin() as db:
-        t = create_token(db, new_tenant(), "ray,read")
+    url, engine, t = narrowed_index(stack, tmp_path, "ray_tasks", "name", 12)
     app = create_app({**stack, "database_url": url, "ray_sweeper": True, "access_log": False,
                       "ray_settle_seconds": 0.5, "ray_idle_close_seconds": IDLE})  # fmt: skip
     try:
