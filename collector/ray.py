@@ -146,7 +146,7 @@ def post_ray_events() -> Any:
                                           {"unindexable": len(p.part.raw)}))  # fmt: skip
         INDEX_SECONDS.observe(time.perf_counter() - t0)
     if hold is not None and hold.full:  # back-pressure: the sweeper's flushes fall behind
-        hold.flush(st.sessions)
+        hold.flush(st.sessions, force=True)
     if sweeper is not None:
         sweeper.wake()
     skipped: dict[str, int] = {}

@@ -285,3 +285,34 @@ def test_a_session_whose_held_bodies_cannot_be_read_does_not_hold_up_the_others(
         ).scalar()  # fmt: skip
     engine.dispose()
     assert merged == 63
+
+
+@pytest.mark.postgres
+def test_a_full_hold_is_merged_before_the_request_that_filled_it_is_acknowledged(
+    pg_url, s3_url, moto_endpoint
+):
+    """Back-pressure, never a drop, never an unbounded hold: a request that takes the hold
+    past its limit merges everything it holds first, young patches of tasks not yet ended
+    too (only complete and aged ones were merged, so a hold of young ones grew on)."""
+    from services.embedded import create_app
+
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    (tok,) = _tokens(engine, tenant)
+    app = create_app({**_stack(pg_url, s3_url, moto_endpoint), "ray_sweeper": True})
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.stop()  # only the request flushes
+    assert sw.hold is not None
+    sw.hold.limit = 10
+    _, _, events = workload(seed=17)
+    started, _ = _split(events)  # definitions and RUNNING: no task complete
+    Ray(app, tok).post_all(bodies(started, 10_000))
+    assert len(sw.hold) == 0
+    with engine.connect() as c:
+        held = c.execute(
+            text("SELECT count(*) FROM ray_bodies b JOIN sessions s ON s.id = b.session_id"
+                 " JOIN clusters c ON c.id = s.cluster_id JOIN tenants n ON n.id = c.tenant_id"
+                 " WHERE n.name = :t AND NOT b.tasks_merged"), {"t": tenant},
+        ).scalar()  # fmt: skip
+    engine.dispose()
+    assert held == 0
