@@ -1236,25 +1236,26 @@ def run_due(
     out = SweepCounts()
     J, T, B = m.RayJob, m.RayTask, m.RayBody
     with sessions() as db:
-        # Sessions with a body whose task patches a collector took and has not merged
-        # for a while (it died, or its index connection failed): until they are merged
-        # (by that collector, or by recover_held), their tasks are not written as they
-        # are and their jobs are not closed, or a task whose end it holds would be
-        # written without it (lost or failed with its job) for good.
-        held = set(db.scalars(
-            select(B.session_id).where(B.tasks_merged.is_(False),
-                                       B.received_at <= now - min(HELD_LATE, settle)).distinct()
-        ))  # fmt: skip
+        # Bodies whose task patches a collector holds, or held and died (merged within
+        # ~0.5 s, or by recover_held): what a job's or a task's settle time waited for
+        # includes every body acknowledged in it, so nothing is written or closed while
+        # one of those is not merged (a task whose end is held would be written without
+        # it, lost or failed with its job, for good). Per session, the oldest.
+        held = dict(db.execute(
+            select(B.session_id, func.min(B.received_at))
+            .where(B.tasks_merged.is_(False))
+            .group_by(B.session_id)
+        ).all())  # fmt: skip
         stale = db.scalars(
             select(T.session_id).where(T.emitted.is_(False), T.end_seen <= cutoff).distinct().limit(limit)
         ).all()  # fmt: skip
         closing = db.execute(
-            select(J.session_id, J.job_id)
+            select(J.session_id, J.job_id, J.end_seen, J.last_event_at)
             .where(J.closed_at.is_(None), or_(J.end_seen <= cutoff, J.last_event_at <= now - idle))
             .limit(limit)
         ).all()
         closing += db.execute(  # closed before Ray's FINISHED came
-            select(J.session_id, J.job_id)
+            select(J.session_id, J.job_id, J.end_seen, J.last_event_at)
             .where(
                 J.closed_at.is_not(None),
                 J.closed_by != "finished",
@@ -1270,13 +1271,25 @@ def run_due(
             .distinct()
             .limit(limit)
         ).all()
-    stale = [sid for sid in stale if sid not in held]
-    closing = [(sid, job) for sid, job in closing if sid not in held]
-    stragglers = [sid for sid in stragglers if sid not in held]
+
+    def settled(sid: int) -> float:
+        """Tasks first or last seen by then have had their settle time without a held
+        body arriving in it."""
+        return cutoff if sid not in held else min(cutoff, held[sid] - settle)
+
+    def waits(sid: int, end_seen: float | None, last_event_at: float | None) -> bool:
+        """A held body came within the time the job's close waited for."""
+        if sid not in held:
+            return False
+        ends = end_seen + settle if end_seen is not None and end_seen <= cutoff else None
+        deadline = ends if ends is not None else (last_event_at or 0.0) + idle
+        return held[sid] <= deadline
+
+    closing = [(sid, job) for sid, job, end, last in closing if not waits(sid, end, last)]
     q, mono = _quarantine, time.monotonic()
     for sid in q.ready(sessions, stale, mono):
         out.add(q.run(sessions, sid, "writing settled tasks", lambda sid=sid: _sweep_session(
-            sessions, blobs, sid, [T.end_seen <= cutoff], now, cache)))  # fmt: skip
+            sessions, blobs, sid, [T.end_seen <= settled(sid)], now, cache)))  # fmt: skip
     for sid, job in closing:
         if q.ready(sessions, [sid], mono):
             out.add(q.run(sessions, sid, f"closing job {job}", lambda sid=sid, job=job: _close_job(
@@ -1284,7 +1297,7 @@ def run_due(
     for sid in q.ready(sessions, stragglers, mono):
         closed = select(J.job_id).where(J.session_id == sid, J.closed_at.is_not(None))
         out.add(q.run(sessions, sid, "writing late tasks", lambda sid=sid, closed=closed: _sweep_session(
-            sessions, blobs, sid, [T.job_id.in_(closed), T.first_seen <= cutoff], now, cache)))  # fmt: skip
+            sessions, blobs, sid, [T.job_id.in_(closed), T.first_seen <= settled(sid)], now, cache)))  # fmt: skip
     return out
 
 
@@ -1558,11 +1571,6 @@ def _merge_each(sessions: sessionmaker[Session], session_id: int, patches: list[
             logger.error("Ray task %s attempt %s: the index cannot hold it; stored, not "
                          "indexed: %s", p.task_id, p.attempt, exc.orig)  # fmt: skip
 
-
-#: A body whose task patches are not merged this long after it came holds up its session's
-#: settled tasks and job closes (run_due) until they are: a live collector merges within
-#: TaskHold.age (0.5 s) and a flush.
-HELD_LATE = 1.0
 
 #: A body whose task patches are still not merged this long after it came was held by a
 #: process that died (a live one merges within TaskHold.age, or retries while the index is

@@ -38,6 +38,13 @@ def _stack(db_url: str, blob_url: str, s3_endpoint: str | None = None) -> dict[s
             "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE}  # fmt: skip
 
 
+def _dies(app: Any) -> None:
+    """The collector process dies: what it held in memory is gone (its sweeper was
+    stopped before it took any)."""
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.hold = ray.TaskHold(age=sw.hold.age)
+
+
 def _tokens(engine: Any, *tenants: str) -> list[str]:
     """A ray,read token for each tenant."""
     with make_sessionmaker(engine).begin() as db:
@@ -74,6 +81,7 @@ def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_end
     p2 = Ray(app2, tok_held)
     p2.post_all(bodies(b, 10_000))
     assert len(sw.hold) > 0  # held, acknowledged
+    _dies(app2)
 
     # The survivor's sweeper: passes at +6 s (job settles) and at +11 s (recovery).
     st = p1.store
@@ -163,6 +171,7 @@ def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(
     live, dead = Ray(apps[0], tok_live), Ray(apps[1], tok_dead)
     live.post_all(bodies(a, 10_000) + bodies(b, 10_000))
     dead.post_all(bodies(a, 10_000) + bodies(b, 10_000))
+    _dies(apps[1])
     hold = apps[0].extensions["hindsight.ray_sweeper"].hold
     hold.flush(live.store.sessions, force=True)  # the live collector's flush
     st = dead.store  # the dead one's bodies (and the refused flush's): from their blobs
@@ -197,6 +206,7 @@ def test_reindex_merges_the_bodies_a_dead_collector_held(pg_url, s3_url, moto_en
     r = Ray(app, tok)
     _, _, events = workload(seed=14)
     r.post_all(bodies(events, 10_000))
+    _dies(app)
     after = create_app({**stack, "ray_sweeper": False})  # restarted without a sweeper
     st = after.extensions["hindsight"]
     counts = ray.reindex(st.blobs, st.sessions, settle=SETTLE, idle=IDLE)
@@ -267,6 +277,7 @@ def test_a_session_whose_held_bodies_cannot_be_read_does_not_hold_up_the_others(
     _, _, events = workload(seed=16)
     Ray(app, bad_tok).post_all(bodies(events, 5))  # 13 bodies, held
     Ray(app, good_tok).post_all(bodies(events, 10_000))  # then 1 body, held
+    _dies(app)
     st = app.extensions["hindsight"]
     for key in list(st.blobs.list(f"{ray.RAW_PREFIX}/{bad}/")):
         path = tmp_path / "blobs" / key
@@ -316,3 +327,47 @@ def test_a_full_hold_is_merged_before_the_request_that_filled_it_is_acknowledged
         ).scalar()  # fmt: skip
     engine.dispose()
     assert held == 0
+
+
+@pytest.mark.postgres
+def test_a_job_waits_for_ends_acknowledged_within_its_settle_time(pg_url, s3_url, moto_endpoint):
+    """No crash: the tasks' ends come in a body acknowledged shortly before the job's
+    settle time is up, and a live collector holds them (under half a second). The job
+    does not close until they are merged (it closed, writing every one of its tasks as
+    failed with the job, found by a held-out check: the hold only counted a body as held
+    once it was a second old)."""
+    from services.embedded import create_app
+
+    stack = _stack(pg_url, s3_url, moto_endpoint)
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    tok_inline, tok_held = _tokens(engine, new_tenant(), tenant)
+    _, _, events = workload(seed=18)
+    a, b = _split(events)
+    inline = Ray(create_app({**stack, "ray_sweeper": False}), tok_inline)
+    inline.post_all(bodies(a, 10_000) + bodies(b, 10_000))
+    inline.sweep(after=SETTLE + 1)
+
+    app = create_app({**stack, "ray_sweeper": True})
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.stop()  # the flushes are driven by hand
+    held = Ray(app, tok_held)
+    held.post_all(bodies(a, 10_000))
+    sw.hold.flush(held.store.sessions, force=True)  # definitions and RUNNING merged
+    held.post_all(bodies(b, 10_000))  # the ends (and the job's end): held
+    acked = time.time()
+    with engine.begin() as c:  # the job's end as if it had come 0.5 s short of settling
+        c.execute(
+            text("UPDATE ray_jobs j SET end_seen = :t FROM sessions s, clusters c, tenants n"
+                 " WHERE s.id = j.session_id AND c.id = s.cluster_id AND n.id = c.tenant_id"
+                 " AND n.name = :tenant"),
+            {"t": acked - SETTLE + 0.5, "tenant": tenant},
+        )  # fmt: skip
+    st = held.store
+    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=acked + 0.6)
+    assert held.run(1)["status"] == "running"  # waits for the held ends
+    sw.hold.flush(st.sessions, force=True)  # the live collector's next flush
+    ray.emit_ready(st.sessions, st.blobs)
+    held.sweep(after=SETTLE + 1)
+    engine.dispose()
+    assert held.view()["runs"][ray_job(1)] == inline.view()["runs"][ray_job(1)]
