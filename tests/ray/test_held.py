@@ -45,6 +45,16 @@ def _dies(app: Any) -> None:
     sw.hold = ray.TaskHold(age=sw.hold.age)
 
 
+def _count(engine: Any, tenant: str, table: str, where: str = "true") -> int:
+    """Rows of a session-keyed table (ray_tasks, ray_bodies) of ``tenant`` matching ``where``."""
+    with engine.connect() as c:
+        return c.execute(
+            text(f"SELECT count(*) FROM {table} x JOIN sessions s ON s.id = x.session_id"
+                 " JOIN clusters c ON c.id = s.cluster_id JOIN tenants n ON n.id = c.tenant_id"
+                 f" WHERE n.name = :t AND {where}"), {"t": tenant},
+        ).scalar_one()  # fmt: skip
+
+
 def _tokens(engine: Any, *tenants: str) -> list[str]:
     """A ray,read token for each tenant."""
     with make_sessionmaker(engine).begin() as db:
@@ -176,14 +186,8 @@ def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(
     hold.flush(live.store.sessions, force=True)  # the live collector's flush
     st = dead.store  # the dead one's bodies (and the refused flush's): from their blobs
     ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
-    q = text(
-        "SELECT count(*) FILTER (WHERE defined AND running_at IS NOT NULL) FROM ray_tasks t"
-        " JOIN sessions s ON s.id=t.session_id JOIN clusters c ON c.id=s.cluster_id"
-        " JOIN tenants n ON n.id=c.tenant_id WHERE n.name=:t"
-    )
-    with engine.connect() as c:
-        n_live = c.execute(q, {"t": t_live}).scalar()
-        n_dead = c.execute(q, {"t": t_dead}).scalar()
+    started = "x.defined AND x.running_at IS NOT NULL"
+    n_live, n_dead = (_count(engine, t, "ray_tasks", started) for t in (t_live, t_dead))
     engine.dispose()
     for ap in apps:
         ap.extensions["hindsight"].engine.dispose()
@@ -288,12 +292,7 @@ def test_a_session_whose_held_bodies_cannot_be_read_does_not_hold_up_the_others(
     assert first.failed == 1 and first.batches == 0  # the bad session, then left alone
     second = ray.recover_held(st.sessions, st.blobs, now=later, limit=5)
     assert second.batches == 1 and second.failed == 0  # the good session's body
-    with engine.connect() as c:
-        merged = c.execute(
-            text("SELECT count(*) FROM ray_tasks t JOIN sessions s ON s.id = t.session_id"
-                 " JOIN clusters c ON c.id = s.cluster_id JOIN tenants n ON n.id = c.tenant_id"
-                 " WHERE n.name = :t"), {"t": good},
-        ).scalar()  # fmt: skip
+    merged = _count(engine, good, "ray_tasks")
     engine.dispose()
     assert merged == 63
 
@@ -319,12 +318,7 @@ def test_a_full_hold_is_merged_before_the_request_that_filled_it_is_acknowledged
     started, _ = _split(events)  # definitions and RUNNING: no task complete
     Ray(app, tok).post_all(bodies(started, 10_000))
     assert len(sw.hold) == 0
-    with engine.connect() as c:
-        held = c.execute(
-            text("SELECT count(*) FROM ray_bodies b JOIN sessions s ON s.id = b.session_id"
-                 " JOIN clusters c ON c.id = s.cluster_id JOIN tenants n ON n.id = c.tenant_id"
-                 " WHERE n.name = :t AND NOT b.tasks_merged"), {"t": tenant},
-        ).scalar()  # fmt: skip
+    held = _count(engine, tenant, "ray_bodies", "NOT x.tasks_merged")
     engine.dispose()
     assert held == 0
 
