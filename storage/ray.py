@@ -166,6 +166,12 @@ def read_stored(data: bytes) -> bytes:
 
 _encode = msgspec.json.Encoder().encode
 
+# How a task patch merges into its row (the merge statements) and into a held patch
+# (``_fold``): set once, the earliest time, ``defined`` OR-ed.
+_TASK_FIRST = ("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id",
+               "node_id", "worker_id", "pid", "error_type", "error_message")  # fmt: skip
+_TASK_LOW = ("pending_at", "submitted_at", "running_at", "finished_at", "failed_at")
+
 
 @functools.cache
 def _statements(dialect: str) -> SimpleNamespace:
@@ -306,12 +312,8 @@ def _statements(dialect: str) -> SimpleNamespace:
                     first=("entrypoint", "driver_pid", "driver_node"),
                     low=("created_at", "finished_at", "driver_exit_at", "end_seen"),
                     high=("last_event_at",), returning=tuple(J.c))  # fmt: skip
-    st.task = upsert(m.RayTask, ["session_id", "task_id", "attempt"],
-                     first=("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id",
-                            "node_id", "worker_id", "pid", "error_type", "error_message"),
-                     low=("pending_at", "submitted_at", "running_at", "finished_at", "failed_at",
-                          "first_seen", "end_seen"),
-                     ored=("defined",))  # fmt: skip
+    st.task = upsert(m.RayTask, ["session_id", "task_id", "attempt"], first=_TASK_FIRST,
+                     low=(*_TASK_LOW, "first_seen", "end_seen"), ored=("defined",))  # fmt: skip
     st.ready = insert(R).on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
     st.task_bulk = None
     if dialect == "postgresql":
@@ -339,12 +341,8 @@ def _statements(dialect: str) -> SimpleNamespace:
                                func.coalesce(T.c.failed_at, ex.failed_at), node_known)  # fmt: skip
 
         merged = upsert(
-            m.RayTask, ["session_id", "task_id", "attempt"],
-            first=("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id",
-                   "node_id", "worker_id", "pid", "error_type", "error_message"),
-            low=("pending_at", "submitted_at", "running_at", "finished_at", "failed_at",
-                 "first_seen", "end_seen"),
-            ored=("defined",), bulk=True, taken=taken,
+            m.RayTask, ["session_id", "task_id", "attempt"], first=_TASK_FIRST,
+            low=(*_TASK_LOW, "first_seen", "end_seen"), ored=("defined",), bulk=True, taken=taken,
         )  # fmt: skip
         up = merged.returning(
             T.c.session_id, T.c.task_id, T.c.attempt, T.c.job_id, T.c.emitted, T.c.emitted_before
@@ -864,9 +862,7 @@ def merge_part(
     elif part.tasks:
         patches = [t for _, t in sorted(part.tasks.items())]
         if st.task_bulk is not None:  # merges, and queues what it completes (see _statements)
-            db.execute(
-                st.task_bulk, {"p_rows": _encode(patches).decode(), "p_session": sid, "p_now": now}
-            )
+            _merge_patches(db, sid, patches, now)
         else:
             rows = [{f: getattr(t, f) for f in t.__struct_fields__} for t in patches]
             for r in rows:
@@ -1345,20 +1341,16 @@ def has_open_work(db: Session) -> bool:
 
 # ------------------------------------------------------------------ held task patches
 
-_FIRST = ("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id", "node_id",
-          "worker_id", "pid", "error_type", "error_message")  # fmt: skip
-_LOW = ("pending_at", "submitted_at", "running_at", "finished_at", "failed_at")
-
 
 def _fold(into: TaskPatch, p: TaskPatch) -> None:
     """Merge patch ``p`` into ``into`` as the merge statement merges a patch into a row:
     a value set once stays, times keep the earliest, ``defined`` is OR-ed."""
-    for f in _FIRST:
+    for f in _TASK_FIRST:
         if getattr(into, f) is None:
             v = getattr(p, f)
             if v is not None:
                 setattr(into, f, v)
-    for f in _LOW:
+    for f in _TASK_LOW:
         v = getattr(p, f)
         if v is not None:
             old = getattr(into, f)
@@ -1452,11 +1444,12 @@ class TaskHold:
                 if force:
                     go = list(held)
                 else:
-                    go = list(self._complete.get(sid, ()))
+                    complete = self._complete.get(sid, set())
+                    go = list(complete)
                     for k, h in held.items():  # oldest first
                         if h.since > cutoff:
                             break
-                        if k not in self._complete.get(sid, ()):
+                        if k not in complete:
                             go.append(k)
                 self._complete.pop(sid, None)
                 if go:
@@ -1552,9 +1545,10 @@ def _mark_merged(db: Session, bodies: list[int]) -> None:
         db.execute(update(B).where(B.c.id.in_(sorted(bodies))).values(tasks_merged=True))
 
 
-def _merge_patches(db: Session, session_id: int, patches: list[TaskPatch]) -> None:
-    """Merge task patches (in key order) as merge_part does, queueing what they complete."""
-    st, now = _stmts(db), time.time()
+def _merge_patches(db: Session, session_id: int, patches: list[TaskPatch], now: float | None = None) -> None:  # fmt: skip
+    """Merge task patches (in key order) into ``ray_tasks`` (Postgres), queueing in
+    ``ray_ready`` what they complete."""
+    st, now = _stmts(db), time.time() if now is None else now
     for chunk in _chunks(patches, 5_000):
         db.execute(st.task_bulk, {"p_rows": _encode(chunk).decode(), "p_session": session_id,
                                   "p_now": now})  # fmt: skip
