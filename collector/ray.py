@@ -145,8 +145,12 @@ def post_ray_events() -> Any:
             results.append(ray.PartResult(p.session, False, len(p.part.raw),
                                           {"unindexable": len(p.part.raw)}))  # fmt: skip
         INDEX_SECONDS.observe(time.perf_counter() - t0)
-    if hold is not None and hold.full:  # back-pressure: the sweeper's flushes fall behind
-        hold.flush(st.sessions, force=True)
+    # Back-pressure: a request's threads share the process with the sweeper's, and left
+    # alone they can outrun its flushes (the hold, and the tasks waiting in it, grow).
+    if hold is not None and hold.full:  # far behind: everything, now
+        hold.flush(st.sessions, st.blobs, force=True, cache=st.ids)
+    elif hold is not None and hold.behind:  # help the sweeper (or wait for its flush)
+        hold.flush(st.sessions, st.blobs, cache=st.ids)
     if sweeper is not None:
         sweeper.wake()
     skipped: dict[str, int] = {}
@@ -239,7 +243,7 @@ class Sweeper:
 
     PARKED = 30.0  # a parked sweeper looks again this often (and checks its app still exists)
     EMIT_GAP = 0.25  # bodies arriving meanwhile share one derived batch
-    FLUSH_GAP = 0.1  # held task patches are looked at this often
+    FLUSH_GAP = 0.25  # held task patches are looked at this often
 
     def __init__(self, st: Store) -> None:
         self._store = weakref.ref(st)
@@ -286,7 +290,7 @@ class Sweeper:
         st = self._store()
         if self.hold is not None and len(self.hold) and st is not None:
             try:
-                self.hold.flush(st.sessions, force=True)
+                self.hold.flush(st.sessions, st.blobs, force=True, cache=st.ids)
             except Exception:
                 logger.warning("Ray sweeper: held task patches not merged at exit; another "
                                "sweeper merges their bodies again", exc_info=True)  # fmt: skip
@@ -298,7 +302,7 @@ class Sweeper:
             self._stop.set()
             return False
         if self.hold is not None:
-            self.hold.flush(st.sessions)
+            self.hold.flush(st.sessions, st.blobs, cache=st.ids)
         now = time.monotonic()
         if now >= self._emit_at:
             self._emit_at = now + self.EMIT_GAP
@@ -317,6 +321,7 @@ class Sweeper:
         backoff = self.interval
         while not self._stop.is_set():
             self._wake.clear()
+            began = time.monotonic()
             try:
                 busy = self._pass()
                 backoff = self.interval
@@ -328,7 +333,9 @@ class Sweeper:
             if self._stop.is_set():
                 return
             if self.hold is not None and len(self.hold):
-                self._stop.wait(self.FLUSH_GAP)
+                # A pass every FLUSH_GAP, counted from its start: a pass that took longer
+                # (the sweeper behind the requests) is followed at once.
+                self._stop.wait(max(0.0, began + self.FLUSH_GAP - time.monotonic()))
             elif busy:
                 # Let bodies gather, then go again when one arrives (or run_due is due).
                 self._stop.wait(self.EMIT_GAP)

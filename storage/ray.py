@@ -315,7 +315,7 @@ def _statements(dialect: str) -> SimpleNamespace:
     st.task = upsert(m.RayTask, ["session_id", "task_id", "attempt"], first=_TASK_FIRST,
                      low=(*_TASK_LOW, "first_seen", "end_seen"), ored=("defined",))  # fmt: skip
     st.ready = insert(R).on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
-    st.task_bulk = None
+    st.task_bulk = st.task_taken = None
     if dialect == "postgresql":
         # The merge takes a task it completes for writing in the same statement: ``emitted``
         # flips (with the row's lock held, so exactly one merge sees it flip) and the task
@@ -344,19 +344,21 @@ def _statements(dialect: str) -> SimpleNamespace:
             m.RayTask, ["session_id", "task_id", "attempt"], first=_TASK_FIRST,
             low=(*_TASK_LOW, "first_seen", "end_seen"), ored=("defined",), bulk=True, taken=taken,
         )  # fmt: skip
-        up = merged.returning(
-            T.c.session_id, T.c.task_id, T.c.attempt, T.c.job_id, T.c.emitted, T.c.emitted_before
-        ).cte("up")
+        up = merged.returning(*T.c).cte("up")
+        flipped = and_(up.c.emitted.is_(True), up.c.emitted_before.is_(False))
         st.task_bulk = (
             insert(R)
             .from_select(
                 ["session_id", "task_id", "attempt", "job_id"],
-                select(up.c.session_id, up.c.task_id, up.c.attempt, up.c.job_id).where(
-                    up.c.emitted.is_(True), up.c.emitted_before.is_(False)
-                ),
+                select(up.c.session_id, up.c.task_id, up.c.attempt, up.c.job_id).where(flipped),
             )
             .on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
         )
+        # The same merge, returning the rows of the tasks it takes instead of queueing them:
+        # for a caller that writes them in the same transaction (TaskHold.flush), so that a
+        # task is never taken without being written, and the queue's insert and delete
+        # (~17 us of Postgres a task under bench/ray_ingest.py) are spared.
+        st.task_taken = select(*up.c).where(flipped)
     # Statements on a list of (task, attempt) keys serve SQLite's paths: Postgres merges and
     # queues in one statement (``task_bulk``), flips with SKIP LOCKED subqueries
     # (``_emit_locked``) and drains the queue in one (``take_ready``).
@@ -1392,9 +1394,10 @@ class TaskHold:
     ``limit`` bounds the patches held: past it the request that adds more flushes first
     (back-pressure, never a drop)."""
 
-    def __init__(self, age: float = 0.5, limit: int = 200_000) -> None:
+    def __init__(self, age: float = 0.5, limit: int = 200_000, behind: int = 20_000) -> None:
         self.age = age
         self.limit = limit
+        self.behind_at = behind
         self._lock = threading.Lock()
         self._flushing = threading.Lock()  # one flush at a time: patches merge in key order
         # session id -> held patches in the order they came (so the aged ones lead)
@@ -1430,17 +1433,26 @@ class TaskHold:
 
     @property
     def full(self) -> bool:
-        """Over ``limit`` patches: the caller flushes before acknowledging more."""
+        """Over ``limit`` patches: the caller flushes everything before acknowledging more."""
         return self._count > self.limit
 
-    def _take(self, force: bool) -> tuple[dict[int, list[_Held]], list[int]]:
-        """The patches due (all with ``force``), and the bodies none of whose patches
-        stay held."""
+    @property
+    def behind(self) -> bool:
+        """Over ``behind`` patches (the flushes trail the requests by a second or more):
+        the caller flushes what is due before acknowledging more."""
+        return self._count > self.behind_at
+
+    def _take(self, force: bool, skip: Iterable[int] = ()) -> tuple[dict[int, list[_Held]], dict[int, list[int]]]:  # fmt: skip
+        """The patches due (all with ``force``) per session, but for sessions in ``skip``,
+        and per session the bodies none of whose patches stay held."""
         cutoff = time.monotonic() - self.age
         due: dict[int, list[_Held]] = {}
-        done: list[int] = []
+        done: dict[int, list[int]] = {}
+        skip = set(skip)
         with self._lock:
             for sid, held in self._tasks.items():
+                if sid in skip:
+                    continue
                 if force:
                     go = list(held)
                 else:
@@ -1454,6 +1466,7 @@ class TaskHold:
                 self._complete.pop(sid, None)
                 if go:
                     due[sid] = [held.pop(k) for k in go]
+                    done[sid] = []
                     self._count -= len(go)
                     for h in due[sid]:
                         for b in h.bodies:
@@ -1465,7 +1478,7 @@ class TaskHold:
                                 if b in self._poisoned:
                                     self._poisoned.discard(b)
                                 else:
-                                    done.append(b)
+                                    done[sid].append(b)
             self._tasks = {sid: held for sid, held in self._tasks.items() if held}
         return due, done
 
@@ -1492,40 +1505,62 @@ class TaskHold:
                 complete = self._complete.setdefault(sid, set())
                 complete.update(k for k, h in held.items() if _complete(h.patch))
 
-    def flush(self, sessions: sessionmaker[Session], *, force: bool = False) -> int:
-        """Merge the patches due (every one with ``force``) in one transaction, marking the
-        bodies whose last held patch it merges; patches go back to the hold if it fails.
-        Returns how many patches it merged."""
+    def flush(self, sessions: sessionmaker[Session], blobs: BlobStore, *, force: bool = False,
+              cache: IdCache | None = None) -> int:  # fmt: skip
+        """Merge the patches due (every one with ``force``), a transaction per session, which
+        marks the bodies whose last held patch it merges and writes the tasks the merge
+        completes (one derived batch). A session whose flush fails gets its patches back
+        and is left alone for a while (the sweeper's quarantine: the other sessions go
+        on), or with ``force`` the failure is raised once every session was tried. Returns
+        how many patches were merged."""
         with self._flushing:
-            due, done = self._take(force)
-            if not due:
-                return 0
-            patches = {
-                sid: sorted((h.patch for h in hs), key=lambda p: (p.task_id, p.attempt))
-                for sid, hs in due.items()
-            }
-            try:
-                with sessions.begin() as db:
-                    _mark_merged(db, done)  # the manifest rows first, as merge_part locks them
-                    for sid in sorted(patches):
-                        if _session_kept(db, sid):
-                            _merge_patches(db, sid, patches[sid])
-            except DataError as exc:
-                # A value the index cannot hold. Folded patches mix bodies, so which body
-                # brought it is unknown here: the bodies are left unmerged for recovery,
-                # which merges them one by one from their blobs, as each body's own
-                # request would have (a good body's fields of the same task are kept).
-                bodies = {b for hs in due.values() for h in hs for b in h.bodies}
-                with self._lock:
-                    self._poisoned |= {b for b in bodies if b in self._left}
-                logger.error("Ray: the index refused held task patches (%s); their %d bodies "
-                             "are merged again from their blobs, one by one", exc.orig,
-                             len(bodies))  # fmt: skip
-                return 0
-            except BaseException:
-                self._put_back(due)
-                raise
-            return sum(len(ps) for ps in patches.values())
+            skip = [] if force else _quarantine.waiting(sessions, time.monotonic())
+            due, done = self._take(force, skip)
+            merged, failure = 0, None
+            for sid in sorted(due):
+                patches = sorted((h.patch for h in due[sid]), key=lambda p: (p.task_id, p.attempt))
+
+                def one(sid: int = sid, patches: list[TaskPatch] = patches) -> SweepCounts:
+                    return self._flush_session(sessions, blobs, sid, due[sid], done[sid],
+                                               patches, cache)  # fmt: skip
+
+                if force:
+                    try:
+                        got = one()
+                    except Exception as exc:
+                        failure = failure or exc
+                        continue
+                else:
+                    got = _quarantine.run(sessions, sid, "merging held task patches", one)
+                merged += got.tasks
+            if failure is not None:
+                raise failure
+            return merged
+
+    def _flush_session(self, sessions: sessionmaker[Session], blobs: BlobStore, sid: int,
+                       due: list[_Held], done: list[int], patches: list[TaskPatch],
+                       cache: IdCache | None) -> SweepCounts:  # fmt: skip
+        try:
+            with sessions.begin() as db:
+                _mark_merged(db, done)  # the manifest rows first, as merge_part locks them
+                if _session_kept(db, sid):
+                    _merge_and_write(db, blobs, sid, patches, cache)
+        except DataError as exc:
+            # A value the index cannot hold. Folded patches mix bodies, so which body
+            # brought it is unknown here: the bodies are left unmerged for recovery,
+            # which merges them one by one from their blobs, as each body's own
+            # request would have (a good body's fields of the same task are kept).
+            bodies = {b for h in due for b in h.bodies}
+            with self._lock:
+                self._poisoned |= {b for b in bodies if b in self._left}
+            logger.error("Ray: the index refused held task patches (%s); their %d bodies "
+                         "are merged again from their blobs, one by one", exc.orig,
+                         len(bodies))  # fmt: skip
+            return SweepCounts()
+        except BaseException:
+            self._put_back({sid: due})
+            raise
+        return SweepCounts(tasks=len(patches))
 
 
 def _session_kept(db: Session, session_id: int) -> bool:
@@ -1543,6 +1578,25 @@ def _mark_merged(db: Session, bodies: list[int]) -> None:
     if bodies:
         B = m.RayBody.__table__
         db.execute(update(B).where(B.c.id.in_(sorted(bodies))).values(tasks_merged=True))
+
+
+def _merge_and_write(db: Session, blobs: BlobStore, session_id: int, patches: list[TaskPatch],
+                     cache: IdCache | None, batch: int = 20_000) -> int:  # fmt: skip
+    """Merge task patches (in key order) into ``ray_tasks`` (Postgres) and write the tasks
+    they complete in the same transaction (a derived batch per ``batch`` tasks), where
+    :func:`_merge_patches` queues them. Returns how many tasks were written."""
+    st, now = _stmts(db), time.time()
+    rows: list[Any] = []
+    for chunk in _chunks(patches, 5_000):
+        rows += db.execute(st.task_taken, {"p_rows": _encode(chunk).decode(),
+                                           "p_session": session_id, "p_now": now}).all()  # fmt: skip
+    if rows:
+        tenant_id, tenant, cluster, session = _session_names(db, session_id)
+        for part in _chunks(rows, batch):
+            write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
+                          session=session, derived=Derived(tasks=tasks_as_events(db, session_id, part)),
+                          now=now, cache=cache)  # fmt: skip
+    return len(rows)
 
 
 def _merge_patches(db: Session, session_id: int, patches: list[TaskPatch], now: float | None = None) -> None:  # fmt: skip

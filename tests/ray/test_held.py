@@ -16,6 +16,7 @@ from storage import ray
 from storage.db import make_engine, make_sessionmaker
 from storage.tokens import create_token
 from tests.conftest import new_tenant
+from tests.dask.conftest import wait_until
 from tests.ray.test_ingest import IDLE, SETTLE, Ray, bodies, ray_job, workload
 
 
@@ -139,7 +140,7 @@ def test_a_flush_after_retention_removed_the_session_writes_nothing(pg_url, s3_u
         ).scalars()
     plan = retention.apply(st.blobs, st.sessions, tenant, max_age=0, now=time.time() + 3600)
     assert [s.id for s in plan.sessions] == [sid]
-    n = sw.hold.flush(st.sessions, force=True)
+    n = sw.hold.flush(st.sessions, st.blobs, force=True)
     assert n > 0
     with engine.connect() as c:
         orphans = c.execute(
@@ -183,7 +184,7 @@ def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(
     dead.post_all(bodies(a, 10_000) + bodies(b, 10_000))
     _dies(apps[1])
     hold = apps[0].extensions["hindsight.ray_sweeper"].hold
-    hold.flush(live.store.sessions, force=True)  # the live collector's flush
+    hold.flush(live.store.sessions, live.store.blobs, force=True)  # the live collector's flush
     st = dead.store  # the dead one's bodies (and the refused flush's): from their blobs
     ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
     started = "x.defined AND x.running_at IS NOT NULL"
@@ -251,13 +252,15 @@ def test_a_job_waits_for_a_live_collector_whose_flush_failed(pg_url, s3_url, mot
     Ray(app2, tok).post_all(bodies(b, 10_000))
     down = sessionmaker(bind=make_engine("postgresql+psycopg2://postgres@127.0.0.1:1/x"))
     with pytest.raises(OperationalError):
-        sw.hold.flush(down, force=True)  # Postgres away: put back
+        sw.hold.flush(
+            down, app2.extensions["hindsight"].blobs, force=True
+        )  # Postgres away: put back
     assert len(sw.hold) > 0
     st = p1.store
     now = time.time()
     ray.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1)
     ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
-    sw.hold.flush(app2.extensions["hindsight"].sessions, force=True)  # P2 back
+    sw.hold.flush(app2.extensions["hindsight"].sessions, st.blobs, force=True)  # P2 back
     ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
     ray.emit_ready(st.sessions, st.blobs)
     summary = p1.run(1)
@@ -347,7 +350,9 @@ def test_a_job_waits_for_ends_acknowledged_within_its_settle_time(pg_url, s3_url
     sw.stop()  # the flushes are driven by hand
     held = Ray(app, tok_held)
     held.post_all(bodies(a, 10_000))
-    sw.hold.flush(held.store.sessions, force=True)  # definitions and RUNNING merged
+    sw.hold.flush(
+        held.store.sessions, held.store.blobs, force=True
+    )  # definitions and RUNNING merged
     held.post_all(bodies(b, 10_000))  # the ends (and the job's end): held
     acked = time.time()
     with engine.begin() as c:  # the job's end as if it had come 0.5 s short of settling
@@ -360,8 +365,80 @@ def test_a_job_waits_for_ends_acknowledged_within_its_settle_time(pg_url, s3_url
     st = held.store
     ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=acked + 0.6)
     assert held.run(1)["status"] == "running"  # waits for the held ends
-    sw.hold.flush(st.sessions, force=True)  # the live collector's next flush
+    sw.hold.flush(st.sessions, st.blobs, force=True)  # the live collector's next flush
     ray.emit_ready(st.sessions, st.blobs)
     held.sweep(after=SETTLE + 1)
     engine.dispose()
     assert held.view()["runs"][ray_job(1)] == inline.view()["runs"][ray_job(1)]
+
+
+@pytest.mark.postgres
+def test_a_held_session_that_cannot_be_written_does_not_hold_up_the_others(pg_url, tmp_path):
+    """A flush writes the tasks it completes in the same transaction as the merge, a
+    transaction per session. One session's tasks cannot be stored (its derived prefix is
+    taken by a file): the other session's are merged and written in the same flush; the
+    failed one has nothing merged or taken (its patches go back to the hold) and is
+    written once its store takes writes again, every task once."""
+    from services.embedded import create_app
+
+    blobs = tmp_path / "blobs"
+    stack = {**_stack(pg_url, blobs.as_uri()), "ray_sweeper": True}
+    engine = make_engine(pg_url)
+    tenants = [new_tenant(), new_tenant()]
+    app = create_app(stack)
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.stop()  # we drive the hold by hand
+    clients = [Ray(app, tok) for tok in _tokens(engine, *tenants)]
+    sessions, held = [], []  # task attempts held, per session
+    for seed, r in zip((21, 22), clients, strict=True):
+        sim, _, events = workload(seed=seed)
+        r.post_all(bodies(events, 10_000))
+        sessions.append(sim.session)
+        held.append(len(sw.hold) - sum(held))
+    st = clients[0].store
+    (broken,) = (blobs / ray.DERIVED_PREFIX).glob(f"{tenants[1]}/rc/{sessions[1]}")
+    aside = broken.with_name(broken.name + ".aside")
+    broken.rename(aside)
+    broken.write_bytes(b"")  # a file where the session's directory goes
+
+    assert sw.hold.flush(st.sessions, st.blobs) == held[0]
+    assert clients[0].run(1)["task_count"] == 60  # written in the same flush
+    assert clients[1].run(1)["task_count"] == 0
+    assert _count(engine, tenants[1], "ray_tasks") == 0  # nothing merged, nothing taken
+    assert _count(engine, tenants[1], "ray_ready") == 0
+    assert len(sw.hold) == held[1]  # back in the hold
+    broken.unlink()
+    aside.rename(broken)
+
+    def written() -> bool:
+        sw.hold.flush(st.sessions, st.blobs)  # tried again after the session's pause
+        return clients[1].run(1)["task_count"] == 60
+
+    wait_until(written, 30, "the failed session to be written once it can be")
+    assert len(sw.hold) == 0
+    for tenant, n in zip(tenants, held, strict=True):
+        assert _count(engine, tenant, "ray_tasks", "emitted") == n
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_request_far_ahead_of_the_flushes_merges_what_is_due_before_its_ack(
+    pg_url, s3_url, moto_endpoint
+):
+    """Back-pressure: a request's threads can outrun the sweeper's flushes (they share the
+    process). Past the hold's ``behind`` mark, a request merges and writes what is due
+    itself before it is acknowledged; here the sweeper never flushes at all."""
+    from services.embedded import create_app
+
+    engine = make_engine(pg_url)
+    (tok,) = _tokens(engine, new_tenant())
+    engine.dispose()
+    app = create_app({**_stack(pg_url, s3_url, moto_endpoint), "ray_sweeper": True})
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.stop()
+    sw.hold.behind_at = 10
+    r = Ray(app, tok)
+    _, _, events = workload(seed=23)
+    r.post_all(bodies(events, 10_000))
+    assert len(sw.hold) <= 10
+    assert r.run(1)["task_count"] == 60
