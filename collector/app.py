@@ -6,6 +6,7 @@ from typing import Any
 
 from flask import Flask
 
+from collector.keepalive import RecycleConnections
 from collector.openapi import OPENAPI
 from collector.ratelimit import RateLimiter
 from collector.ray import bp as ray_bp
@@ -27,6 +28,7 @@ def init_collector(app: Flask) -> None:
     """Per-process collector state (also used by the embedded server)."""
     s = app.config["SETTINGS"]
     app.extensions["hindsight.ratelimit"] = RateLimiter(s.rate_limit_events, s.rate_limit_burst)
+    app.wsgi_app = RecycleConnections(app.wsgi_app, s.keepalive_requests)  # type: ignore[method-assign]
     init_ray(app)
     if s.finish_worker:
         st = app.extensions["hindsight"]

@@ -34,6 +34,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_METRICS": ("metrics", bool, True),
     "HINDSIGHT_MAX_IN_FLIGHT": ("max_in_flight", int, 64),
     "HINDSIGHT_MAX_IN_FLIGHT_BYTES": ("max_in_flight_bytes", int, 256 * 1024 * 1024),
+    "HINDSIGHT_KEEPALIVE_REQUESTS": ("keepalive_requests", int, 20),
     "HINDSIGHT_RAY_SETTLE_SECONDS": ("ray_settle_seconds", float, 5.0),
     "HINDSIGHT_RAY_IDLE_CLOSE_SECONDS": ("ray_idle_close_seconds", float, 900.0),
     "HINDSIGHT_RAY_SWEEPER": ("ray_sweeper", bool, True),
@@ -69,6 +70,7 @@ class Settings:
     metrics: bool
     max_in_flight: int
     max_in_flight_bytes: int
+    keepalive_requests: int
     ray_settle_seconds: float
     ray_idle_close_seconds: float
     ray_sweeper: bool
@@ -136,6 +138,8 @@ def load_settings(
         )
     if values["max_in_flight"] < 0 or values["max_in_flight_bytes"] < 0:
         raise ConfigError("HINDSIGHT_MAX_IN_FLIGHT and ..._BYTES must not be negative (0: no cap)")
+    if values["keepalive_requests"] < 0:
+        raise ConfigError("HINDSIGHT_KEEPALIVE_REQUESTS must not be negative (0: never close)")
     if not 0 < values["body_timeout"] < 1e6:  # NaN fails too
         raise ConfigError("HINDSIGHT_BODY_TIMEOUT must be a positive number of seconds")
     if values["finish_settle_seconds"] < 0:
