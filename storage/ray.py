@@ -1370,11 +1370,15 @@ def _complete(p: TaskPatch) -> bool:
     )
 
 
-class _Held:
-    __slots__ = ("patch", "since", "bodies")
+class _Held(msgspec.Struct, gc=False):
+    """A held patch, when it came, and the bodies it folds. Untracked by the cyclic garbage
+    collector (it holds a patch, a float and ints, so it cannot be part of a cycle): tens
+    of thousands live for a moment under load, and as tracked objects they made each full
+    collection of a collector process cost ~50 ms (~13% of its CPU under the bench)."""
 
-    def __init__(self, patch: TaskPatch, since: float, bodies: list[int]) -> None:
-        self.patch, self.since, self.bodies = patch, since, bodies
+    patch: TaskPatch
+    since: float
+    bodies: tuple[int, ...]
 
 
 class TaskHold:
@@ -1422,11 +1426,11 @@ class TaskHold:
                 k = (p.task_id, p.attempt)
                 h = held.get(k)
                 if h is None:
-                    held[k] = h = _Held(p, now, [body_id])
+                    held[k] = h = _Held(p, now, (body_id,))
                     self._count += 1
                 else:
                     _fold(h.patch, p)
-                    h.bodies.append(body_id)
+                    h.bodies += (body_id,)
                 if _complete(h.patch):
                     complete.add(k)
             self._left[body_id] = self._left.get(body_id, 0) + len(patches)
