@@ -1574,7 +1574,7 @@ def _session_kept(db: Session, session_id: int) -> bool:
     S = m.Session
     q = select(S.id).where(S.id == session_id)
     if db.get_bind().dialect.name == "postgresql":
-        q = q.with_for_update(key_share=True)
+        q = q.with_for_update(read=True, key_share=True)  # FOR KEY SHARE (alone: NO KEY UPDATE)
     return db.execute(q).first() is not None
 
 
