@@ -1398,7 +1398,7 @@ class TaskHold:
     ``limit`` bounds the patches held: past it the request that adds more flushes first
     (back-pressure, never a drop)."""
 
-    def __init__(self, age: float = 0.5, limit: int = 200_000, behind: int = 20_000) -> None:
+    def __init__(self, age: float = 0.5, limit: int = 200_000, behind: int = 10_000) -> None:
         self.age = age
         self.limit = limit
         self.behind_at = behind
