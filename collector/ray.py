@@ -231,8 +231,10 @@ def _redact_werkzeug() -> None:
 
 
 class Sweeper:
-    """Writes the tasks Ray bodies completed (:func:`storage.ray.emit_ready`, at most every
-    ``EMIT_GAP`` seconds, so that many bodies share a derived batch) and runs
+    """Merges the task patches its process holds (:class:`storage.ray.TaskHold`, every
+    ``FLUSH_GAP`` seconds, writing the tasks the merge completes), writes the tasks other
+    merges queued (:func:`storage.ray.emit_ready`, at most every ``EMIT_GAP`` seconds; in
+    both, many bodies' tasks share a derived batch) and runs
     :func:`storage.ray.run_due` every ``interval`` while the index has open Ray work: closes
     jobs after their end has settled (or after they went idle) and writes late tasks. One
     per process; several processes cooperate (rows are taken with SKIP LOCKED). It parks

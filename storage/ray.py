@@ -1395,8 +1395,8 @@ class TaskHold:
     (``ray_bodies.tasks_merged`` false) stays so until the flush that merges its last held
     patch, in the same transaction. A body left so by a process that died is merged again
     from its blob by any sweeper (:func:`recover_held`; merges are idempotent).
-    ``limit`` bounds the patches held: past it the request that adds more flushes first
-    (back-pressure, never a drop)."""
+    Past ``behind`` patches the request that adds more flushes what is due itself, and
+    past ``limit`` everything (back-pressure, never a drop)."""
 
     def __init__(self, age: float = 0.5, limit: int = 200_000, behind: int = 10_000) -> None:
         self.age = age
