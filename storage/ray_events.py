@@ -115,7 +115,7 @@ def _structs(rename: str | None) -> Any:
     class TaskLifecycle(msgspec.Struct, **opts):  # type: ignore[misc]
         task_id: bytes = b""
         task_attempt: Attempt = 0
-        state_transitions: list[Transition] = []
+        state_transitions: tuple[Transition, ...] = ()
         ray_error_info: ErrorInfo | None = None
         node_id: bytes = b""
         worker_id: bytes = b""
@@ -134,7 +134,7 @@ def _structs(rename: str | None) -> Any:
 
     class JobLifecycle(msgspec.Struct, **opts):  # type: ignore[misc]
         job_id: bytes = b""
-        state_transitions: list[Transition] = []
+        state_transitions: tuple[Transition, ...] = ()
 
     class NodeDefinition(msgspec.Struct, **opts):  # type: ignore[misc]
         node_id: bytes = b""
@@ -155,7 +155,7 @@ def _structs(rename: str | None) -> Any:
 
     class NodeLifecycle(msgspec.Struct, **opts):  # type: ignore[misc]
         node_id: bytes = b""
-        state_transitions: list[NodeTransition] = []
+        state_transitions: tuple[NodeTransition, ...] = ()
 
     class WorkerDefinition(msgspec.Struct, **opts):  # type: ignore[misc]
         worker_id: bytes = b""
@@ -177,7 +177,7 @@ def _structs(rename: str | None) -> Any:
     class WorkerLifecycle(msgspec.Struct, **opts):  # type: ignore[misc]
         worker_id: bytes = b""
         job_id: bytes = b""
-        state_transitions: list[WorkerTransition] = []
+        state_transitions: tuple[WorkerTransition, ...] = ()
 
     class ActorDefinition(msgspec.Struct, **opts):  # type: ignore[misc]
         actor_id: bytes = b""
@@ -194,7 +194,7 @@ def _structs(rename: str | None) -> Any:
 
     class ActorLifecycle(msgspec.Struct, **opts):  # type: ignore[misc]
         actor_id: bytes = b""
-        state_transitions: list[ActorTransition] = []
+        state_transitions: tuple[ActorTransition, ...] = ()
 
     # An event's own id, source and time are not declared: nothing reads them (a body is
     # deduplicated by its content, a task by its id and attempt), and skipping them is
