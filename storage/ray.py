@@ -1213,6 +1213,10 @@ class _Quarantine:
 
 
 _quarantine = _Quarantine()
+# A session whose held patches could not be merged and written: its next flushes leave
+# their patches to recovery for a while (kept apart from the sweeps' pauses: a flush that
+# succeeds must not cut short the pause of a sweep that keeps failing).
+_flush_pause = _Quarantine()
 
 
 def run_due(
@@ -1384,7 +1388,7 @@ class _Held(msgspec.Struct, gc=False):
 class TaskHold:
     """Task patches of acknowledged bodies, held in this process for a moment before they
     are merged into ``ray_tasks`` (a Postgres collector with a sweeper; the sweeper's
-    thread flushes). Ray sends a task's definition and RUNNING in one body of a node's
+    thread flushes, and requests too when it falls behind). Ray sends a task's definition and RUNNING in one body of a node's
     aggregator and its end in a later one: held together they become one row write
     instead of an insert and an update, and one patch to read and encode instead of two
     (a sixth more events a second through the same two cores, bench/ray_ingest.py).
@@ -1446,17 +1450,15 @@ class TaskHold:
         the caller flushes what is due before acknowledging more."""
         return self._count > self.behind_at
 
-    def _take(self, force: bool, skip: Iterable[int] = ()) -> tuple[dict[int, list[_Held]], dict[int, list[int]]]:  # fmt: skip
-        """The patches due (all with ``force``) per session, but for sessions in ``skip``,
-        and per session the bodies none of whose patches stay held."""
+    def _take(self, force: bool) -> tuple[dict[int, list[_Held]], dict[int, list[int]]]:
+        """The patches due (all with ``force``) per session, and per session the bodies
+        none of whose patches stay held (poisoned ones too: they stay poisoned until the
+        flush is over, so that a put-back leaves them so)."""
         cutoff = time.monotonic() - self.age
         due: dict[int, list[_Held]] = {}
-        done: dict[int, list[int]] = {}
-        skip = set(skip)
+        released: dict[int, list[int]] = {}
         with self._lock:
             for sid, held in self._tasks.items():
-                if sid in skip:
-                    continue
                 if force:
                     go = list(held)
                 else:
@@ -1470,7 +1472,7 @@ class TaskHold:
                 self._complete.pop(sid, None)
                 if go:
                     due[sid] = [held.pop(k) for k in go]
-                    done[sid] = []
+                    released[sid] = []
                     self._count -= len(go)
                     for h in due[sid]:
                         for b in h.bodies:
@@ -1479,12 +1481,9 @@ class TaskHold:
                                 self._left[b] = n
                             else:
                                 del self._left[b]
-                                if b in self._poisoned:
-                                    self._poisoned.discard(b)
-                                else:
-                                    done[sid].append(b)
+                                released[sid].append(b)
             self._tasks = {sid: held for sid, held in self._tasks.items() if held}
-        return due, done
+        return due, released
 
     def _put_back(self, due: dict[int, list[_Held]]) -> None:
         """After a failed flush: the patches lead their sessions again (still the oldest),
@@ -1513,58 +1512,68 @@ class TaskHold:
               cache: IdCache | None = None) -> int:  # fmt: skip
         """Merge the patches due (every one with ``force``), a transaction per session, which
         marks the bodies whose last held patch it merges and writes the tasks the merge
-        completes (one derived batch). A session whose flush fails gets its patches back
-        and is left alone for a while (the sweeper's quarantine: the other sessions go
-        on), or with ``force`` the failure is raised once every session was tried. Returns
+        completes (one derived batch). A session whose flush fails (or that failed a
+        moment ago and is left alone for a while, doubling up to a minute) has its patches
+        dropped from the hold and its bodies left to recovery (:func:`recover_held`,
+        from their blobs, through the queue): nothing acknowledged is lost, the hold does
+        not grow with a session that cannot be written, and the other sessions go on. A
+        flush interrupted (a ``BaseException``) puts back what it had not merged. Returns
         how many patches were merged."""
         with self._flushing:
-            skip = [] if force else _quarantine.waiting(sessions, time.monotonic())
-            due, done = self._take(force, skip)
-            merged, failure = 0, None
-            for sid in sorted(due):
-                patches = sorted((h.patch for h in due[sid]), key=lambda p: (p.task_id, p.attempt))
-
-                def one(sid: int = sid, patches: list[TaskPatch] = patches) -> SweepCounts:
-                    return self._flush_session(sessions, blobs, sid, due[sid], done[sid],
-                                               patches, cache)  # fmt: skip
-
-                if force:
-                    try:
-                        got = one()
-                    except Exception as exc:
-                        failure = failure or exc
+            due, released = self._take(force)
+            waiting = set(_flush_pause.waiting(sessions, time.monotonic()))
+            sids = sorted(due)
+            merged = 0
+            for i, sid in enumerate(sids):
+                try:
+                    if sid in waiting and not force:
+                        self._drop(due[sid], released[sid])
                         continue
-                else:
-                    got = _quarantine.run(sessions, sid, "merging held task patches", one)
-                merged += got.tasks
-            if failure is not None:
-                raise failure
+
+                    def one(sid: int = sid) -> SweepCounts:
+                        return self._flush_session(sessions, blobs, sid, due[sid], released[sid],
+                                                   cache)  # fmt: skip
+
+                    merged += _flush_pause.run(sessions, sid, "merging held task patches "
+                                               "(their bodies are left to recovery)", one).tasks  # fmt: skip
+                except BaseException:
+                    self._put_back({s: due[s] for s in sids[i:]})  # this one and the rest
+                    raise
             return merged
 
     def _flush_session(self, sessions: sessionmaker[Session], blobs: BlobStore, sid: int,
-                       due: list[_Held], done: list[int], patches: list[TaskPatch],
-                       cache: IdCache | None) -> SweepCounts:  # fmt: skip
+                       due: list[_Held], released: list[int], cache: IdCache | None) -> SweepCounts:  # fmt: skip
+        patches = sorted((h.patch for h in due), key=lambda p: (p.task_id, p.attempt))
+        with self._lock:
+            done = [b for b in released if b not in self._poisoned]
         try:
             with sessions.begin() as db:
-                _mark_merged(db, done)  # the manifest rows first, as merge_part locks them
+                # The session row first (KEY SHARE), as retention's delete locks it and
+                # then, by cascade, the manifest rows.
                 if _session_kept(db, sid):
+                    _mark_merged(db, done)
                     _merge_and_write(db, blobs, sid, patches, cache)
-        except DataError as exc:
+        except Exception as exc:
+            self._drop(due, released)
+            if not isinstance(exc, DataError):
+                raise  # logged, and the session's flushes paused (_flush_pause)
             # A value the index cannot hold. Folded patches mix bodies, so which body
-            # brought it is unknown here: the bodies are left unmerged for recovery,
-            # which merges them one by one from their blobs, as each body's own
-            # request would have (a good body's fields of the same task are kept).
-            bodies = {b for h in due for b in h.bodies}
-            with self._lock:
-                self._poisoned |= {b for b in bodies if b in self._left}
-            logger.error("Ray: the index refused held task patches (%s); their %d bodies "
-                         "are merged again from their blobs, one by one", exc.orig,
-                         len(bodies))  # fmt: skip
+            # brought it is unknown here: recovery merges them one by one from their
+            # blobs, as each body's own request would have (a good body's fields of the
+            # same task are kept).
+            logger.error("Ray: the index refused held task patches (%s); their bodies are "
+                         "merged again from their blobs, one by one", exc.orig)  # fmt: skip
             return SweepCounts()
-        except BaseException:
-            self._put_back({sid: due})
-            raise
+        with self._lock:
+            self._poisoned.difference_update(released)
         return SweepCounts(tasks=len(patches))
+
+    def _drop(self, due: list[_Held], released: list[int]) -> None:
+        """Drop patches a flush could not merge: their bodies are not marked (those still
+        partly held never will be by this hold), so recovery merges them from their blobs."""
+        with self._lock:
+            self._poisoned |= {b for h in due for b in h.bodies if b in self._left}
+            self._poisoned.difference_update(released)
 
 
 def _session_kept(db: Session, session_id: int) -> bool:

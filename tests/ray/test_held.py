@@ -10,13 +10,12 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 
 from storage import ray
 from storage.db import make_engine, make_sessionmaker
 from storage.tokens import create_token
 from tests.conftest import new_tenant
-from tests.dask.conftest import wait_until
 from tests.ray.test_ingest import IDLE, SETTLE, Ray, bodies, ray_job, workload
 
 
@@ -230,10 +229,10 @@ def test_reindex_merges_the_bodies_a_dead_collector_held(pg_url, s3_url, moto_en
 
 @pytest.mark.postgres
 def test_a_job_waits_for_a_live_collector_whose_flush_failed(pg_url, s3_url, moto_endpoint):
-    """No crash: collector P2's flush fails (Postgres restarted; its sweeper backs off) and
-    its patches go back to the hold. Collector P1's sweeper does not close the job at the
-    settle time meanwhile (it did, writing the tasks as failed with the job); P2's next
-    flush merges the ends and the job closes with the right errors."""
+    """No crash: collector P2's flush fails (Postgres restarted), and the bodies it held
+    are left to recovery. Collector P1's sweeper does not close the job at the settle time
+    meanwhile (it did, writing the tasks as failed with the job); recovery merges the ends
+    and the job closes with the right errors."""
     from sqlalchemy.orm import sessionmaker
 
     from services.embedded import create_app
@@ -251,16 +250,15 @@ def test_a_job_waits_for_a_live_collector_whose_flush_failed(pg_url, s3_url, mot
     sw.stop()
     Ray(app2, tok).post_all(bodies(b, 10_000))
     down = sessionmaker(bind=make_engine("postgresql+psycopg2://postgres@127.0.0.1:1/x"))
-    with pytest.raises(OperationalError):
-        sw.hold.flush(
-            down, app2.extensions["hindsight"].blobs, force=True
-        )  # Postgres away: put back
-    assert len(sw.hold) > 0
+    assert sw.hold.flush(down, app2.extensions["hindsight"].blobs, force=True) == 0
+    assert len(sw.hold) == 0  # not kept in memory: left to recovery
+    assert _count(engine, tenant, "ray_bodies", "NOT x.tasks_merged") > 0
     st = p1.store
     now = time.time()
-    ray.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1)
+    ray.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1)  # too early to recover
     ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
-    sw.hold.flush(app2.extensions["hindsight"].sessions, st.blobs, force=True)  # P2 back
+    assert p1.run(1)["status"] == "running"  # not closed while the ends are held
+    ray.recover_held(st.sessions, st.blobs, now=now + ray.RECOVER_AFTER + 1)
     ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
     ray.emit_ready(st.sessions, st.blobs)
     summary = p1.run(1)
@@ -377,8 +375,9 @@ def test_a_held_session_that_cannot_be_written_does_not_hold_up_the_others(pg_ur
     """A flush writes the tasks it completes in the same transaction as the merge, a
     transaction per session. One session's tasks cannot be stored (its derived prefix is
     taken by a file): the other session's are merged and written in the same flush; the
-    failed one has nothing merged or taken (its patches go back to the hold) and is
-    written once its store takes writes again, every task once."""
+    failed one has nothing merged or taken, its patches leave the hold (which must not
+    grow with a session that cannot be written) and its bodies are merged again by
+    recovery and written once its store takes writes again, every task once."""
     from services.embedded import create_app
 
     blobs = tmp_path / "blobs"
@@ -406,18 +405,16 @@ def test_a_held_session_that_cannot_be_written_does_not_hold_up_the_others(pg_ur
     assert clients[1].run(1)["task_count"] == 0
     assert _count(engine, tenants[1], "ray_tasks") == 0  # nothing merged, nothing taken
     assert _count(engine, tenants[1], "ray_ready") == 0
-    assert len(sw.hold) == held[1]  # back in the hold
-    broken.unlink()
-    aside.rename(broken)
-
-    def written() -> bool:
-        sw.hold.flush(st.sessions, st.blobs)  # tried again after the session's pause
-        return clients[1].run(1)["task_count"] == 60
-
-    wait_until(written, 30, "the failed session to be written once it can be")
     assert len(sw.hold) == 0
+    assert _count(engine, tenants[1], "ray_bodies", "NOT x.tasks_merged") > 0  # for recovery
+    broken.unlink()
+    aside.rename(broken)  # the store takes writes again
+    ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
+    ray.emit_ready(st.sessions, st.blobs)  # what recovery merged and queued
+    assert clients[1].run(1)["task_count"] == 60
     for tenant, n in zip(tenants, held, strict=True):
         assert _count(engine, tenant, "ray_tasks", "emitted") == n
+        assert _count(engine, tenant, "ray_bodies", "NOT x.tasks_merged") == 0
     engine.dispose()
 
 
@@ -477,4 +474,130 @@ def test_two_processes_flushes_of_one_session_do_not_wait_for_each_other(
             retention.execute(text("SET LOCAL lock_timeout = '200ms'"))
             with pytest.raises(OperationalError, match="lock timeout"):
                 retention.execute(text("DELETE FROM sessions WHERE id = :s"), {"s": sid})
+    engine.dispose()
+
+
+def _sid(engine: Any, tenant: str) -> int:
+    with engine.connect() as c:
+        return c.execute(
+            text("SELECT s.id FROM sessions s JOIN clusters c ON c.id = s.cluster_id"
+                 " JOIN tenants t ON t.id = c.tenant_id WHERE t.name = :t"), {"t": tenant},
+        ).scalar_one()  # fmt: skip
+
+
+def _held_app(pg_url: str, tmp_path: Any) -> tuple[Any, Any]:
+    from services.embedded import create_app
+
+    app = create_app({**_stack(pg_url, (tmp_path / "blobs").as_uri()), "ray_sweeper": True})
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.stop()  # the hold is driven by hand
+    return app, sw
+
+
+def _half_ended(seed: int) -> list[bytes]:
+    """One body: every task's definition and RUNNING, and about half of their ends."""
+    a, b = _split(workload(seed=seed)[2])
+    return bodies(a + b[: len(b) // 2], 100_000)
+
+
+@pytest.mark.postgres
+def test_an_interrupted_flush_puts_back_the_sessions_it_had_not_merged(
+    pg_url, tmp_path, monkeypatch
+):
+    """Found by a review: a flush takes every session's due patches, then merges them a
+    session at a time. Interrupted in the first session (KeyboardInterrupt, SystemExit: not
+    an Exception), it put back only that session's: the second's were dropped with their
+    bodies' counts already lowered, and a later flush marked the body merged without
+    them (recovery never looks at it again)."""
+    app, sw = _held_app(pg_url, tmp_path)
+    engine = make_engine(pg_url)
+    t1, t2 = new_tenant(), new_tenant()
+    c1, c2 = (Ray(app, tok) for tok in _tokens(engine, t1, t2))
+    c1.post_all(bodies(workload(seed=31)[2], 100_000))
+    c2.post_all(_half_ended(32))
+    s1, s2 = _sid(engine, t1), _sid(engine, t2)
+    assert s1 < s2  # flushed in this order
+    held2 = len(sw.hold._tasks[s2])
+    sw.hold.age = 3600.0  # only complete tasks are due
+    real = ray._merge_and_write
+
+    def interrupted(db, blobs, sid, *a, **k):
+        if sid == s1:
+            raise KeyboardInterrupt
+        return real(db, blobs, sid, *a, **k)
+
+    monkeypatch.setattr(ray, "_merge_and_write", interrupted)
+    st = c1.store
+    with pytest.raises(KeyboardInterrupt):
+        sw.hold.flush(st.sessions, st.blobs)
+    monkeypatch.setattr(ray, "_merge_and_write", real)
+    sw.hold.flush(st.sessions, st.blobs, force=True)
+    assert len(sw.hold) == 0
+    rows = _count(engine, t2, "ray_tasks")
+    unmerged = _count(engine, t2, "ray_bodies", "NOT x.tasks_merged")
+    engine.dispose()
+    assert (rows, unmerged) == (held2, 0)
+
+
+@pytest.mark.postgres
+def test_a_body_left_to_recovery_stays_so_when_a_later_flush_is_put_back(
+    pg_url, tmp_path, monkeypatch
+):
+    """Found by a review: the index refused some of a body's held patches (the body is left
+    to recovery); the flush that took its last patches was interrupted and put them back,
+    and the body lost its mark there: the flush after it marked it merged, and the refused
+    patches were never merged again."""
+    app, sw = _held_app(pg_url, tmp_path)
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    (c,) = (Ray(app, tok) for tok in _tokens(engine, tenant))
+    c.post_all(_half_ended(41))
+    held = len(sw.hold._tasks[_sid(engine, tenant)])
+    st = c.store
+    real = ray._merge_and_write
+    calls = {"n": 0}
+
+    def flaky(db, blobs, sid, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the complete tasks: a value the index refuses
+            raise DataError("INSERT ...", {}, Exception("value too long"))
+        if calls["n"] == 2:  # the rest: interrupted
+            raise KeyboardInterrupt
+        return real(db, blobs, sid, *a, **k)
+
+    monkeypatch.setattr(ray, "_merge_and_write", flaky)
+    sw.hold.age = 3600.0
+    sw.hold.flush(st.sessions, st.blobs)
+    with pytest.raises(KeyboardInterrupt):
+        sw.hold.flush(st.sessions, st.blobs, force=True)
+    sw.hold.flush(st.sessions, st.blobs, force=True)  # the rest merged, the body not marked
+    assert _count(engine, tenant, "ray_bodies", "NOT x.tasks_merged") == 1
+    ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
+    rows = _count(engine, tenant, "ray_tasks")
+    engine.dispose()
+    assert rows == held
+
+
+@pytest.mark.postgres
+def test_a_session_that_cannot_be_written_does_not_fail_other_tenants_requests(pg_url, tmp_path):
+    """Found by a review: a session whose tasks cannot be stored had its patches put back
+    on every flush, so they piled up in the hold; past its limit every request of the
+    process flushed everything, the broken session included, and failed with it (500 to
+    every tenant for as long as the session stayed broken). Its patches now leave the
+    hold for recovery, which bounds it."""
+    app, sw = _held_app(pg_url, tmp_path)
+    engine = make_engine(pg_url)
+    t1, t2 = new_tenant(), new_tenant()
+    c1, c2 = (Ray(app, tok) for tok in _tokens(engine, t1, t2))
+    sim, _, events = workload(seed=51)
+    c1.post_all(bodies(events, 100_000))
+    (broken,) = (tmp_path / "blobs" / ray.DERIVED_PREFIX).glob(f"{t1}/rc/{sim.session}")
+    broken.rename(broken.with_name(broken.name + ".aside"))
+    broken.write_bytes(b"")  # the session's derived prefix refuses writes
+    sw.hold.limit = len(sw.hold)  # the broken session's patches stand for 200,000
+    r = c2.post(bodies(workload(seed=52)[2], 100_000)[0])  # another tenant's body: past it
+    assert r.status_code == 200, r.get_data()[:300]
+    assert len(sw.hold) == 0  # the healthy tenant's merged, the broken one's left to recovery
+    assert _count(engine, t2, "ray_bodies", "NOT x.tasks_merged") == 0
+    assert _count(engine, t1, "ray_bodies", "NOT x.tasks_merged") > 0
     engine.dispose()
