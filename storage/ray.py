@@ -1388,19 +1388,21 @@ class _Held(msgspec.Struct, gc=False):
 class TaskHold:
     """Task patches of acknowledged bodies, held in this process for a moment before they
     are merged into ``ray_tasks`` (a Postgres collector with a sweeper; the sweeper's
-    thread flushes, and requests too when it falls behind). Ray sends a task's definition and RUNNING in one body of a node's
-    aggregator and its end in a later one: held together they become one row write
-    instead of an insert and an update, and one patch to read and encode instead of two
-    (a sixth more events a second through the same two cores, bench/ray_ingest.py).
+    thread flushes, and requests too when it falls behind). Ray sends a task's definition
+    and RUNNING in one body of a node's aggregator and its end in a later one: held
+    together they become one row write instead of an insert and an update, and one patch
+    to read and encode instead of two (a sixth more events a second through the same two
+    cores, bench/ray_ingest.py).
 
     A patch is merged once its task is complete in the hold (defined, RUNNING and ended)
     or ``age`` seconds after it came, whichever is first. Nothing acknowledged depends on
     this process living: the body is stored before the ack, and its manifest row
     (``ray_bodies.tasks_merged`` false) stays so until the flush that merges its last held
     patch, in the same transaction. A body left so by a process that died is merged again
-    from its blob by any sweeper (:func:`recover_held`; merges are idempotent).
-    Past ``behind`` patches the request that adds more flushes what is due itself, and
-    past ``limit`` everything (back-pressure, never a drop)."""
+    from its blob by any sweeper (:func:`recover_held`; merges are idempotent), and so
+    is a body whose patches a flush could not merge. Past ``behind`` patches the request
+    that adds more flushes what is due itself, and past ``limit`` everything
+    (back-pressure)."""
 
     def __init__(self, age: float = 0.5, limit: int = 200_000, behind: int = 10_000) -> None:
         self.age = age
