@@ -1067,13 +1067,22 @@ def _sweep_session(
         else:
             rows = _emit_locked(db, session_id, where, limit)
         if rows:
-            tenant_id, tenant, cluster, session = _session_names(db, session_id)
-            derived = Derived(tasks=tasks_as_events(db, session_id, rows))
-            write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
-                          session=session, derived=derived, now=now, cache=cache)  # fmt: skip
+            out.batches += _write_tasks(db, blobs, session_id, rows, now, cache)
             out.tasks += len(rows)
-            out.batches += 1
     return out
+
+
+def _write_tasks(db: Session, blobs: BlobStore, session_id: int, rows: list[Any], now: float,
+                 cache: IdCache | None, batch: int | None = None) -> int:  # fmt: skip
+    """Write taken ``ray_tasks`` rows as derived batches of at most ``batch`` tasks (one
+    batch if None); returns how many batches."""
+    tenant_id, tenant, cluster, session = _session_names(db, session_id)
+    parts = list(_chunks(rows, batch)) if batch else [rows]
+    for part in parts:
+        write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
+                      session=session, derived=Derived(tasks=tasks_as_events(db, session_id, part)),
+                      now=now, cache=cache)  # fmt: skip
+    return len(parts)
 
 
 def _close_job(
@@ -1599,28 +1608,27 @@ def _merge_and_write(db: Session, blobs: BlobStore, session_id: int, patches: li
                      cache: IdCache | None, batch: int = 20_000) -> int:  # fmt: skip
     """Merge task patches (in key order) into ``ray_tasks`` (Postgres) and write the tasks
     they complete in the same transaction (a derived batch per ``batch`` tasks), where
-    :func:`_merge_patches` queues them. Returns how many tasks were written."""
-    st, now = _stmts(db), time.time()
-    rows: list[Any] = []
-    for chunk in _chunks(patches, 5_000):
-        rows += db.execute(st.task_taken, {"p_rows": _encode(chunk).decode(),
-                                           "p_session": session_id, "p_now": now}).all()  # fmt: skip
+    :func:`_merge_patches` alone queues them. Returns how many tasks were written."""
+    now = time.time()
+    rows = _merge_patches(db, session_id, patches, now, take=True)
     if rows:
-        tenant_id, tenant, cluster, session = _session_names(db, session_id)
-        for part in _chunks(rows, batch):
-            write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
-                          session=session, derived=Derived(tasks=tasks_as_events(db, session_id, part)),
-                          now=now, cache=cache)  # fmt: skip
+        _write_tasks(db, blobs, session_id, rows, now, cache, batch)
     return len(rows)
 
 
-def _merge_patches(db: Session, session_id: int, patches: list[TaskPatch], now: float | None = None) -> None:  # fmt: skip
+def _merge_patches(db: Session, session_id: int, patches: list[TaskPatch], now: float | None = None,
+                   *, take: bool = False) -> list[Any]:  # fmt: skip
     """Merge task patches (in key order) into ``ray_tasks`` (Postgres), queueing in
-    ``ray_ready`` what they complete."""
+    ``ray_ready`` what they complete, or with ``take`` returning its rows, taken, for the
+    caller to write in this transaction."""
     st, now = _stmts(db), time.time() if now is None else now
+    rows: list[Any] = []
     for chunk in _chunks(patches, 5_000):
-        db.execute(st.task_bulk, {"p_rows": _encode(chunk).decode(), "p_session": session_id,
-                                  "p_now": now})  # fmt: skip
+        got = db.execute(st.task_taken if take else st.task_bulk,
+                         {"p_rows": _encode(chunk).decode(), "p_session": session_id, "p_now": now})  # fmt: skip
+        if take:
+            rows += got.all()
+    return rows
 
 
 def _merge_each(sessions: sessionmaker[Session], session_id: int, patches: list[TaskPatch]) -> None:
