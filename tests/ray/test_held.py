@@ -61,6 +61,23 @@ def _tokens(engine: Any, *tenants: str) -> list[str]:
         return [create_token(db, t, "ray,read") for t in tenants]
 
 
+def _sid(engine: Any, tenant: str) -> int:
+    with engine.connect() as c:
+        return c.execute(
+            text("SELECT s.id FROM sessions s JOIN clusters c ON c.id = s.cluster_id"
+                 " JOIN tenants t ON t.id = c.tenant_id WHERE t.name = :t"), {"t": tenant},
+        ).scalar_one()  # fmt: skip
+
+
+def _held_app(pg_url: str, tmp_path: Any) -> tuple[Any, Any]:
+    from services.embedded import create_app
+
+    app = create_app({**_stack(pg_url, (tmp_path / "blobs").as_uri()), "ray_sweeper": True})
+    sw = app.extensions["hindsight.ray_sweeper"]
+    sw.stop()  # the hold is driven by hand
+    return app, sw
+
+
 @pytest.mark.postgres
 def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_endpoint):
     """A collector merged the tasks' definitions and RUNNING, another died holding the
@@ -129,14 +146,7 @@ def test_a_flush_after_retention_removed_the_session_writes_nothing(pg_url, s3_u
     r.post_all(bodies(events, 10_000))
     assert len(sw.hold)
     st = r.store
-    with engine.connect() as c:
-        (sid,) = c.execute(
-            text(
-                "SELECT s.id FROM sessions s JOIN clusters c ON c.id=s.cluster_id"
-                " JOIN tenants t ON t.id=c.tenant_id WHERE t.name=:t"
-            ),
-            {"t": tenant},
-        ).scalars()
+    sid = _sid(engine, tenant)
     plan = retention.apply(st.blobs, st.sessions, tenant, max_age=0, now=time.time() + 3600)
     assert [s.id for s in plan.sessions] == [sid]
     n = sw.hold.flush(st.sessions, st.blobs, force=True)
@@ -378,15 +388,10 @@ def test_a_held_session_that_cannot_be_written_does_not_hold_up_the_others(pg_ur
     failed one has nothing merged or taken, its patches leave the hold (which must not
     grow with a session that cannot be written) and its bodies are merged again by
     recovery and written once its store takes writes again, every task once."""
-    from services.embedded import create_app
-
     blobs = tmp_path / "blobs"
-    stack = {**_stack(pg_url, blobs.as_uri()), "ray_sweeper": True}
+    app, sw = _held_app(pg_url, tmp_path)
     engine = make_engine(pg_url)
     tenants = [new_tenant(), new_tenant()]
-    app = create_app(stack)
-    sw = app.extensions["hindsight.ray_sweeper"]
-    sw.stop()  # we drive the hold by hand
     clients = [Ray(app, tok) for tok in _tokens(engine, *tenants)]
     sessions, held = [], []  # task attempts held, per session
     for seed, r in zip((21, 22), clients, strict=True):
@@ -457,11 +462,7 @@ def test_two_processes_flushes_of_one_session_do_not_wait_for_each_other(
     (tok,) = _tokens(engine, tenant)
     r = Ray(create_app({**_stack(pg_url, s3_url, moto_endpoint), "ray_sweeper": False}), tok)
     r.post_all(bodies(workload(seed=24)[2], 10_000))
-    with engine.connect() as c:
-        sid = c.execute(
-            text("SELECT s.id FROM sessions s JOIN clusters c ON c.id = s.cluster_id"
-                 " JOIN tenants t ON t.id = c.tenant_id WHERE t.name = :t"), {"t": tenant},
-        ).scalar_one()  # fmt: skip
+    sid = _sid(engine, tenant)
     other = make_sessionmaker(engine)
     with r.store.sessions.begin() as first:
         assert ray._session_kept(first, sid)  # one process's flush, under way
@@ -475,23 +476,6 @@ def test_two_processes_flushes_of_one_session_do_not_wait_for_each_other(
             with pytest.raises(OperationalError, match="lock timeout"):
                 retention.execute(text("DELETE FROM sessions WHERE id = :s"), {"s": sid})
     engine.dispose()
-
-
-def _sid(engine: Any, tenant: str) -> int:
-    with engine.connect() as c:
-        return c.execute(
-            text("SELECT s.id FROM sessions s JOIN clusters c ON c.id = s.cluster_id"
-                 " JOIN tenants t ON t.id = c.tenant_id WHERE t.name = :t"), {"t": tenant},
-        ).scalar_one()  # fmt: skip
-
-
-def _held_app(pg_url: str, tmp_path: Any) -> tuple[Any, Any]:
-    from services.embedded import create_app
-
-    app = create_app({**_stack(pg_url, (tmp_path / "blobs").as_uri()), "ray_sweeper": True})
-    sw = app.extensions["hindsight.ray_sweeper"]
-    sw.stop()  # the hold is driven by hand
-    return app, sw
 
 
 def _half_ended(seed: int) -> list[bytes]:
