@@ -1681,11 +1681,15 @@ def _remerge(sessions: sessionmaker[Session], blobs: BlobStore, body_id: int) ->
 def _remerge_body(sessions: sessionmaker[Session], blobs: BlobStore, body_id: int, *, each: bool) -> SweepCounts:  # fmt: skip
     B = m.RayBody
     with sessions.begin() as db:
-        q = select(B.session_id, B.blob_key).where(B.id == body_id, B.tasks_merged.is_(False))
-        row = db.execute(_skip_locked(q, db)).first()
-        if row is None:  # merged meanwhile, or another sweeper has it
+        # The session's row before the body's, the order retention takes them in (its
+        # delete of the session cascades to the bodies): body first could deadlock with it.
+        sid = db.scalar(select(B.session_id).where(B.id == body_id))
+        if sid is None or not _session_kept(db, sid):  # retention took it
             return SweepCounts()
-        sid, key = row
+        q = select(B.blob_key).where(B.id == body_id, B.tasks_merged.is_(False))
+        key = db.scalar(_skip_locked(q, db))
+        if key is None:  # merged meanwhile, or another sweeper has it
+            return SweepCounts()
         name = db.scalar(select(m.Session.name).where(m.Session.id == sid))
         patches: list[TaskPatch] = []
         try:
@@ -1696,8 +1700,6 @@ def _remerge_body(sessions: sessionmaker[Session], blobs: BlobStore, body_id: in
             part = parse(read_stored(data)).get(name or "")
             if part is not None:
                 patches = [t for _, t in sorted(part.tasks.items())]
-        if not _session_kept(db, sid):
-            return SweepCounts()
         if each:
             _merge_each(sessions, sid, patches)
         else:

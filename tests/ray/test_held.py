@@ -5,6 +5,7 @@ gives. Found by a review of the change; each test failed before its fix."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -585,3 +586,75 @@ def test_a_session_that_cannot_be_written_does_not_fail_other_tenants_requests(p
     assert _count(engine, t2, "ray_bodies", "NOT x.tasks_merged") == 0
     assert _count(engine, t1, "ray_bodies", "NOT x.tasks_merged") > 0
     engine.dispose()
+
+
+class _ReadHook:
+    """The blob store, calling ``during`` once, at its first read: recovery reads a held
+    body's blob between taking its row locks and merging."""
+
+    def __init__(self, blobs: Any, during: Any) -> None:
+        self.blobs, self.during = blobs, during
+
+    def get(self, key: str) -> bytes:
+        during, self.during = self.during, None
+        if during:
+            during()
+        return self.blobs.get(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.blobs, name)
+
+
+@pytest.mark.postgres
+def test_recovery_and_retention_of_one_session_do_not_deadlock(pg_url, tmp_path):
+    """Retention deletes a session while recovery merges one of its held bodies. Found by
+    a review: recovery locked the body's row, then the session's (KEY SHARE), the reverse
+    of retention, whose delete of the session cascades to its bodies; the two deadlocked
+    and Postgres aborted one. Recovery now takes the session's row first: retention's
+    delete waits for the merge, and both complete."""
+    app, sw = _held_app(pg_url, tmp_path)
+    engine = make_engine(pg_url)
+    tenant = new_tenant()
+    (tok,) = _tokens(engine, tenant)
+    r = Ray(app, tok)
+    r.post_all(bodies(workload(seed=61)[2], 10_000))
+    assert len(sw.hold) > 0
+    _dies(app)
+    sid, st = _sid(engine, tenant), r.store
+    failed: list[BaseException] = []
+    deleting = threading.Event()
+    pid: list[int] = []
+
+    def delete_session() -> None:
+        try:
+            with engine.begin() as c:
+                pid.append(c.execute(text("SELECT pg_backend_pid()")).scalar_one())
+                deleting.set()
+                c.execute(text("DELETE FROM sessions WHERE id = :s"), {"s": sid})
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            deleting.set()
+            failed.append(exc)
+
+    retention = threading.Thread(target=delete_session)
+
+    def start_retention() -> None:  # recovery holds its locks: retention's delete comes
+        retention.start()
+        deleting.wait(10)
+        with engine.connect() as c:  # until the delete waits on a lock, or is done
+            deadline = time.monotonic() + 10
+            while retention.is_alive() and time.monotonic() < deadline:
+                waits = c.execute(text("SELECT wait_event_type FROM pg_stat_activity"
+                                       " WHERE pid = :p"), {"p": pid[0]}).scalar()  # fmt: skip
+                if waits == "Lock":
+                    break
+                c.rollback()
+                time.sleep(0.01)
+
+    got = ray.recover_held(st.sessions, _ReadHook(st.blobs, start_retention),
+                           now=time.time() + ray.RECOVER_AFTER + 1)  # fmt: skip
+    retention.join(30)
+    left = _count(engine, tenant, "ray_bodies")
+    engine.dispose()
+    assert not failed, failed
+    assert (got.batches, got.failed) == (1, 0)
+    assert left == 0  # the session and its bodies are gone
