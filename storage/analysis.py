@@ -790,10 +790,13 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
     pids: dict[str, int] = {}
     slices: dict[tuple[str, str], list[tuple[float, float, dict[str, Any]]]] = {}
     for r in rows:
+        phases = json.loads(r["startstops"])
+        if not phases:  # nothing to draw (an actor's call that never ran): no process for it
+            continue
         worker = r["worker"] or "unknown"
         pids.setdefault(worker, len(pids) + 1)
         thread = r["thread"] if r["thread"] is not None else 0
-        for ph in json.loads(r["startstops"]):
+        for ph in phases:
             args = {"key": r["key"], "status": r["status"]}
             if ph.get("source"):
                 args["source"] = ph["source"]

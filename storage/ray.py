@@ -461,13 +461,21 @@ def task_event(row: Any, ip: str | None, pid: int | None) -> TaskEvent:
     """A merged ``ray_tasks`` row as a protocol task record.
 
     Start is RUNNING (as Ray's State API reports ``start_time_ms``), else SUBMITTED_TO_WORKER
-    when RUNNING never arrived; stop is FINISHED or FAILED. Ray's own facts go in ``attrs``
-    (what the record's fields already say - name, job, start, stop - is not repeated).
-    Written out field by field: it runs once per Ray task, in the sweeper's hot loop."""
+    when RUNNING never arrived, but for an actor's method call: SUBMITTED_TO_WORKER puts it
+    in the actor's queue, where it may wait, or end without running (the actor died, the
+    driver exited), so without RUNNING it has no start, nor a worker, as in Ray's State
+    API; stop is FINISHED or FAILED. Ray's own facts go in ``attrs`` (what the record's
+    fields already say - name, job, start, stop - is not repeated). Written out field by
+    field: it runs once per Ray task, in the sweeper's hot loop."""
     failed, finished, running = row.failed_at, row.finished_at, row.running_at
     end = failed if failed is not None else finished
     status = "erred" if failed is not None else "memory" if finished is not None else "lost"
-    start = running if running is not None else row.submitted_at
+    start, unrun = running, False
+    if running is None:
+        if row.task_type == "ACTOR_TASK":
+            unrun = True  # queued at the actor's process, not run there
+        else:
+            start = row.submitted_at
     startstops = []
     if (
         start is not None
@@ -476,7 +484,7 @@ def task_event(row: Any, ip: str | None, pid: int | None) -> TaskEvent:
         and 0.0 <= end <= MAX_TIME
     ):
         startstops = [StartStop("compute", start if start < end else end, end)]
-    pid = row.pid or pid
+    pid = row.pid or (None if unrun else pid)
     attrs: dict[str, Any] = {"attempt": row.attempt, "state": task_state(row)}
     v = row.task_type
     if v is not None:
@@ -507,7 +515,8 @@ def task_event(row: Any, ip: str | None, pid: int | None) -> TaskEvent:
         attrs["submitted_at"] = v
     if not startstops and end is not None and 0.0 <= end <= MAX_TIME:
         # Ended without being sent to a worker (cancelled while pending, a call on a dead
-        # actor): no phase to draw, but the end Ray's State API reports as ``end_time_ms``.
+        # actor) or without running (an actor's call): no phase to draw, but the end Ray's
+        # State API reports as ``end_time_ms``.
         attrs["ended_at"] = end
     if start is not None:
         attrs["start_from"] = "RUNNING" if running is not None else "SUBMITTED_TO_WORKER"
@@ -522,7 +531,7 @@ def task_event(row: Any, ip: str | None, pid: int | None) -> TaskEvent:
         status=status,
         group=row.name,
         run=row.job_id,
-        worker=worker_label(ip, pid, row.node_id, row.worker_id),
+        worker=None if unrun and not pid else worker_label(ip, pid, row.node_id, row.worker_id),
         startstops=startstops,
         exception=exception,
         traceback=traceback,

@@ -267,8 +267,16 @@ def _func_name(desc: Any) -> tuple[str | None, str | None]:
     )
     if f is None or not f.function_name:
         return None, None
-    short = f"{f.class_name}.{f.function_name}" if f.class_name else f.function_name
+    fn, cls = f.function_name, f.class_name
+    if f is desc.python_function_descriptor:  # as Ray's State API names it: the part after
+        fn, cls = _short_name(fn), _short_name(cls) if cls else cls  # the last "." of each
+    short = f"{cls}.{fn}" if cls else fn
     return clean(short), clean(f.module_name)
+
+
+def _short_name(name: str) -> str:
+    """``make.<locals>.inner`` -> ``inner``, ``Outer.Inner`` -> ``Inner``."""
+    return name[name.rfind(".") + 1 :]
 
 
 _NIL20 = b"\xff" * 20
@@ -283,8 +291,16 @@ def error_summary(message: str | None, error_type: str | None) -> tuple[str | No
     """(exception, traceback) as Dask records them: the exception line (``ValueError: boom``)
     and the whole message, colour codes removed."""
     text = _ANSI.sub("", message) if message else ""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    exception = lines[-1] if lines else error_type
+    lines = text.splitlines()
+    # A Python traceback's last frame ('  File "...", line N, in f', then its indented
+    # source lines), then the exception: its first line (a message may run over several).
+    last = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=None)
+    if last is not None:
+        after = [x.strip() for x in lines[last + 1 :] if x.strip() and not x[:1].isspace()]
+        if after:
+            return clean(after[0]), clean(text, MAX_TEXT)
+    stripped = [line.strip() for line in lines if line.strip()]
+    exception = stripped[-1] if stripped else error_type
     return clean(exception), clean(text, MAX_TEXT)
 
 

@@ -291,6 +291,8 @@ def test_what_ray_reports_of_odd_tasks_and_worker_exits(app, token):
                       task_id=b"\xff" * 8 + actor)  # fmt: skip
     define = sim.definition(create)
     define["taskDefinitionEvent"]["taskType"] = "ACTOR_CREATION_TASK"
+    define["taskDefinitionEvent"]["taskFunc"]["pythonFunctionDescriptor"].update(
+        className="Fragile", functionName="__init__")  # as Ray sends a creation task's  # fmt: skip
     events += [define, sim.running(create), sim.submitter(create)]
     restarted = sim.task(1, "Fragile.__init__", T0 + 1.0, 0.01, attempt=1, task_id=create.task_id)
     events += [sim.running(restarted)] + sim.job_end(1, T0 + 2)

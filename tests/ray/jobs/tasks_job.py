@@ -1,4 +1,5 @@
-"""A Ray job with every kind of task: plain, nested, failing, retried, and an actor.
+"""A Ray job with every kind of task: plain, nested, failing, retried, an actor, an actor
+killed with calls queued, and functions and a class defined inside others.
 
 Run as a driver against the test cluster (``RAY_ADDRESS``); prints one JSON line."""
 
@@ -39,17 +40,59 @@ class Counter:
         return self.n
 
 
+@ray.remote(max_retries=0)
+def multiline():
+    raise RuntimeError("line one\nline two\n\nline four")
+
+
+@ray.remote(max_concurrency=1)
+class Slow:
+    def ping(self):
+        return True
+
+    def wait(self, s):
+        time.sleep(s)
+
+
+def make_inner():
+    @ray.remote
+    def inner_fn():
+        return 1
+
+    return inner_fn
+
+
+class Outer:
+    @ray.remote
+    class Inner:
+        def m(self):
+            return 2
+
+
 ray.init()
 job = ray.get_runtime_context().get_job_id()
 assert sum(ray.get([square.remote(i) for i in range(40)])) == sum(i * i for i in range(40))
 assert ray.get(fan_out.remote(4)) == 14
 failures = 0
-for ref in [fail.remote(i) for i in range(3)] + [flaky.remote()]:
+for ref in [fail.remote(i) for i in range(3)] + [flaky.remote(), multiline.remote()]:
     try:
         ray.get(ref)
     except Exception:
         failures += 1
 counter = Counter.remote()
 assert ray.get([counter.incr.remote(k) for k in range(5)])[-1] == 10
+assert ray.get(make_inner().remote()) == 1
+assert ray.get(Outer.Inner.remote().m.remote()) == 2
+slow = Slow.remote()
+assert ray.get(slow.ping.remote())
+# Pushed to the actor's queue (max_concurrency=1), then the actor dies: the second call
+# never runs.
+queued = [slow.wait.remote(30), slow.wait.remote(0)]
+ray.kill(slow)
+for ref in queued:
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayActorError:
+        pass
 ray.shutdown()
 print(json.dumps({"job": job, "failures": failures}))
