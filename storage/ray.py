@@ -1133,7 +1133,7 @@ def _close_job(
         )
         job_end = next((t for t in (job.finished_at, job.driver_exit_at) if _time_ok(t)), None)
         if job_end is not None:
-            rows = failed_with_job(rows, job_id, job_end)
+            rows = failed_with_job(rows, job_id, job_end, _workers_died(db, session_id, rows))
         tenant_id, tenant, cluster, session = _session_names(db, session_id)
         derived = Derived(tasks=tasks_as_events(db, session_id, rows))
         started = job_started(job)
@@ -1154,27 +1154,87 @@ def _close_job(
     return out
 
 
-def failed_with_job(rows: list[Any], job_id: str, end: float) -> list[Any]:
+#: Ray's ``WorkerExitType`` numbers, as its State API prints them in a task's error.
+_EXIT_CODES = {"SYSTEM_ERROR": 0, "INTENDED_SYSTEM_EXIT": 1, "USER_ERROR": 2,
+               "INTENDED_USER_EXIT": 3, "NODE_OUT_OF_MEMORY": 4}  # fmt: skip
+
+
+def _unended_running(r: Any) -> bool:
+    return r.finished_at is None and r.failed_at is None and r.running_at is not None
+
+
+class _Died(NamedTuple):
+    worker_id: str
+    pid: int | None
+    started_at: float | None
+    ended_at: float
+    exit_type: str | None
+    exit_detail: str | None
+
+
+def _workers_died(db: Session, session_id: int, rows: list[Any]) -> list[_Died]:
+    """The workers that may have run the rows' unended RUNNING tasks (by the worker id the
+    owner sent, or the pid the executing worker did), those whose end has arrived."""
+    running = [r for r in rows if _unended_running(r)]
+    ids = sorted({r.worker_id for r in running if r.worker_id})
+    pids = sorted({r.pid for r in running if r.pid})
+    if not ids and not pids:
+        return []
+    W = m.RayWorker
+    got = db.execute(
+        select(W.worker_id, W.pid, W.started_at, W.ended_at, W.exit_type, W.exit_detail).where(
+            W.session_id == session_id, W.ended_at.is_not(None),
+            or_(W.worker_id.in_(ids), W.pid.in_(pids)),
+        )
+    )  # fmt: skip
+    return [_Died(*row) for row in got]
+
+
+def _died_running(r: Any, died: list[_Died]) -> _Died | None:
+    """The worker that ran ``r`` and died after it started: the one the owner named, else
+    the one of its pid alive when it started."""
+    for w in died:
+        if r.worker_id and w.worker_id == r.worker_id:
+            return w if w.ended_at >= r.running_at else None
+    for w in died:
+        if (r.pid and w.pid == r.pid and w.ended_at >= r.running_at
+                and (w.started_at is None or w.started_at <= r.running_at)):  # fmt: skip
+            return w
+    return None
+
+
+def failed_with_job(rows: list[Any], job_id: str, end: float,
+                    died: list[_Died] | None = None) -> list[Any]:  # fmt: skip
     """Ray's rule for a job's end, applied to the tasks written with it: a task that had
     not ended when its job did (its driver exited: pending, or running in a worker Ray then
-    kills) is FAILED, ``WORKER_DIED``, at the job's end. Ray's GCS marks them so in its
-    State API and sends no event for it; they read ``lost`` with no error (found by a
-    held-out check: a driver exiting with 20 tasks unfinished gave a run without errors,
-    where Ray listed 20 failures). Attempts whose definition never came (a restarted
-    actor's creation task: Ray's State API does not list them) stay ``lost``."""
+    kills) is FAILED, ``WORKER_DIED``. Ray's GCS marks them so in its State API and sends
+    no event for it; they read ``lost`` with no error (found by a held-out check: a driver
+    exiting with 20 tasks unfinished gave a run without errors, where Ray listed 20
+    failures). A task that was RUNNING ends when its worker died (``died``: the workers'
+    ends, as Ray sends them; Ray force-exits them a few ms after the job), with Ray's
+    message for it; any other, or one whose worker's end has not come, at the job's end.
+    Attempts whose definition never came (a restarted actor's creation task: Ray's State
+    API does not list them) stay ``lost``."""
     out = []
     for r in rows:
         if r.finished_at is None and r.failed_at is None and r.defined:
             if not hasattr(r, "_replace"):
                 r = _row_type(tuple(r._fields))._make(r)
+            w = _died_running(r, died) if died and _unended_running(r) else None
+            if w is not None and _time_ok(w.ended_at):
+                at, kind = w.ended_at, w.exit_type
+                message = (f"Worker running the task ({w.worker_id}) died with exit_type: "
+                           f"{_EXIT_CODES.get(kind or '', kind)} with error_message: "
+                           f"{w.exit_detail or ''}")  # fmt: skip
+            else:
+                at = end
+                message = (f"Job finishes ({job_id}) as driver exits. Marking all non-terminal "
+                           "tasks as failed.")  # fmt: skip
             r = r._replace(
-                failed_at=end,
+                failed_at=at,
                 error_type=r.error_type or "WORKER_DIED",
-                error_message=r.error_message or (
-                    f"Job finishes ({job_id}) as driver exits. Marking all non-terminal tasks "
-                    "as failed."
-                ),
-            )  # fmt: skip
+                error_message=r.error_message or message,
+            )
         out.append(r)
     return out
 

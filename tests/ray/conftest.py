@@ -36,7 +36,10 @@ class RayCluster(RayHead):
     """The test cluster: a head with the dashboard (Ray's State API needs it)."""
 
     def __init__(self, export_url: str) -> None:
-        super().__init__(export_url, dashboard=True)
+        # The agent posts at Ray's default 0.1 s (docs/ray.md asks 1 s, for its cost): the
+        # workers' deaths a job's end causes then reach the test server well within its
+        # short settle time, as they do a deployment's 5 s.
+        super().__init__(export_url, dashboard=True, publish_s=None)
 
     def run(self, script: str) -> dict[str, Any]:
         return self.driver(str(JOBS / script))

@@ -22,7 +22,8 @@ from tests.ray.conftest import RAY_CLUSTER, RayCluster, ray_run, wait_quiet
 @pytest.fixture(scope="module")
 def jobs(ray_server: EmbeddedServer, ray_cluster: RayCluster) -> Iterator[dict[str, Any]]:
     out: dict[str, Any] = {}
-    for name, script in (("tasks", "tasks_job.py"), ("short", "short_job.py")):
+    for name, script in (("tasks", "tasks_job.py"), ("short", "short_job.py"),
+                         ("exits", "exits_job.py")):  # fmt: skip
         result = ray_cluster.run(script)
         run = ray_run(ray_server, result["job"])
         out[name] = {"result": result, "run": run, "detail": wait_quiet(ray_server, run["id"])}
@@ -205,8 +206,26 @@ def test_every_kind_of_task_is_there(jobs, ray_server):
     assert unrun and all(t["startstops"] == [] and t["worker"] is None for t in unrun)
 
 
+def test_tasks_running_when_their_driver_exits_end_when_ray_says(jobs, ray_server):
+    """A driver exits while its tasks run: Ray force-exits their workers, and its State API
+    lists the tasks FAILED when the workers died, a few ms after the job's end. Ray sends
+    no event for the tasks; Hindsight ended them at the job's end (found by a trial: 9-22
+    ms early) and now at their workers' deaths, which Ray does send."""
+    entry = jobs["exits"]
+    mine = recorded(ray_server, entry["run"]["id"])
+    theirs = {(t["task_id"], t["attempt_number"]): t for t in entry["state"]}
+    assert set(mine) == set(theirs) and len(mine) == entry["result"]["tasks"]
+    for key, t in theirs.items():
+        m = mine[key]
+        assert (t["state"], m["status"], m["attrs"]["state"]) == ("FAILED", "erred", "FAILED")
+        start, stop = compute(m)
+        assert abs(start * 1000 - t["start_time_ms"]) <= 1
+        assert abs(stop * 1000 - t["end_time_ms"]) <= 1, (key, stop, t["end_time_ms"])
+        assert m["exception"].startswith("Worker running the task (")
+
+
 def test_run_detail_says_what_ray_told(jobs, ray_server):
-    for entry in jobs.values():
+    for entry in (jobs["tasks"], jobs["short"]):
         # A job whose driver ended before Ray's FINISHED arrived (a loaded machine) closes
         # at the driver's exit, then again at FINISHED once it settles (the sweeper's next
         # pass): wait for that.
@@ -336,9 +355,8 @@ def test_every_read_route_answers_for_ray_runs(jobs, ray_server, tmp_path):
     run, short = jobs["tasks"]["run"], jobs["short"]["run"]
     rid, total = run["id"], run["task_count"]
     get = ray_server.get
-    assert [r["id"] for r in get("/v1/runs", cluster=RAY_CLUSTER, has_errors="true")["runs"]] == [
-        rid
-    ]
+    erred = {r["id"] for r in get("/v1/runs", cluster=RAY_CLUSTER, has_errors="true")["runs"]}
+    assert erred == {rid, jobs["exits"]["run"]["id"]}  # the short job has no error
     named = get("/v1/runs", name=run["name"].split(" ")[0] + "*", cluster=RAY_CLUSTER)["runs"]
     assert rid in {r["id"] for r in named}
     pages, cursor = [], None
