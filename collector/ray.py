@@ -33,7 +33,7 @@ from services.common.ops import BLOB_SECONDS, INDEX_SECONDS, timed
 from services.common.store import Store
 from services.common.web import ApiError, db, store
 from storage import ray
-from storage.ray_events import NO_SESSION, NotAnArray, split_array
+from storage.ray_events import NO_SESSION, TOO_DEEP, NotAnArray, split_array
 from storage.tokens import Principal
 
 logger = logging.getLogger(__name__)
@@ -104,9 +104,10 @@ def post_ray_events() -> Any:
         if elements is not None:
             enforce(limiter, principal.tenant, len(elements))
         parts = ray.prepare(body, elements)
-    except NotAnArray:
+    except NotAnArray as exc:
+        why = ": this one is nested too deeply to read" if str(exc) == TOO_DEEP else ""
         raise ApiError(
-            400, "not_an_array", "a Ray exporter body is a JSON array of events"
+            400, "not_an_array", f"a Ray exporter body is a JSON array of events{why}"
         ) from None
     elements_count = sum(len(p.part.raw) for p in parts)
 
@@ -157,7 +158,8 @@ def post_ray_events() -> Any:
     for r in results:
         for k, n in r.skipped.items():
             skipped[k] = skipped.get(k, 0) + n
-    duplicate = not any(written) and all(r.duplicate or r.session == NO_SESSION for r in results)
+    duplicate = (bool(results) and not any(written)  # (an empty array: nothing to repeat)
+                 and all(r.duplicate or r.session == NO_SESSION for r in results))  # fmt: skip
     ray_bodies(duplicate).inc()
     if not duplicate:
         ray_events("indexed").inc(sum(r.events for r in results) - sum(skipped.values()))

@@ -55,6 +55,10 @@ class NotAnArray(ValueError):
     """The body is not a JSON array (the one thing a Ray body must be)."""
 
 
+#: :class:`NotAnArray`'s reason for a body nested past what the reader takes.
+TOO_DEEP = "nested too deeply"
+
+
 def split_array(body: bytes) -> list[msgspec.Raw]:
     """The elements of a JSON array, each as its exact bytes; :class:`NotAnArray` otherwise."""
     try:
@@ -62,7 +66,7 @@ def split_array(body: bytes) -> list[msgspec.Raw]:
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise NotAnArray(str(exc)) from None
     except RecursionError:  # msgspec's limit on nesting: the array cannot be split
-        raise NotAnArray("nested too deeply") from None
+        raise NotAnArray(TOO_DEEP) from None
 
 
 # ------------------------------------------------------------------ the wire, leniently

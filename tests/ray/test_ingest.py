@@ -340,6 +340,16 @@ def test_only_a_body_that_is_not_an_array_is_refused(app, token, body, status, c
         assert resp.json["error"]["code"] == code
 
 
+def test_what_the_answers_say_of_an_empty_or_too_deep_body(app, token):
+    """Found by a trial: an array nested past what the reader takes was refused as not an
+    array, which it is; the first empty array ever sent was answered as a duplicate."""
+    r = Ray(app, token)
+    deep = r.post(b'[{"a":' * 600 + b"1" + b"}]" * 600)
+    assert deep.status_code == 400 and "nested too deeply" in deep.json["error"]["message"]
+    empty = r.post(b"[]")
+    assert empty.status_code == 200 and empty.json["duplicate"] is False
+
+
 def test_bad_cluster_name_type_and_size(stack, token):
     from services.embedded import create_app
 
