@@ -273,7 +273,7 @@ def _func_name(desc: Any) -> tuple[str | None, str | None]:
         return None, None
     fn, cls = f.function_name, f.class_name
     if f is desc.python_function_descriptor:  # as Ray's State API names it: the part after
-        fn, cls = _short_name(fn), _short_name(cls) if cls else cls  # the last "." of each
+        fn, cls = _short_name(fn), _short_name(cls)  # the last "." of each
     short = f"{cls}.{fn}" if cls else fn
     return clean(short), clean(f.module_name)
 
@@ -299,13 +299,12 @@ def error_summary(message: str | None, error_type: str | None) -> tuple[str | No
     # A Python traceback's last frame ('  File "...", line N, in f', then its indented
     # source lines), then the exception: its first line (a message may run over several).
     last = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=None)
+    exception = None
     if last is not None:
-        after = [x.strip() for x in lines[last + 1 :] if x.strip() and not x[:1].isspace()]
-        if after:
-            return clean(after[0]), clean(text, MAX_TEXT)
-    stripped = [line.strip() for line in lines if line.strip()]
-    exception = stripped[-1] if stripped else error_type
-    return clean(exception), clean(text, MAX_TEXT)
+        exception = next((x for x in lines[last + 1 :] if x.strip() and not x[:1].isspace()), None)
+    if exception is None:  # no traceback: the message's last line
+        exception = next((x for x in reversed(lines) if x.strip()), error_type)
+    return clean(exception.strip() if exception else exception), clean(text, MAX_TEXT)
 
 
 # ------------------------------------------------------------------ patches
