@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 # Metric batches are not tied to a run: take the session's batches received within this
 # many seconds of the run's own, then keep samples inside the run's time window.
 METRIC_SLACK_S = 60.0
+#: A run's metrics: the samples within this many seconds of it (and each series' nearest
+#: sample either side when it has none there).
+METRIC_NEAR_S = 1.0
 ROW_GROUP = 65_536
 _CACHE_SIZE = 4
 
@@ -244,16 +247,48 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     mt: list[float] = []
     mn: list[str] = []
     mv: list[float] = []
+    # Samples within a second of the run, and each series' nearest sample either side when
+    # it has none there and was sampled across that edge of the run (not a worker that left
+    # before it or joined after): samples come a second apart when on time, and a loaded
+    # scheduler's are late, so a run shorter than that could have none within the second
+    # (its page then drew no memory or CPU lines).
+    before: dict[tuple[str, str], tuple[float, float]] = {}
+    after: dict[tuple[str, str], tuple[float, float]] = {}
+    near_lo: set[tuple[str, str]] = set()  # a sample within the second before the start
+    near_hi: set[tuple[str, str]] = set()
+    from_lo: set[tuple[str, str]] = set()  # a sample at or after the start
+    to_hi: set[tuple[str, str]] = set()
     for worker, t, values in metrics:
-        if lo is not None and t < lo - 1.0:
-            continue
-        if hi is not None and t > hi + 1.0:
-            continue
+        early = lo is not None and t < lo - METRIC_NEAR_S
+        late = hi is not None and t > hi + METRIC_NEAR_S
         for name, v in values.items():
-            mw.append(worker)
-            mt.append(t)
-            mn.append(name)
-            mv.append(float(v))
+            k = (worker, name)
+            if lo is None or t >= lo:
+                from_lo.add(k)
+            if hi is None or t <= hi:
+                to_hi.add(k)
+            if early:
+                if k not in before or t > before[k][0]:
+                    before[k] = (t, float(v))
+            elif late:
+                if k not in after or t < after[k][0]:
+                    after[k] = (t, float(v))
+            else:
+                mw.append(worker)
+                mt.append(t)
+                mn.append(name)
+                mv.append(float(v))
+                if lo is not None and t <= lo:
+                    near_lo.add(k)
+                if hi is not None and t >= hi:
+                    near_hi.add(k)
+    for side, near, across in ((before, near_lo, from_lo), (after, near_hi, to_hi)):
+        for k, (t, v) in side.items():
+            if k not in near and k in across:
+                mw.append(k[0])
+                mt.append(t)
+                mn.append(k[1])
+                mv.append(v)
     metrics_t = pa.table({"worker": mw, "time": mt, "name": mn, "value": mv}, schema=metrics_schema)
     return tasks, graph, metrics_t
 

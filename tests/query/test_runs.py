@@ -441,3 +441,43 @@ def test_transfers_leave_the_threads_idle(clients, make_token):
         (20.0, 3.0, 6.0, 1.0)
     )
     assert got["idle"] == pytest.approx(16.0)  # 2 threads x 10 s, one of them 4 s busy
+
+
+def test_a_run_shorter_than_the_sample_interval_keeps_its_workers_nearest_samples(
+    clients, make_token
+):
+    """A loaded scheduler samples late: a 0.3 s run whose workers' samples came 1.6 s
+    before and 1.7 s after it had no metrics (found in CI: its page drew no memory or CPU
+    lines). Each series keeps its nearest sample either side, but a worker that left
+    before the run, or joined after it, does not appear in it."""
+    collector, query = clients
+    token = make_token()
+    start, end = T0 + 10, T0 + 10.3
+
+    def sample(worker: str, t: float) -> dict[str, Any]:
+        return {"kind": "metric", "worker": worker, "time": t,
+                "values": {"memory.managed": 1e6 * (t - T0), "cpu": 50.0}}  # fmt: skip
+
+    events = [
+        sample("tcp://w:1", start - 3.1), sample("tcp://w:1", start - 1.6),
+        sample("tcp://gone:1", start - 2.5),  # left before the run
+        sample("tcp://w:2", start - 0.4), sample("tcp://w:2", start - 0.9),  # on time
+        {"kind": "run", "event": "started", "id": "r", "name": "short", "time": start},
+        {"kind": "task", "key": "k", "prefix": "inc", "status": "memory", "run": "r",
+         "worker": "tcp://w:1", "startstops": [{"action": "compute", "start": start, "stop": end}]},
+        {"kind": "run", "event": "finished", "id": "r", "time": end},
+        sample("tcp://w:1", end + 1.7), sample("tcp://w:1", end + 2.7),
+        sample("tcp://w:2", end + 0.6),
+        sample("tcp://new:1", end + 2.0),  # joined after it
+    ]  # fmt: skip
+    body = example(cluster="c", session="s", agent="scheduler-1", seq=0, events=events)
+    assert post(collector, body, token=token).status_code == 202
+    h = auth(token)
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    series = query.get(f"/v1/runs/{run['id']}/metrics", headers=h).json["series"]
+    got = {(s["worker"], s["name"]): [round(p["time"] - T0, 1) for p in s["points"]]
+           for s in series}  # fmt: skip
+    assert got == {
+        ("tcp://w:1", "cpu"): [8.4, 12.0], ("tcp://w:1", "memory.managed"): [8.4, 12.0],
+        ("tcp://w:2", "cpu"): [9.1, 9.6, 10.9], ("tcp://w:2", "memory.managed"): [9.1, 9.6, 10.9],
+    }  # fmt: skip
