@@ -1115,6 +1115,11 @@ def _close_job(
         elif not ended and job.last_event_at > now - idle:
             return out
         again = job.closed_at is not None
+        job_end = next((t for t in (job.finished_at, job.driver_exit_at) if _time_ok(t)), None)
+        if (not again and ended and job_end is not None
+                and job.end_seen > now - settle - WORKER_DEATH_WINDOW_S
+                and _awaits_worker_death(db, session_id, job_id)):  # fmt: skip
+            return out
         rows: list[Any] = []
         if not again:
             # Closing again writes the end alone: tasks that came since the first close
@@ -1131,7 +1136,6 @@ def _close_job(
             (t for t in (job.finished_at, job.driver_exit_at, end, job.created_at) if _time_ok(t)),
             None,
         )
-        job_end = next((t for t in (job.finished_at, job.driver_exit_at) if _time_ok(t)), None)
         if job_end is not None:
             rows = failed_with_job(rows, job_id, job_end, _workers_died(db, session_id, rows))
         tenant_id, tenant, cluster, session = _session_names(db, session_id)
@@ -1152,6 +1156,15 @@ def _close_job(
         out.tasks += len(rows)
         out.jobs_closed += 0 if again else 1
     return out
+
+
+#: How long after its job's end a worker's death still ends the task it was running, as
+#: Ray's GCS decides it: it fails a finished job's unended tasks at the job's end
+#: ``gcs_mark_task_failed_on_job_done_delay_ms`` (15 s) after it, and a dead worker's at
+#: the worker's death ``gcs_mark_task_failed_on_worker_dead_delay_ms`` (1 s) after that;
+#: whichever comes first wins. (A call running on a detached actor, which outlives its
+#: job, ends when the actor dies within 14 s, else at the job's end.)
+WORKER_DEATH_WINDOW_S = 15.0 - 1.0
 
 
 #: Ray's ``WorkerExitType`` numbers, as its State API prints them in a task's error.
@@ -1190,6 +1203,26 @@ def _workers_died(db: Session, session_id: int, rows: list[Any]) -> list[_Died]:
     return [_Died(*row) for row in got]
 
 
+def _awaits_worker_death(db: Session, session_id: int, job_id: str) -> bool:
+    """A task of the job was RUNNING, has not ended and its worker's death has not come:
+    its end is that death if it comes within ``WORKER_DEATH_WINDOW_S`` of the job's end
+    (a detached actor's worker outlives the job; the job's own workers die in ms). The
+    close waits for it, so that the live index and a rebuild from the bodies, which knows
+    every death, end the task alike."""
+    T = m.RayTask
+    running = db.execute(
+        select(T.worker_id, T.pid, T.running_at, T.finished_at, T.failed_at).where(
+            T.session_id == session_id, T.job_id == job_id, T.emitted.is_(False),
+            T.defined.is_(True), T.running_at.is_not(None),
+            T.finished_at.is_(None), T.failed_at.is_(None),
+        )
+    ).all()  # fmt: skip
+    if not running:
+        return False
+    died = _workers_died(db, session_id, running)
+    return any(_died_running(r, died) is None for r in running)
+
+
 def _died_running(r: Any, died: list[_Died]) -> _Died | None:
     """The worker that ran ``r`` and died after it started: the one the owner named, else
     the one of its pid alive when it started."""
@@ -1212,7 +1245,8 @@ def failed_with_job(rows: list[Any], job_id: str, end: float,
     exiting with 20 tasks unfinished gave a run without errors, where Ray listed 20
     failures). A task that was RUNNING ends when its worker died (``died``: the workers'
     ends, as Ray sends them; Ray force-exits them a few ms after the job), with Ray's
-    message for it; any other, or one whose worker's end has not come, at the job's end.
+    message for it, if that was within ``WORKER_DEATH_WINDOW_S`` of the job's end; any
+    other, or one whose worker's end has not come, at the job's end.
     Attempts whose definition never came (a restarted actor's creation task: Ray's State
     API does not list them) stay ``lost``."""
     out = []
@@ -1221,7 +1255,7 @@ def failed_with_job(rows: list[Any], job_id: str, end: float,
             if not hasattr(r, "_replace"):
                 r = _row_type(tuple(r._fields))._make(r)
             w = _died_running(r, died) if died and _unended_running(r) else None
-            if w is not None and _time_ok(w.ended_at):
+            if w is not None and _time_ok(w.ended_at) and w.ended_at <= end + WORKER_DEATH_WINDOW_S:
                 at, kind = w.ended_at, w.exit_type
                 message = (f"Worker running the task ({w.worker_id}) died with exit_type: "
                            f"{_EXIT_CODES.get(kind or '', kind)} with error_message: "

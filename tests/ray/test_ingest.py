@@ -522,6 +522,65 @@ def test_tasks_unfinished_when_their_driver_exits_fail_with_the_job_as_ray_says(
     assert sorted(g["count"] for g in groups) == [2, 2]  # the workers' deaths (ids apart), the job
 
 
+def test_a_task_running_when_its_job_ends_ends_as_ray_says_live_and_rebuilt(
+    stack, app, token, tmp_path
+):
+    """Found by a trial on a real cluster: a call still running on a detached actor (whose
+    worker outlives the job) when the job's driver exited. Ray's GCS ends such a task when
+    its worker dies if that is within 14 s of the job's end (it fails a finished job's
+    tasks 15 s on, a dead worker's 1 s on), else at the job's end. The live index ended
+    one at the job's end, 9 s before Ray, while a rebuild from the same bodies ended
+    another at its worker's death 27 s on, where Ray used the job's end."""
+    r = Ray(app, token)
+    sim = RaySim(seed=12)
+    end = T0 + 4
+    candidates = [sim.task(1, f"call-{i}", T0 + 1, 60) for i in range(8)]
+    soon, late = (next(t for t in candidates if sim.worker_of(t) == w) for w in (0, 1))
+
+    def death(t: Any, at: float) -> list[dict[str, Any]]:
+        wid = base64.b64encode(sim.worker_ids[sim.worker_of(t)]).decode()
+        return [e for e in sim.worker_events(T0 - 4, ended=at)
+                if e.get("workerLifecycleEvent", {}).get("workerId") == wid
+                and e["workerLifecycleEvent"]["stateTransitions"][0]["state"] == "DEAD"]  # fmt: skip
+
+    events = sim.node_events(T0 - 5) + sim.worker_events(T0 - 4) + sim.job_start(1, T0)
+    events += [e for t in (soon, late) for e in (sim.definition(t), sim.running(t))]
+    events += sim.job_end(1, end)
+    r.post_all(bodies(events))
+    r.sweep(after=SETTLE + 1)
+    assert r.run(1)["status"] == "running"  # waits for the workers' deaths
+    r.post_all(bodies(death(soon, end + 9)))
+    r.sweep(after=SETTLE + 1)
+    assert r.run(1)["status"] == "running"  # the other one's has not come
+    r.sweep(after=ray.WORKER_DEATH_WINDOW_S + SETTLE + 1)
+    r.post_all(bodies(death(late, end + 27)))  # after its job closed
+    r.sweep(after=ray.WORKER_DEATH_WINDOW_S + SETTLE + 1)
+    run = r.run(1)
+    assert run["status"] == "finished" and run["task_count"] == 2
+    tasks = {t["group"]: t for t in r.tasks(run["id"])}
+    (phase,) = tasks[soon.name]["startstops"]
+    assert phase["stop"] == pytest.approx(int((end + 9) * 1000) / 1000, abs=1e-6)
+    assert tasks[soon.name]["exception"].startswith("Worker running the task (")
+    (phase,) = tasks[late.name]["startstops"]
+    assert phase["stop"] == pytest.approx(end + 0.003, abs=1e-6)  # the job's FINISHED
+    assert tasks[late.name]["exception"].startswith("Job finishes (01000000) as driver exits.")
+    before = r.view()
+
+    from services.embedded import create_app
+
+    rebuilt_url = fresh_index(stack, tmp_path)
+    upgrade(rebuilt_url)
+    engine = make_engine(rebuilt_url)
+    reindex(r.store.blobs, make_sessionmaker(engine), ray_settle=0)
+    principal = r.store.principal_for(token)
+    assert principal is not None
+    with make_sessionmaker(engine).begin() as db:
+        again = create_token(db, principal.tenant, "ray,read")
+    engine.dispose()
+    rebuilt = Ray(create_app({**stack, "database_url": rebuilt_url, "ray_sweeper": False}), again)
+    assert rebuilt.view() == before
+
+
 def test_a_job_that_never_finishes_closes_when_idle(app, token):
     r = Ray(app, token)
     sim = RaySim(seed=9)
