@@ -468,6 +468,9 @@ class RayJob(Base):
     last_event_at: Mapped[float] = mapped_column(Float)
     closed_at: Mapped[float | None] = mapped_column(Float)
     closed_by: Mapped[str | None] = mapped_column(String(16))
+    # The close that wrote the job's unended tasks FAILED, as Ray does at a driver's exit
+    # (collector's clock; NULL: none did, e.g. closed when idle).
+    unended_failed_at: Mapped[float | None] = mapped_column(Float)
 
 
 _UNWRITTEN: dict[str, Any] = {

@@ -1136,8 +1136,9 @@ def _close_job(
             (t for t in (job.finished_at, job.driver_exit_at, end, job.created_at) if _time_ok(t)),
             None,
         )
-        if job_end is not None:
+        if job_end is not None and not again:
             rows = failed_with_job(rows, job_id, job_end, _workers_died(db, session_id, rows))
+            job.unended_failed_at = now
         tenant_id, tenant, cluster, session = _session_names(db, session_id)
         derived = Derived(tasks=tasks_as_events(db, session_id, rows))
         started = job_started(job)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import case, false, func, select
 from sqlalchemy.orm import Session
 
 from storage import models as m
@@ -23,21 +23,30 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
     tasks whose definition, RUNNING or end never arrived, the job's FINISHED event, and
     events stored but not understood (``events_skipped``)."""
     T = m.RayTask
+    # A task not ended when its job did (its driver exited) was written FAILED with the
+    # job, as Ray's State API lists it (storage/ray.py failed_with_job): Ray sends no end
+    # for it, so none is missing. Not one that came after that close (written as it was).
+    ended_by_job = (
+        (T.defined.is_(True) & T.finished_at.is_(None) & T.failed_at.is_(None)
+         & (T.first_seen <= job.unended_failed_at))
+        if job.unended_failed_at is not None
+        else false()
+    )  # fmt: skip
+    ended = T.finished_at.is_not(None) | T.failed_at.is_not(None) | ended_by_job
     # A task that failed before it reached a worker (cancelled while pending, a call on a
-    # dead actor: no SUBMITTED_TO_WORKER, no worker) never ran: no RUNNING is missing.
+    # dead actor, a task still pending when its job ended: no SUBMITTED_TO_WORKER, no
+    # worker) never ran: no RUNNING is missing.
     never_ran = (
-        T.failed_at.is_not(None) & T.submitted_at.is_(None) & T.running_at.is_(None)
-        & T.worker_id.is_(None)
+        ended & T.submitted_at.is_(None) & T.running_at.is_(None) & T.worker_id.is_(None)
     )  # fmt: skip
     ran = T.running_at.is_not(None) | never_ran
     total, complete, no_def, no_running, no_end, waiting = db.execute(
         select(
             func.count(),
-            func.sum(case((T.defined.is_(True) & ran
-                          & (T.finished_at.is_not(None) | T.failed_at.is_not(None)), 1), else_=0)),
+            func.sum(case((T.defined.is_(True) & ran & ended, 1), else_=0)),
             func.sum(case((T.defined.is_(False), 1), else_=0)),
             func.sum(case((~ran, 1), else_=0)),
-            func.sum(case((T.finished_at.is_(None) & T.failed_at.is_(None), 1), else_=0)),
+            func.sum(case((~ended, 1), else_=0)),
             func.sum(case((T.emitted.is_(False), 1), else_=0)),
         ).where(T.session_id == job.session_id, T.job_id == job.job_id)
     ).one()  # fmt: skip

@@ -520,6 +520,11 @@ def test_tasks_unfinished_when_their_driver_exits_fail_with_the_job_as_ray_says(
     assert {tasks[t.name]["status"] for t in done} == {"memory"}
     groups = r.get(f"/v1/runs/{run['id']}/errors")["groups"]
     assert sorted(g["count"] for g in groups) == [2, 2]  # the workers' deaths (ids apart), the job
+    # Nothing of those is missing: Ray sends no end for them, and a pending one never ran
+    # (they read as 4 tasks without their end, the pending ones also without RUNNING).
+    c = r.get(f"/v1/runs/{run['id']}")["completeness"]["tasks"]
+    assert (c["complete"], c["without_definition"], c["without_running"], c["without_end"]) == (
+        6, 1, 0, 1)  # fmt: skip
 
 
 def test_a_task_running_when_its_job_ends_ends_as_ray_says_live_and_rebuilt(
@@ -607,6 +612,9 @@ def test_a_job_that_never_finishes_closes_when_idle(app, token):
     assert detail["finished_at"] == pytest.approx(T0 + 60.003, abs=1e-6)  # the job's FINISHED
     assert detail["completeness"]["closed_by"] == "finished"
     assert detail["completeness"]["job_finished_event"] is True
+    # The task written lost at the idle close stays lost, and without its end.
+    assert detail["tasks_by_status"] == {"memory": 19, "lost": 1}
+    assert detail["completeness"]["tasks"]["without_end"] == 1
 
 
 def test_events_after_the_job_closed_are_still_written_once(app, token):
