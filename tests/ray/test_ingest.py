@@ -570,19 +570,7 @@ def test_a_task_running_when_its_job_ends_ends_as_ray_says_live_and_rebuilt(
     assert phase["stop"] == pytest.approx(end + 0.003, abs=1e-6)  # the job's FINISHED
     assert tasks[late.name]["exception"].startswith("Job finishes (01000000) as driver exits.")
     before = r.view()
-
-    from services.embedded import create_app
-
-    rebuilt_url = fresh_index(stack, tmp_path)
-    upgrade(rebuilt_url)
-    engine = make_engine(rebuilt_url)
-    reindex(r.store.blobs, make_sessionmaker(engine), ray_settle=0)
-    principal = r.store.principal_for(token)
-    assert principal is not None
-    with make_sessionmaker(engine).begin() as db:
-        again = create_token(db, principal.tenant, "ray,read")
-    engine.dispose()
-    rebuilt = Ray(create_app({**stack, "database_url": rebuilt_url, "ray_sweeper": False}), again)
+    rebuilt, _ = rebuild(stack, r, token, tmp_path)
     assert rebuilt.view() == before
 
 
@@ -686,6 +674,25 @@ def test_a_value_postgres_refuses_is_stored_and_skipped_not_refused(stack, tmp_p
     engine.dispose()
 
 
+def rebuild(stack: dict[str, Any], r: Ray, token: str, tmp_path: Any) -> tuple[Ray, dict[str, int]]:
+    """A fresh index rebuilt from ``r``'s blob store (every body is in: no settle time),
+    and a client of it for the same tenant; with the rebuild's counts."""
+    from services.embedded import create_app
+
+    rebuilt_url = fresh_index(stack, tmp_path)
+    upgrade(rebuilt_url)
+    engine = make_engine(rebuilt_url)
+    counts = reindex(r.store.blobs, make_sessionmaker(engine), ray_settle=0)
+    # Tokens are not in the blob store: one for the same tenant in the rebuilt index.
+    principal = r.store.principal_for(token)
+    assert principal is not None
+    with make_sessionmaker(engine).begin() as db:
+        again = create_token(db, principal.tenant, "ray,read")
+    engine.dispose()
+    app = create_app({**stack, "database_url": rebuilt_url, "ray_sweeper": False})
+    return Ray(app, again), counts
+
+
 def test_reindex_rebuilds_the_same_runs(stack, app, token, tmp_path):
     r = Ray(app, token)
     _, _, events = workload(seed=6)
@@ -695,21 +702,8 @@ def test_reindex_rebuilds_the_same_runs(stack, app, token, tmp_path):
     r.post_all(bodies(mixed, 90))
     r.sweep(after=SETTLE + 1)
     before = r.view()
-
-    from services.embedded import create_app
-
-    rebuilt_url = fresh_index(stack, tmp_path)
-    upgrade(rebuilt_url)
-    engine = make_engine(rebuilt_url)
-    counts = reindex(r.store.blobs, make_sessionmaker(engine), ray_settle=0)  # all are in
+    rebuilt, counts = rebuild(stack, r, token, tmp_path)
     assert counts["ray_merged"] == len(bodies(mixed, 90)) and counts["ray_skipped"] == 0
-    # Tokens are not in the blob store: one for the same tenant in the rebuilt index.
-    principal = r.store.principal_for(token)
-    assert principal is not None
-    with make_sessionmaker(engine).begin() as db:
-        again = create_token(db, principal.tenant, "ray,read")
-    engine.dispose()
-    rebuilt = Ray(create_app({**stack, "database_url": rebuilt_url, "ray_sweeper": False}), again)
     after = rebuilt.view()
     for job in before["runs"]:
         for part in before["runs"][job]:
