@@ -256,38 +256,37 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     after: dict[tuple[str, str], tuple[float, float]] = {}
     near_lo: set[tuple[str, str]] = set()  # a sample within the second before the start
     near_hi: set[tuple[str, str]] = set()
-    from_lo: set[tuple[str, str]] = set()  # a sample at or after the start
-    to_hi: set[tuple[str, str]] = set()
+    from_lo: set[str] = set()  # workers sampled at or after the start
+    to_hi: set[str] = set()
     for worker, t, values in metrics:
-        early = lo is not None and t < lo - METRIC_NEAR_S
-        late = hi is not None and t > hi + METRIC_NEAR_S
-        for name, v in values.items():
-            k = (worker, name)
-            if lo is None or t >= lo:
-                from_lo.add(k)
-            if hi is None or t <= hi:
-                to_hi.add(k)
-            if early:
-                if k not in before or t > before[k][0]:
-                    before[k] = (t, float(v))
-            elif late:
-                if k not in after or t < after[k][0]:
-                    after[k] = (t, float(v))
-            else:
+        if lo is None or t >= lo:
+            from_lo.add(worker)
+        if hi is None or t <= hi:
+            to_hi.add(worker)
+        if lo is not None and t < lo - METRIC_NEAR_S:
+            for name, v in values.items():
+                if (worker, name) not in before or t > before[worker, name][0]:
+                    before[worker, name] = (t, float(v))
+        elif hi is not None and t > hi + METRIC_NEAR_S:
+            for name, v in values.items():
+                if (worker, name) not in after or t < after[worker, name][0]:
+                    after[worker, name] = (t, float(v))
+        else:
+            n = len(values)
+            mw.extend([worker] * n)
+            mt.extend([t] * n)
+            mn.extend(values)
+            mv.extend(float(v) for v in values.values())
+            if lo is not None and t <= lo:
+                near_lo.update((worker, name) for name in values)
+            if hi is not None and t >= hi:
+                near_hi.update((worker, name) for name in values)
+    for side, near, across in ((before, near_lo, from_lo), (after, near_hi, to_hi)):
+        for (worker, name), (t, v) in side.items():
+            if (worker, name) not in near and worker in across:
                 mw.append(worker)
                 mt.append(t)
                 mn.append(name)
-                mv.append(float(v))
-                if lo is not None and t <= lo:
-                    near_lo.add(k)
-                if hi is not None and t >= hi:
-                    near_hi.add(k)
-    for side, near, across in ((before, near_lo, from_lo), (after, near_hi, to_hi)):
-        for k, (t, v) in side.items():
-            if k not in near and k in across:
-                mw.append(k[0])
-                mt.append(t)
-                mn.append(k[1])
                 mv.append(v)
     metrics_t = pa.table({"worker": mw, "time": mt, "name": mn, "value": mv}, schema=metrics_schema)
     return tasks, graph, metrics_t
