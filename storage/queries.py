@@ -309,6 +309,38 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
     return [a for a in mine if last.get(a) is None or last[a] >= run.started_at]
 
 
+def run_completeness(db: Session, run: m.Run) -> dict[str, Any]:
+    """The session's completeness, with ``closed`` and ``workers_without_batches`` for
+    ``run``: a worker agent that never closed counts only if it is the run's
+    (``unclosed_worker_agents``, also listed), a worker that left with no batch only if it
+    left after the run started. Every later run of a session in which a worker was killed
+    read ``closed: false``, fresh workers and all, while its page rightly said nothing
+    (found by a trial)."""
+    out = completeness(db, run.session_id)
+    silent = out["workers_without_batches"]
+    if silent and run.started_at is not None:
+        W = m.Worker
+        left = dict(
+            db.execute(
+                select(W.address, func.max(W.left_at))
+                .where(W.session_id == run.session_id, W.address.in_(silent))
+                .group_by(W.address)
+            ).all()
+        )
+        silent = [a for a in silent if left.get(a) is None or left[a] >= run.started_at]
+    unclosed = unclosed_worker_agents(db, run, out)
+    agents = out["agents"]
+    out.update(
+        workers_without_batches=silent,
+        unclosed_worker_agents=unclosed,
+        closed=bool(agents)
+        and all(a["final"] for a in agents if not a["agent"].startswith("worker-"))
+        and not unclosed
+        and not silent,
+    )
+    return out
+
+
 def finished_work(db: Session, run: m.Run) -> dict[str, Any]:
     """Whether the run's finished-run work (``storage.finish``: compacted copy, ...) is
     done for its current data (``done_at``) or still queued (``pending``)."""
@@ -366,7 +398,7 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
         workers=workers,
         fingerprint=fingerprint(run.name, run.run_key, prefixes),
         prefixes=list(prefixes.values()),
-        completeness=completeness(db, run.session_id),
+        completeness=run_completeness(db, run),
         finished_work=finished_work(db, run),
         first_seen=run.first_seen,
         last_seen=run.last_seen,

@@ -268,7 +268,7 @@ def run_page(run_id: str) -> Any:
         critical=critical,
         errors=facts["errors"],
         outcome=facts.get("outcome"),
-        unclosed=queries.unclosed_worker_agents(db(), run, detail["completeness"]),
+        unclosed=detail["completeness"].get("unclosed_worker_agents", []),
         dag_max=plots.DAG_MAX_NODES,
         live=live,
         refresh=_refresh_seconds(),

@@ -97,15 +97,23 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
         ),  # fmt: skip
         {"kind": "worker", "event": "left", "address": "tcp://w:1", "time": T0 + 2},
         {"kind": "run", "event": "finished", "id": "r", "time": T0 + 1},
+        # a run that started after it left: not its loss
+        {"kind": "run", "event": "started", "id": "q", "name": "later", "time": T0 + 3},
+        {"kind": "run", "event": "finished", "id": "q", "time": T0 + 4},
     ]
     body = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=0,
                    events=events, final=True)  # fmt: skip
     assert post(collector, body, token=token).status_code == 202
-    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    later, run = query.get("/v1/runs", headers=h).json["runs"]
     page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
     assert (
         '<span id="silent-workers">1 worker left with none of its own arriving (tcp://w:1)' in page
     )
+    assert 'id="silent-workers"' not in query.get(f"/runs/{later['id']}", headers=h).data.decode()
+    c = [query.get(f"/v1/runs/{r['id']}", headers=h).json["completeness"] for r in (run, later)]
+    assert [(x["closed"], x["workers_without_batches"]) for x in c] == [
+        (False, ["tcp://w:1"]), (True, []),
+    ]  # fmt: skip
 
 
 def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(apps, make_token):
@@ -160,6 +168,14 @@ def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(a
     )
     for r in (other, after):
         assert 'id="unclosed-agents"' not in query.get(f"/runs/{r['id']}", headers=h).data.decode()
+    # the API says the same of each run (it said not closed for all three: found by a trial)
+    closed = {}
+    for r in (run, other, after):
+        c = query.get(f"/v1/runs/{r['id']}", headers=h).json["completeness"]
+        closed[r["name"]] = (c["closed"], c["unclosed_worker_agents"])
+    assert closed == {
+        "etl": (False, ["worker-1-0123456789ab"]), "other": (True, []), "after": (True, []),
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
