@@ -412,6 +412,16 @@ def critical_path(data: RunData) -> dict[str, Any]:
 # ---------------------------------------------------------------- time breakdown
 
 
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds the union of ``intervals`` covers."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
 def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     """Worker-thread-seconds of the given runs: compute, spill (disk read+write), other
     phases, and idle (thread-seconds the workers offered over each run's makespan, while
@@ -442,6 +452,10 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     ).all()
     per_worker: dict[str, dict[str, float]] = {}
     tot = {"capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0, "other": 0.0}
+    # Each worker's spans (per thread count), so runs that overlapped on it count its
+    # thread-seconds once: two concurrent runs read a cluster twice its size, half of it
+    # idle (found by a trial)
+    spans: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for w, start, stop, nthreads, joined, left in rows:
         # A worker that joined or left during the run offered its threads only meanwhile
         # (an adaptive cluster's; a Ray worker process, which lives for a few tasks: six
@@ -452,17 +466,21 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
             start = max(start, min(joined, w.first_start if w.first_start is not None else joined))
         if stop is not None and left is not None:
             stop = min(stop, max(left, w.last_stop if w.last_stop is not None else left))
-        span = makespan(start, stop) or 0.0
-        cap = span * (nthreads or 1)
+        if start is not None and stop is not None and stop > start:
+            spans.setdefault((w.worker, nthreads or 1), []).append((start, stop))
         d = per_worker.setdefault(
             w.worker, {k: 0.0 for k in tot} | {"tasks": 0, "nthreads": nthreads}
         )
-        vals = {"capacity": cap, "compute": w.compute, "transfer": w.transfer,
+        vals = {"compute": w.compute, "transfer": w.transfer,
                 "spill": w.disk_read + w.disk_write, "other": w.other}  # fmt: skip
         for k, v in vals.items():
             d[k] += v
             tot[k] += v
         d["tasks"] += w.tasks
+    for (worker, nthreads), intervals in spans.items():
+        cap = _covered(intervals) * nthreads
+        per_worker[worker]["capacity"] += cap
+        tot["capacity"] += cap
     for d in per_worker.values():
         d["idle"] = max(0.0, d["capacity"] - d["compute"] - d["spill"] - d["other"])
     idle = sum(d["idle"] for d in per_worker.values())

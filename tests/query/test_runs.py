@@ -417,6 +417,40 @@ def test_time_counts_a_worker_only_while_it_was_there(clients, make_token):
     assert workers[w2]["idle"] == pytest.approx(1.0)
 
 
+def test_a_clusters_time_counts_a_thread_once_when_its_runs_overlap(clients, make_token):
+    """Found by a trial: two runs computed at once from two clients read the cluster as
+    twice its size, half of it idle (16.6 s of capacity, 8.6 idle, for ~8.6 s of threads
+    ~93% busy). Each run's own view still offers it the threads over its makespan."""
+    collector, query = clients
+    token = make_token()
+    w = "tcp://w:1"
+
+    def task(run: str, start: float) -> dict[str, Any]:
+        return {"kind": "task", "key": f"a-{run}", "prefix": "a", "status": "memory", "run": run,
+                "worker": w, "thread": 1, "startstops": [{"action": "compute", "start": start,
+                                                          "stop": start + 10}]}  # fmt: skip
+
+    events = [
+        {"kind": "worker", "event": "joined", "address": w, "time": T0 - 60, "nthreads": 2},
+        {"kind": "run", "event": "started", "id": "r", "name": "one", "time": T0},
+        {"kind": "run", "event": "started", "id": "q", "name": "two", "time": T0 + 5},
+        task("r", T0), task("q", T0 + 5),
+        {"kind": "run", "event": "finished", "id": "r", "time": T0 + 10},
+        {"kind": "run", "event": "finished", "id": "q", "time": T0 + 15},
+    ]  # fmt: skip
+    body = example(cluster="conc", session="s1", agent="scheduler-1", seq=0, events=events)
+    assert post(collector, body, token=token).status_code == 202
+    for run in query.get("/v1/runs", headers=auth(token)).json["runs"]:
+        got = query.get(f"/v1/runs/{run['id']}/time", headers=auth(token)).json
+        assert (got["capacity"], got["idle"]) == pytest.approx((20.0, 10.0))
+    got = query.get("/v1/clusters/conc/time", headers=auth(token)).json
+    # 2 threads over the 15 s the runs covered, 20 s of them busy
+    assert (got["runs"], got["capacity"], got["compute"], got["idle"]) == pytest.approx(
+        (2, 30.0, 20.0, 10.0)
+    )
+    assert got["workers"][0]["capacity"] == pytest.approx(30.0)
+
+
 def test_transfers_leave_the_threads_idle(clients, make_token):
     """Found by a held-out check: a transfer-bound run's workers read 4.4 s idle of 7.9 s
     of thread capacity, its 3.5 s of transfers taken from the threads; Dask transfers on
