@@ -55,7 +55,7 @@ from hindsight.schema import (
     WorkerEvent,
     valid_name,
 )
-from hindsight.streams import current_task, owns_record, scheduler_time
+from hindsight.streams import current_task, owns_record, scheduler_time, task_and_run
 
 logger = logging.getLogger(__name__)
 
@@ -796,6 +796,17 @@ SCHEDULER_LOGGERS = (
 )
 
 
+def _compute_failed(record: logging.LogRecord) -> bool:
+    """Whether ``record`` is Dask's worker's "Compute Failed" of a task (key first)."""
+    msg, args = record.msg, record.args
+    return (
+        isinstance(msg, str)
+        and msg.startswith("Compute Failed\nKey:")
+        and isinstance(args, tuple)
+        and len(args) > 0
+    )
+
+
 class _LogHandler(logging.Handler):
     """Copies log records at or above the configured level into an agent: a worker's
     (``worker``; a record logged by a task names the task and its run) or the scheduler's
@@ -829,6 +840,11 @@ class _LogHandler(logging.Handler):
             else:
                 at = scheduler_time(self.worker, record.created)
                 key, run = current_task(self.worker)
+                if key is None and _compute_failed(record):
+                    # Dask logs a task's failure on the event loop, after its thread
+                    # let go of it: the key is the record's first argument. Placed by
+                    # time alone, a failure could land in the next run (found by a trial)
+                    key, run = task_and_run(self.worker, record.args[0])
             self.agent.add(
                 (_log_event, at, record.levelname, message, record.name, self.address, key, run)
             )

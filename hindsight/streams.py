@@ -103,6 +103,11 @@ def current_task(worker: Any) -> tuple[str | None, str | None]:
     key = getattr(thread_state, "key", None)
     if key is None:
         return None, None
+    return task_and_run(worker, key)
+
+
+def task_and_run(worker: Any, key: Any) -> tuple[str, str | None]:
+    """``key`` as text and the run (span) of the worker's task of that key, if it has it."""
     run = None
     ts = worker.state.tasks.get(key)
     if ts is not None:

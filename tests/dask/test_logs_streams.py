@@ -42,6 +42,14 @@ def odd_text(i: int) -> int:
     return i
 
 
+def flaky(marker: str) -> int:
+    """Fails its first attempt (Dask's ``retries=`` runs it again), then succeeds."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        raise ValueError("first attempt fails")
+    return 1
+
+
 def die(_: Any) -> None:
     os._exit(1)  # the worker process ends here, as a segfault or the OOM killer would end it
 
@@ -52,7 +60,9 @@ def die_later(seconds: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
+def recorded(
+    hindsight_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     import dask
     from distributed import Client, LocalCluster, span
     from distributed.scheduler import KilledWorker
@@ -76,6 +86,11 @@ def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
         with span("nul-in-text"):  # Dask takes a NUL in a key, a log message, a value
             keys = [f"odd\x00key-{i}" for i in range(10)]
             assert client.gather(client.map(odd_text, range(10), key=keys)) == list(range(10))
+        with span("retried"):  # Dask logs the failed attempt on the event loop, no task's
+            marker = str(tmp_path_factory.mktemp("flaky") / "attempted")
+            assert client.submit(flaky, marker, key="flaky-0", retries=1).result() == 1
+        with span("after-retried"):
+            assert client.submit(inc, 1, key="after-0").result() == 2
         # A worker's events leave with its agent's next batch: wait for both workers' before
         # one is killed (what a killed worker had not sent yet is lost with it).
         first = wait_for_run(hindsight_server, cluster, "emits-and-logs", 20)
@@ -188,6 +203,24 @@ def test_a_workers_warning_comes_back_from_the_logs_route(hindsight_server, reco
     assert hindsight_server.get(base, level="warn", q="looks odd")["logs"] == [record]
     logs = hindsight.Client(hindsight_server.url).logs(run["id"], level="warning")
     assert logs[logs.logger == "user.task"].to_dict("records") == [record]
+
+
+def test_a_retried_tasks_failure_is_logged_with_its_key_in_its_run(hindsight_server, recorded):
+    """Found by a trial: Dask logs "Compute Failed" on the worker's event loop, after the
+    task's thread let go of it, so the record had no key and was placed in a run by its
+    time alone (a failure of one run was listed in the next). A failed attempt that
+    ``retries=`` ran again is not in Dask's task stream: this record is where it shows."""
+    run = wait_for_run(hindsight_server, recorded["cluster"], "retried", 1)
+    base = f"/v1/runs/{run['id']}/logs"
+    (record,) = wait_until(
+        lambda: hindsight_server.get(base, q="Compute Failed")["logs"], 60, "the failure"
+    )
+    assert record["key"] == "flaky-0" and record["level"] == "ERROR"
+    assert "first attempt fails" in record["message"]
+    assert record["worker"] in recorded["workers"]
+    after = wait_for_run(hindsight_server, recorded["cluster"], "after-retried", 1)
+    logs = hindsight_server.get(f"/v1/runs/{after['id']}/logs", q="Compute Failed")["logs"]
+    assert logs == []
 
 
 def test_a_nul_in_a_key_a_log_or_a_value_loses_nothing(hindsight_server, recorded):
