@@ -353,6 +353,11 @@ CAUSES = {
     "removed": "removed by the scheduler",
     "unknown": "left (an older agent did not say how)",
 }
+#: Said of a worker lost while Dask had it paused: its memory monitor pauses a worker past
+#: 80% of its memory limit, and a nanny kills one past 95% (the OS's OOM killer may come
+#: first). A worker killed so read "killed or crashed" alone, its memory line short of the
+#: limit (the sample before the spike; found by a trial).
+PAUSED_HINT = "; it was paused for memory then, so likely killed at its memory limit"
 _LOST_REASONS = ("handle-worker-cleanup", "worker-send-comm-fail", "send-all-comm-fail")
 #: Ray's worker exit types of a crash (``storage.ray``: the reason starts with one).
 LOST_RAY_EXITS = ("SYSTEM_ERROR", "USER_ERROR", "NODE_OUT_OF_MEMORY")
@@ -436,7 +441,8 @@ def lifecycle(
             entry.update(
                 reason=w.left_reason,
                 cause=cause,
-                cause_text=CAUSES[cause],
+                cause_text=CAUSES[cause]
+                + (PAUSED_HINT if cause == "lost" and d.get("status") == "paused" else ""),
                 expected=d.get("expected"),
                 last_status=d.get("status"),
             )

@@ -124,6 +124,7 @@ def test_logs_streams_and_lifecycle_survive_reindex_and_leave_with_retention(sta
     assert [w["address"] for w in life] == [W1, W2]
     w1 = life[0]
     assert (w1["cause"], w1["left_during_run"], w1["last_status"]) == ("lost", True, "running")
+    assert w1["cause_text"] == "connection lost while it was running: killed or crashed"
     assert w1["took_down"]["erred"] == ["inc-9"] and w1["took_down"]["rescheduled"] == []
     assert w1["took_down"]["recomputed"] == [
         {"key": "inc-1", "worker": W2, "status": "memory", "stop": T0 + 3.5}
@@ -160,6 +161,34 @@ def test_logs_streams_and_lifecycle_survive_reindex_and_leave_with_retention(sta
     assert list(blobs.list(f"compact/v1/{tenant}/")) == []
     assert list(blobs.list(f"v1/{tenant}/")) == []
     engine.dispose()
+
+
+def test_a_worker_lost_while_paused_for_memory_is_said_likely_killed_at_its_limit(
+    stack, make_token
+):
+    """Found by a trial: a worker its nanny killed past 95% of its memory limit read
+    "killed or crashed" alone, its memory line short of the limit (the last sample came
+    before the spike); the scheduler knew it had paused it for memory."""
+    from collector.app import create_app as collector_app
+    from services.query.app import create_app as query_app
+
+    token = make_token()
+    events = batches()[0]["events"]
+    for ev in events:
+        if ev.get("event") == "left":
+            ev["status"] = "paused"
+    body = example(cluster="c", session="s", agent="scheduler-1", seq=0, events=events)
+    assert post(collector_app(stack).test_client(), body, token=token).status_code == 202
+    query = query_app(stack).test_client()
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    w1 = query.get(f"/v1/runs/{run['id']}/lifecycle", headers=auth(token)).json["workers"][0]
+    assert (w1["cause"], w1["last_status"]) == ("lost", "paused")
+    assert w1["cause_text"] == (
+        "connection lost while it was running: killed or crashed; it was paused for memory"
+        " then, so likely killed at its memory limit"
+    )
+    page = query.get(f"/runs/{run['id']}", headers=auth(token)).data.decode()
+    assert "likely killed at its memory limit" in page
 
 
 def test_level_filters_take_any_case_on_both_sides():
