@@ -363,8 +363,8 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
         counts[key] = _series_lines(
             fig, by_name.get(metric, []), origin, colours, lambda s: s["worker"], key
         )
-        if counts[key] or metrics:  # a run without worker metrics (Ray) gets no empty panels
-            figs.append(fig)
+        if counts[key]:  # no empty panel: a run without worker metrics (Ray), a metric
+            figs.append(fig)  # no sample of the run has (an empty one also logged a warning)
     for f in figs[1:]:
         f.xaxis.axis_label = None
     figs[-1].xaxis.axis_label = "seconds since the run's first task"
