@@ -623,6 +623,25 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             )
             del self._open_runs[run_id]
 
+    def restart(self, scheduler: Any) -> None:
+        """``client.restart()``: Dask logs it at INFO, below what is recorded by default, and
+        the runs it cut short read as finished with most of their tasks never run (found by
+        a trial). Recorded as a scheduler record in each run it cut short."""
+        agent = self.agent
+        if agent is None:
+            return
+        try:
+            now = time.time()
+            message = (
+                "Restarting workers and releasing all keys (client.restart()): "
+                "tasks not yet finished were cancelled"
+            )
+            name = "distributed.scheduler"
+            for run in list(self._open_runs) or [None]:
+                agent.add((_log_event, now, "WARNING", message, name, "scheduler", None, run))
+        except Exception:
+            logger.debug("hindsight: recording a restart failed", exc_info=True)
+
     # -- workers -----------------------------------------------------------------------
     def add_worker(self, scheduler: Any, worker: str) -> None:
         """Record a worker joining."""

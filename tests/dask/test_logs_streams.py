@@ -117,6 +117,14 @@ def recorded(
             with pytest.raises(KilledWorker):
                 client.submit(die_later, 0.3, key="die-last").result(timeout=60)
             del before
+        with span("restarted"):  # last: the workers come back, nothing else runs after it
+            done = client.submit(inc, 1, key="done-0")
+            assert done.result() == 2
+            slow = client.map(time.sleep, [5] * 4, key=[f"slow-{i}" for i in range(4)])
+            wait_until(lambda: client.processing() and any(client.processing().values()),
+                       30, "the slow tasks running")  # fmt: skip
+            client.restart()
+            del done, slow
     yield out
 
 
@@ -221,6 +229,18 @@ def test_a_retried_tasks_failure_is_logged_with_its_key_in_its_run(hindsight_ser
     after = wait_for_run(hindsight_server, recorded["cluster"], "after-retried", 1)
     logs = hindsight_server.get(f"/v1/runs/{after['id']}/logs", q="Compute Failed")["logs"]
     assert logs == []
+
+
+def test_a_restart_is_in_the_logs_of_the_run_it_cut_short(hindsight_server, recorded):
+    """Found by a trial: ``client.restart()`` cancelled a run's tasks and left no trace
+    (Dask logs it at INFO); the run read finished, most of its tasks never run."""
+    run = wait_for_run(hindsight_server, recorded["cluster"], "restarted", 1)
+    base = f"/v1/runs/{run['id']}/logs"
+    (record,) = wait_until(
+        lambda: hindsight_server.get(base, q="client.restart()")["logs"], 60, "the restart"
+    )
+    assert record["worker"] == "scheduler" and record["level"] == "WARNING"
+    assert record["message"].startswith("Restarting workers and releasing all keys")
 
 
 def test_a_nul_in_a_key_a_log_or_a_value_loses_nothing(hindsight_server, recorded):
