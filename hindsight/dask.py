@@ -32,6 +32,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from inspect import iscoroutinefunction
 from typing import Any
 
 import click
@@ -326,6 +327,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         enable_code_capture(settings.code_frames)
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
+        self._watch_retries(scheduler)
         self._log_handler = _LogHandler(
             self.agent, None, logging.getLevelName(settings.log_level.upper()), SCHEDULER_LOGGERS
         )
@@ -339,6 +341,57 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             self.session,
             settings.url,
         )
+
+    def _watch_retries(self, scheduler: Any) -> None:
+        """Record the attempts Dask's ``retries=`` runs again. Dask passes nothing of such
+        an attempt to plugins (``stimulus_task_erred`` sends the task back to ``waiting``
+        without its times or error), so it was in no record, nor in Dask's task stream:
+        its thread's seconds read as idle and a critical path as waiting (found by a
+        trial). The worker's ``task-erred`` message has it all: its handler is wrapped to
+        look at the message and then hand it on unchanged."""
+        handlers = getattr(scheduler, "stream_handlers", None)
+        original = handlers.get("task-erred") if isinstance(handlers, dict) else None
+        if original is None or getattr(original, "_hindsight_plugin", None) is not None:
+            return
+        if iscoroutinefunction(original):
+            return  # not the Dask this was written for: leave its handler alone
+        tasks = scheduler.tasks
+
+        def task_erred(*args: Any, **msg: Any) -> Any:
+            ts = retries = None
+            try:
+                ts = tasks.get(msg.get("key"))
+                if ts is not None and ts.state == "processing" and ts.retries > 0:
+                    retries = ts.retries
+            except Exception:
+                ts = None
+            out = original(*args, **msg)
+            if retries is not None and getattr(ts, "retries", None) == retries - 1:
+                self._retried(ts, msg)
+            return out
+
+        task_erred._hindsight_plugin = self  # type: ignore[attr-defined]
+        handlers["task-erred"] = task_erred
+
+    def _retried(self, ts: Any, msg: dict[str, Any]) -> None:
+        """A task record of an attempt that erred and that Dask runs again (``retries=``):
+        ``erred``, with ``attrs.retried``; the run's status does not count it."""
+        agent = self.agent
+        if agent is None:
+            return
+        try:
+            group = ts.group
+            run = self._span_runs.get(group.span_id)
+            if run is None or run not in self._open_runs:
+                run = self._run_of(group)
+            get = msg.get
+            record = (ts.key, group.prefix.name, group.name, run, "erred", get("worker"))
+            agent.add(
+                (_task_event, *record, get("thread"), None, None, get("startstops"),
+                 get("exception_text"), get("traceback_text"), {"retried": True})
+            )  # fmt: skip
+        except Exception:
+            logger.debug("hindsight: recording a retried attempt failed", exc_info=True)
 
     async def _register_worker_plugin(self, scheduler: Any) -> None:
         from distributed.protocol.pickle import dumps

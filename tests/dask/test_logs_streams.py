@@ -88,7 +88,9 @@ def recorded(
             assert client.gather(client.map(odd_text, range(10), key=keys)) == list(range(10))
         with span("retried"):  # Dask logs the failed attempt on the event loop, no task's
             marker = str(tmp_path_factory.mktemp("flaky") / "attempted")
+            client.get_task_stream()  # Dask's task stream from here on
             assert client.submit(flaky, marker, key="flaky-0", retries=1).result() == 1
+            out["retried_stream"] = client.get_task_stream()
         with span("after-retried"):
             assert client.submit(inc, 1, key="after-0").result() == 2
         # A worker's events leave with its agent's next batch: wait for both workers' before
@@ -229,6 +231,38 @@ def test_a_retried_tasks_failure_is_logged_with_its_key_in_its_run(hindsight_ser
     after = wait_for_run(hindsight_server, recorded["cluster"], "after-retried", 1)
     logs = hindsight_server.get(f"/v1/runs/{after['id']}/logs", q="Compute Failed")["logs"]
     assert logs == []
+
+
+def test_an_attempt_that_retries_ran_again_is_a_task_record(hindsight_server, recorded):
+    """Found by a trial: Dask passes nothing of an attempt ``retries=`` runs again to
+    plugins (nor is it in Dask's task stream), so its thread's seconds read as idle and
+    the critical path waited for the task meanwhile. It is an erred record with
+    ``attrs.retried``; the run, whose task succeeded in the end, is finished."""
+    run = wait_for_run(hindsight_server, recorded["cluster"], "retried", 2)
+    tasks = hindsight_server.get(f"/v1/runs/{run['id']}/tasks", sort="start")["tasks"]
+    failed, ok = tasks
+    assert (failed["key"], failed["status"], failed["attrs"]) == (
+        "flaky-0",
+        "erred",
+        {"retried": True},
+    )
+    assert "first attempt fails" in failed["exception"] and "flaky" in failed["traceback"]
+    assert failed["worker"] in recorded["workers"] and failed["thread"] is not None
+    (phase,) = failed["startstops"]
+    # before the attempt that succeeded (its end may read a few ms past that start: two
+    # workers' clocks, each corrected to the scheduler's at its heartbeats)
+    assert phase["action"] == "compute" and phase["start"] < ok["startstops"][0]["start"]
+    # the attempt that succeeded is Dask's own task stream's record, as ever
+    (dask_record,) = [r for r in recorded["retried_stream"] if r["key"] == "flaky-0"]
+    assert (ok["status"], ok["worker"]) == ("memory", dask_record["worker"])
+    assert ok["startstops"][0]["start"] == dask_record["startstops"][0]["start"]
+    detail = hindsight_server.get(f"/v1/runs/{run['id']}")
+    assert (detail["status"], detail["task_count"], detail["error_count"]) == ("finished", 2, 1)
+    # the run's time counts the failed attempt's seconds as compute, not idle
+    time_ = hindsight_server.get(f"/v1/runs/{run['id']}/time")
+    assert time_["compute"] == pytest.approx(
+        sum(t["startstops"][0]["stop"] - t["startstops"][0]["start"] for t in tasks)
+    )
 
 
 def test_a_restart_is_in_the_logs_of_the_run_it_cut_short(hindsight_server, recorded):
