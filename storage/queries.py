@@ -311,25 +311,33 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
 
 def run_completeness(db: Session, run: m.Run) -> dict[str, Any]:
     """The session's completeness, with ``closed`` and ``workers_without_batches`` for
-    ``run``: a worker agent that never closed counts only if it is the run's
-    (``unclosed_worker_agents``, also listed), a worker that left with no batch only if it
-    left after the run started. Every later run of a session in which a worker was killed
+    ``run`` (Dask's agents): a worker agent that never closed counts only if it is the
+    run's (``unclosed_worker_agents``, also listed), a worker that left with no batch only
+    if it was there during the run. Every later run of a session in which a worker was killed
     read ``closed: false``, fresh workers and all, while its page rightly said nothing
     (found by a trial)."""
     out = completeness(db, run.session_id)
+    agents = out["agents"]
+    if not any(a["agent"].startswith("scheduler-") for a in agents):
+        out["unclosed_worker_agents"] = []
+        return out  # not Dask's agents: no run's own workers to tell apart
     silent = out["workers_without_batches"]
     if silent and run.started_at is not None:
+        # there during the run: left after it started, joined before it ended
         W = m.Worker
-        left = dict(
-            db.execute(
-                select(W.address, func.max(W.left_at))
-                .where(W.session_id == run.session_id, W.address.in_(silent))
-                .group_by(W.address)
+        end = run.finished_at if run.finished_at is not None else float("inf")
+        there = set(
+            db.scalars(
+                select(W.address).where(
+                    W.session_id == run.session_id,
+                    W.address.in_(silent),
+                    or_(W.left_at.is_(None), W.left_at >= run.started_at),
+                    or_(W.joined_at.is_(None), W.joined_at <= end),
+                )
             ).all()
         )
-        silent = [a for a in silent if left.get(a) is None or left[a] >= run.started_at]
+        silent = [a for a in silent if a in there]
     unclosed = unclosed_worker_agents(db, run, out)
-    agents = out["agents"]
     out.update(
         workers_without_batches=silent,
         unclosed_worker_agents=unclosed,

@@ -100,6 +100,9 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
         # a run that started after it left: not its loss
         {"kind": "run", "event": "started", "id": "q", "name": "later", "time": T0 + 3},
         {"kind": "run", "event": "finished", "id": "q", "time": T0 + 4},
+        # nor that of a run over before a worker joined (and left with nothing arriving)
+        {"kind": "worker", "event": "joined", "address": "tcp://w:5", "name": "5", "time": T0 + 50},
+        {"kind": "worker", "event": "left", "address": "tcp://w:5", "time": T0 + 60},
     ]
     body = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=0,
                    events=events, final=True)  # fmt: skip
@@ -114,6 +117,18 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
     assert [(x["closed"], x["workers_without_batches"]) for x in c] == [
         (False, ["tcp://w:1"]), (True, []),
     ]  # fmt: skip
+    # another scheduler's agents (no scheduler-* agent): every agent must have closed
+    other = [
+        {"kind": "run", "event": "started", "id": "o", "name": "theirs", "time": T0},
+        {"kind": "run", "event": "finished", "id": "o", "time": T0 + 1},
+    ]
+    for agent, final in (("driver-1", True), ("worker-a", False)):
+        body = example(cluster="c", session="Other-1", agent=agent, seq=0,
+                       events=other if agent == "driver-1" else [], final=final)  # fmt: skip
+        assert post(collector, body, token=token).status_code == 202
+    (theirs,) = [r for r in query.get("/v1/runs", headers=h).json["runs"] if r["name"] == "theirs"]
+    c = query.get(f"/v1/runs/{theirs['id']}", headers=h).json["completeness"]
+    assert (c["closed"], c["unclosed_worker_agents"]) == (False, [])
 
 
 def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(
