@@ -346,12 +346,17 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         """Record the attempts Dask's ``retries=`` runs again. Dask passes nothing of such
         an attempt to plugins (``stimulus_task_erred`` sends the task back to ``waiting``
         without its times or error), so it was in no record, nor in Dask's task stream:
-        its thread's seconds read as idle and a critical path as waiting (found by a
-        trial). The worker's ``task-erred`` message has it all: its handler is wrapped to
-        look at the message and then hand it on unchanged."""
+        its thread's seconds read as idle (found by a trial). The worker's ``task-erred``
+        message has it all: its handler is wrapped to look at the message and then hand it
+        on unchanged."""
         handlers = getattr(scheduler, "stream_handlers", None)
         original = handlers.get("task-erred") if isinstance(handlers, dict) else None
-        if original is None or getattr(original, "_hindsight_plugin", None) is not None:
+        if original is None:
+            return
+        if getattr(original, "_hindsight_plugin", None) is not None:
+            # installed by an earlier instance of this plugin (removed since, or replaced):
+            # it records for this one now
+            original._hindsight_plugin = self
             return
         if iscoroutinefunction(original):
             return  # not the Dask this was written for: leave its handler alone
@@ -367,7 +372,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 ts = None
             out = original(*args, **msg)
             if retries is not None and getattr(ts, "retries", None) == retries - 1:
-                self._retried(ts, msg)
+                task_erred._hindsight_plugin._retried(ts, msg)  # type: ignore[attr-defined]
             return out
 
         task_erred._hindsight_plugin = self  # type: ignore[attr-defined]
@@ -687,7 +692,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             now = time.time()
             message = (
                 "Restarting workers and releasing all keys (client.restart()): "
-                "tasks not yet finished were cancelled"
+                "tasks not finished then, if any, were cancelled"
             )
             name = "distributed.scheduler"
             for run in list(self._open_runs) or [None]:

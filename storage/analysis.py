@@ -244,7 +244,9 @@ def errors(data: RunData) -> list[dict[str, Any]]:
 
     groups: dict[str, dict[str, Any]] = {}
     fingerprints: dict[str, str] = {}  # per distinct text (a failed task's dependents share it)
-    table = data.tasks.select(["key", "prefix", "status", "worker", "exception", "traceback"])
+    table = data.tasks.select(
+        ["key", "prefix", "status", "worker", "exception", "traceback", "attrs"]
+    )
     # Filter in Arrow first: a 100k-task run has a handful of failures, not 100k Python rows.
     for r in table.filter(pc.equal(table["status"], "erred")).to_pylist():
         exc = r["exception"] or "(no exception recorded)"
@@ -253,9 +255,12 @@ def errors(data: RunData) -> list[dict[str, Any]]:
             fp = fingerprints[exc] = error_fingerprint(exc)
         g = groups.get(fp)
         if g is None:
-            g = groups[fp] = {"exception": exc, "count": 0, "messages": 0, "prefixes": {},
-                              "workers": set(), "keys": [], "traceback": r["traceback"]}  # fmt: skip
+            g = groups[fp] = {"exception": exc, "count": 0, "retried": 0, "messages": 0,
+                              "prefixes": {}, "workers": set(), "keys": [],
+                              "traceback": r["traceback"]}  # fmt: skip
         g["count"] += 1
+        if r["attrs"] and json.loads(r["attrs"]).get("retried") is True:
+            g["retried"] += 1  # an attempt Dask's retries= ran again
         g["prefixes"][r["prefix"]] = g["prefixes"].get(r["prefix"], 0) + 1
         if r["worker"]:
             g["workers"].add(r["worker"])
@@ -280,6 +285,34 @@ def _before(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
     return began[-1] if began else records[0]
 
 
+def _carve_failed(
+    segs: list[dict[str, Any]], failed: list[tuple[float, float, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """A task's segments (latest first) with the time of its failed attempts taken out of
+    its waiting: ``failed`` segments on the attempts' workers."""
+    out = []
+    for seg in segs:
+        pieces = [seg]
+        if seg["kind"] in ("wait", "unsubmitted"):
+            for lo, hi, rec in failed:
+                cut = []
+                for p in pieces:
+                    a, b = max(lo, p["start"]), min(hi, p["stop"])
+                    if p["kind"] == "failed" or b <= a:
+                        cut.append(p)
+                        continue
+                    if p["start"] < a:
+                        cut.append({**p, "stop": a})
+                    cut.append(
+                        {**p, "kind": "failed", "worker": rec["worker"], "start": a, "stop": b}
+                    )
+                    if b < p["stop"]:
+                        cut.append({**p, "start": b})
+                pieces = cut
+        out += sorted(pieces, key=lambda p: -p["start"])
+    return out
+
+
 def critical_path(data: RunData) -> dict[str, Any]:
     """The chain of tasks that set the makespan, walked back from the last task to finish:
     each step goes to the dependency that finished last (the one the task waited for).
@@ -292,8 +325,8 @@ def critical_path(data: RunData) -> dict[str, Any]:
     still goes to the dependency: what the client waited for is not recorded (stepping to
     the task that ended last before the submission named unrelated tasks in busy runs).
     Segments are in time order."""
-    rows = data.tasks.select(["key", "prefix", "worker", "start", "stop", "compute_start",
-                              "compute_stop", "startstops"]).to_pylist()  # fmt: skip
+    rows = data.tasks.select(["key", "prefix", "worker", "status", "start", "stop",
+                              "compute_start", "compute_stop", "startstops"]).to_pylist()  # fmt: skip
     # A key computed more than once in a run (recomputed after a worker died, computed
     # again by a second compute() of the run) has a record per time: all of them count for
     # the run's start, and a dependent waited for the latest that started before it did.
@@ -370,6 +403,17 @@ def critical_path(data: RunData) -> dict[str, Any]:
             kind = "unsubmitted" if late else "wait"
             mine.append({"kind": kind, "key": node["key"], "prefix": node["prefix"],
                          "worker": node["worker"], "start": ready, "stop": cursor})  # fmt: skip
+        # Attempts of this task that erred before it ran again (``retries=``,
+        # ``client.retry``): their compute was not waiting (found by a review). One may
+        # read a few ms past this compute's start (two workers' clocks): clipped there.
+        failed = [
+            (max(r["compute_start"] if r["compute_start"] is not None else r["start"], ready),
+             min(r["compute_stop"] if r["compute_stop"] is not None else r["stop"], cstart), r)
+            for r in tasks[node["key"]]
+            if r is not node and r["status"] == "erred" and ready < r["stop"] and r["start"] < cstart
+        ]  # fmt: skip
+        if failed:
+            mine = _carve_failed(mine, failed)
         segments += mine
         node = pred
     # ``segments`` runs backwards in time. Lay it on one timeline from the last stop back
@@ -424,8 +468,9 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
 
 def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     """Worker-thread-seconds of the given runs: compute, spill (disk read+write), other
-    phases, and idle (thread-seconds the workers offered over each run's makespan, while
-    they were there, that no task used); and the seconds of transfers, which Dask does on
+    phases, and idle (thread-seconds the workers offered over the runs' makespans, while
+    they were there, that no task used: a worker's threads count once where runs
+    overlapped on it); and the seconds of transfers, which Dask does on
     a worker's event loop before the task takes a thread: they do not take from the
     threads' capacity (a worker waiting for its data has idle threads meanwhile). A
     task's disk phases do: Dask reads its spilled inputs while it holds a thread's slot

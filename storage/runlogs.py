@@ -357,7 +357,10 @@ CAUSES = {
 #: 80% of its memory limit, and a nanny kills one past 95% (the OS's OOM killer may come
 #: first). A worker killed so read "killed or crashed" alone, its memory line short of the
 #: limit (the sample before the spike; found by a trial).
-PAUSED_HINT = "; it was paused for memory then, so likely killed at its memory limit"
+PAUSED_TEXT = (
+    "connection lost while Dask had it paused for memory: likely killed at its memory limit"
+    " (or crashed)"
+)
 _LOST_REASONS = ("handle-worker-cleanup", "worker-send-comm-fail", "send-all-comm-fail")
 #: Ray's worker exit types of a crash (``storage.ray``: the reason starts with one).
 LOST_RAY_EXITS = ("SYSTEM_ERROR", "USER_ERROR", "NODE_OUT_OF_MEMORY")
@@ -441,8 +444,9 @@ def lifecycle(
             entry.update(
                 reason=w.left_reason,
                 cause=cause,
-                cause_text=CAUSES[cause]
-                + (PAUSED_HINT if cause == "lost" and d.get("status") == "paused" else ""),
+                cause_text=PAUSED_TEXT
+                if cause == "lost" and d.get("status") == "paused"
+                else CAUSES[cause],
                 expected=d.get("expected"),
                 last_status=d.get("status"),
             )

@@ -258,6 +258,11 @@ def test_an_attempt_that_retries_ran_again_is_a_task_record(hindsight_server, re
     assert ok["startstops"][0]["start"] == dask_record["startstops"][0]["start"]
     detail = hindsight_server.get(f"/v1/runs/{run['id']}")
     assert (detail["status"], detail["task_count"], detail["error_count"]) == ("finished", 2, 1)
+    (group,) = hindsight_server.get(f"/v1/runs/{run['id']}/errors")["groups"]
+    assert (group["count"], group["retried"], group["keys"]) == (1, 1, ["flaky-0"])
+    # the critical path: the failed attempt's compute, not waiting
+    cp = hindsight_server.get(f"/v1/runs/{run['id']}/critical-path")
+    assert [s["kind"] for s in cp["segments"] if s["kind"] != "wait"] == ["failed", "compute"]
     # the run's time counts the failed attempt's seconds as compute, not idle
     time_ = hindsight_server.get(f"/v1/runs/{run['id']}/time")
     assert time_["compute"] == pytest.approx(

@@ -25,7 +25,7 @@ def run_data(
         comp = [s for s in ss if s["action"] == "compute"][0]
         rows.append({
             "key": t["key"], "prefix": t["key"].split("-")[0], "group": None, "worker": t["worker"],
-            "thread": 1, "status": "memory", "nbytes": 8, "typename": "int", "exception": None,
+            "thread": 1, "status": t.get("status", "memory"), "nbytes": 8, "typename": "int", "exception": None,
             "traceback": None, "start": min(s["start"] for s in ss), "stop": max(s["stop"] for s in ss),
             "compute_start": comp["start"], "compute_stop": comp["stop"],
             "compute": comp["stop"] - comp["start"],
@@ -177,6 +177,29 @@ def test_critical_path_covers_a_run_that_computed_keys_twice():
     assert [(kind, key) for kind, key, *_ in got] == [
         ("wait", "load-1"), ("compute", "load-1"), ("compute", "sum-1")]  # fmt: skip
     assert cp["clock_skew_seconds"] == pytest.approx(0.1)
+
+
+def test_a_tasks_failed_attempts_are_not_waiting():
+    """Found by a review: an attempt that erred and ran again (``retries=``, recorded
+    since a trial found it missing; ``client.retry``) read as waiting for the task."""
+    tasks = [
+        {"key": "load-1", "worker": "a", "startstops": [c(0.0, 1.0)]},
+        {"key": "sum-1", "worker": "a", "status": "erred", "startstops": [c(1.0, 2.0)]},
+        # its second attempt, on another worker whose clock reads a little ahead
+        {"key": "sum-1", "worker": "b", "status": "erred", "startstops": [c(2.25, 3.02)]},
+        {"key": "sum-1", "worker": "a", "startstops": [c(3.0, 4.0)]},
+    ]
+    cp, got = path_of(tasks, {"sum-1": ["load-1"]})
+    assert got == [
+        ("compute", "load-1", 0.0, 1.0),
+        ("failed", "sum-1", 1.0, 2.0),
+        ("wait", "sum-1", 2.0, 2.25),
+        ("failed", "sum-1", 2.25, 3.0),
+        ("compute", "sum-1", 3.0, 4.0),
+    ]
+    assert [s["worker"] for s in cp["segments"]] == ["a", "a", "a", "b", "a"]
+    assert cp["totals"] == pytest.approx({"compute": 2.0, "failed": 1.75, "wait": 0.25})
+    assert cp["makespan"] == sum(s["seconds"] for s in cp["segments"]) == 4.0
 
 
 def test_histogram_quantiles_merge_and_stay_within_the_bucket_error():

@@ -184,8 +184,8 @@ def test_a_worker_lost_while_paused_for_memory_is_said_likely_killed_at_its_limi
     w1 = query.get(f"/v1/runs/{run['id']}/lifecycle", headers=auth(token)).json["workers"][0]
     assert (w1["cause"], w1["last_status"]) == ("lost", "paused")
     assert w1["cause_text"] == (
-        "connection lost while it was running: killed or crashed; it was paused for memory"
-        " then, so likely killed at its memory limit"
+        "connection lost while Dask had it paused for memory: likely killed at its memory"
+        " limit (or crashed)"
     )
     page = query.get(f"/runs/{run['id']}", headers=auth(token)).data.decode()
     assert "likely killed at its memory limit" in page
