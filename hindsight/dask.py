@@ -56,7 +56,14 @@ from hindsight.schema import (
     WorkerEvent,
     valid_name,
 )
-from hindsight.streams import current_task, owns_record, scheduler_time, task_and_run
+from hindsight.streams import (
+    current_task,
+    owns_record,
+    running_worker,
+    scheduler_time,
+    task_and_run,
+    task_owner,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -897,11 +904,18 @@ class _LogHandler(logging.Handler):
         self.worker = worker
         self.address = str(worker.address) if worker is not None else "scheduler"
         self.only = only
+        self._last: logging.LogRecord | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         # Our own warnings about delivery problems must not feed back into delivery.
         if record.name.startswith("hindsight"):
             return
+        # On both loggers, this handler sees a record of "distributed" twice where it
+        # propagates to the root logger (Dask's logging config stops it; a host
+        # application's may not: found by a review)
+        if record is self._last:
+            return
+        self._last = record
         if self.only is not None and not record.name.startswith(self.only):
             return
         if self.only is None and record.name.startswith(SCHEDULER_LOGGERS):
@@ -912,16 +926,25 @@ class _LogHandler(logging.Handler):
                 message = f"{message}\n{logging.Formatter().formatException(record.exc_info)}"
             if self.worker is None:
                 at, key, run = record.created, None, None
+            elif _compute_failed(record) and running_worker() is None:
+                # Dask logs a task's failure on the event loop, after its thread let go of
+                # it: the key is the record's first argument. Placed by time alone, a
+                # failure could land in the next run (found by a trial). Of workers that
+                # share a process, the one with the task keeps it (found by a review).
+                owner = task_owner(record.args[0])
+                if (
+                    owner is None
+                    and not owns_record(self.worker)
+                    or (owner is not None and owner is not self.worker)
+                ):
+                    return
+                at = scheduler_time(self.worker, record.created)
+                key, run = task_and_run(self.worker, record.args[0])
             elif not owns_record(self.worker):
                 return  # another worker's in this process (processes=False): its own handler
             else:
                 at = scheduler_time(self.worker, record.created)
                 key, run = current_task(self.worker)
-                if key is None and _compute_failed(record):
-                    # Dask logs a task's failure on the event loop, after its thread
-                    # let go of it: the key is the record's first argument. Placed by
-                    # time alone, a failure could land in the next run (found by a trial)
-                    key, run = task_and_run(self.worker, record.args[0])
             self.agent.add(
                 (_log_event, at, record.levelname, message, record.name, self.address, key, run)
             )

@@ -70,6 +70,17 @@ def _current() -> _Context | None:
     return _contexts.get(id(worker)) if worker is not None else None
 
 
+def task_owner(key: Any) -> Any | None:
+    """The worker in this process (of those with the plugin) that holds a task of ``key``."""
+    for ctx in list(_contexts.values()):
+        try:
+            if ctx.worker.state.tasks.get(key) is not None:
+                return ctx.worker
+        except Exception:
+            continue
+    return None
+
+
 def owns_record(worker: Any) -> bool:
     """Whether a log record made now is ``worker``'s to keep: one made by a task belongs to
     that task's worker; one made outside any task to the process's first worker only, so
