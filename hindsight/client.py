@@ -44,7 +44,16 @@ RUN_COLUMNS = ("id", "name", "cluster", "session", "run_key", "status", "started
 CLUSTER_COLUMNS = ("name", "first_seen", "last_seen", "sessions", "runs", "last_run_started_at")
 SUMMARY_COLUMNS = ("prefix", "action", "tasks", "errors", "count", "total", "mean", "min", "p50",
                    "p90", "p99", "max")  # fmt: skip
-ERROR_COLUMNS = ("exception", "count", "messages", "prefixes", "workers", "keys", "traceback")
+ERROR_COLUMNS = (
+    "exception",
+    "count",
+    "retried",
+    "messages",
+    "prefixes",
+    "workers",
+    "keys",
+    "traceback",
+)
 SEGMENT_COLUMNS = ("kind", "key", "prefix", "worker", "start", "stop", "seconds")
 TIME_COLUMNS = ("worker", "capacity", "compute", "transfer", "spill", "other", "tasks", "nthreads",
                 "idle")  # fmt: skip
