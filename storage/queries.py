@@ -261,16 +261,31 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
         return []  # not Dask's agents (Ray's bridge, another scheduler's): no worker agents
     W = m.Worker
     rows = db.execute(
-        select(W.address, W.name).where(
+        select(W.address, W.name, W.left_at).where(
             W.session_id == session_id, W.left_at.is_not(None), W.name.is_not(None)
         )
     ).all()
     if not rows:
         return []
+    # A nanny restarts a killed worker under its name: the new worker's agent is not the
+    # dead one's, and hid it (found by a trial). An agent whose first batch begins after
+    # the worker left is another process's.
+    A, B = m.Agent, m.Batch
+    first = dict(
+        db.execute(
+            select(A.name, func.min(B.t_min))
+            .join(B, B.agent_id == A.id)
+            .where(A.session_id == session_id, A.name.like("worker-%"))
+            .group_by(A.name)
+        ).all()
+    )
     return sorted(
         address
-        for address, name in rows
-        if not any(a.startswith(_worker_agent_prefix(name)) for a in agents)
+        for address, name, left in rows
+        if not any(
+            a.startswith(_worker_agent_prefix(name)) and (first.get(a) is None or first[a] <= left)
+            for a in agents
+        )
     )
 
 
@@ -280,7 +295,8 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
     spool. A run's page said "100% of batches" for one (found by a new user). Only this
     run's workers (found by a reviewer), and of them the agents whose events reach into
     the run: a nanny restarts a killed worker under its name, and the killed one's agent
-    is not a later run's loss (found by a held-out check). While the cluster lives, none."""
+    is not a later run's loss (found by a held-out check), nor the loss of a run its
+    batches reach past the end of. While the cluster lives, none."""
     agents = completeness.get("agents") or []
     if not any(a["final"] and a["agent"].startswith("scheduler-") for a in agents):
         return []
@@ -306,7 +322,12 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
             .group_by(A.name)
         ).all()
     )
-    return [a for a in mine if last.get(a) is None or last[a] >= run.started_at]
+    # Its events reach into the run and stop before the run's end: what it held at the
+    # end may be the run's. One whose batches run past the run's end (an adaptive
+    # cluster's worker, retired after the run and killed by its nanny 4 s into closing)
+    # lost nothing of it (found by a trial).
+    end = run.finished_at if run.finished_at is not None else float("inf")
+    return [a for a in mine if last.get(a) is None or run.started_at <= last[a] < end]
 
 
 def run_completeness(db: Session, run: m.Run) -> dict[str, Any]:

@@ -103,11 +103,24 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
         # nor that of a run over before a worker joined (and left with nothing arriving)
         {"kind": "worker", "event": "joined", "address": "tcp://w:5", "name": "5", "time": T0 + 50},
         {"kind": "worker", "event": "left", "address": "tcp://w:5", "time": T0 + 60},
+        # a worker killed in a run before its first batch, restarted by its nanny under
+        # its name: the new worker's agent is not the dead one's (found by a trial)
+        {"kind": "run", "event": "started", "id": "k", "name": "killed", "time": T0 + 70},
+        {"kind": "worker", "event": "joined", "address": "tcp://w:6", "name": "6", "time": T0 + 70},
+        {"kind": "worker", "event": "left", "address": "tcp://w:6", "time": T0 + 71},
+        {"kind": "worker", "event": "joined", "address": "tcp://w:7", "name": "6", "time": T0 + 72},
+        {"kind": "run", "event": "finished", "id": "k", "time": T0 + 75},
     ]
     body = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=0,
                    events=events, final=True)  # fmt: skip
     assert post(collector, body, token=token).status_code == 202
-    later, run = query.get("/v1/runs", headers=h).json["runs"]
+    sample = {"kind": "metric", "worker": "tcp://w:7", "time": T0 + 73, "values": {"cpu": 1.0}}
+    new_agent = example(cluster="c", session="Scheduler-1", agent="worker-6-0123456789ab",
+                        seq=0, events=[sample], final=True)  # fmt: skip
+    assert post(collector, new_agent, token=token).status_code == 202
+    killed, later, run = query.get("/v1/runs", headers=h).json["runs"]
+    c = query.get(f"/v1/runs/{killed['id']}", headers=h).json["completeness"]
+    assert (c["closed"], c["workers_without_batches"]) == (False, ["tcp://w:6"])
     page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
     assert (
         '<span id="silent-workers">1 worker left with none of its own arriving (tcp://w:1)' in page
@@ -171,7 +184,13 @@ def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(
                      events=[sample], final=False)  # fmt: skip
     restarted = example(cluster="c", session="Scheduler-1", agent="worker-1-ba9876543210",
                         seq=0, events=[], final=True)  # fmt: skip
-    for body in (sched, worker, restarted):
+    # worker 2's agent never closed either (its nanny killed it 4 s into a retirement,
+    # as an adaptive cluster's are), but its batches reach past run "other"'s end: that
+    # run lost nothing of it (found by a trial)
+    sample2 = {"kind": "metric", "worker": "tcp://w:2", "time": T0 + 3.5, "values": {"cpu": 1.0}}
+    retired = example(cluster="c", session="Scheduler-1", agent="worker-2-0123456789ab", seq=0,
+                      events=[sample2], final=False)  # fmt: skip
+    for body in (sched, worker, restarted, retired):
         assert post(collector, body, token=token).status_code == 202
     after, other, run = query.get("/v1/runs", headers=h).json["runs"]
     assert 'id="unclosed-agents"' not in query.get(f"/runs/{run['id']}", headers=h).data.decode()
