@@ -425,7 +425,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         config: dict[str, Any] = {}
         for key in SESSION_CONFIG_KEYS:
             try:
-                config[key] = dask.config.get(key)
+                config[key] = _json_safe(dask.config.get(key))
             except (KeyError, ValueError):
                 pass
         assert self.settings is not None
@@ -878,6 +878,19 @@ SCHEDULER_LOGGERS = (
     "distributed.stealing",
     "distributed.shuffle._scheduler_plugin",
 )
+
+
+def _json_safe(value: Any) -> Any:
+    """A config value as JSON can hold it: infinities and NaN as text (``inf``), which JSON
+    has no number for. ``worker-saturation: inf`` (root-task queuing off) was recorded as
+    null, as if it were not set (found by a trial)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _compute_failed(record: logging.LogRecord) -> bool:

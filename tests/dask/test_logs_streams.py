@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import hindsight
+from hindsight.config import load_settings
 from tests.dask.conftest import EmbeddedServer, wait_for_run, wait_until
 
 
@@ -40,6 +41,27 @@ def odd_text(i: int) -> int:
     if i == 0:
         logging.getLogger("user.task").warning("a NUL\x00in a log")
     return i
+
+
+def test_a_config_value_json_has_no_number_for_is_recorded_as_text():
+    """Found by a trial: ``worker-saturation: inf`` (root-task queuing off) was recorded
+    as null, as if it were not set: JSON has no infinity."""
+    import math
+    from types import SimpleNamespace
+
+    import dask
+    import msgspec
+
+    from hindsight.dask import SchedulerAgentPlugin
+
+    plugin = SchedulerAgentPlugin(url="http://127.0.0.1:1", cluster="c")
+    plugin.settings = load_settings(plugin.overrides)
+    scheduler = SimpleNamespace(id="Scheduler-1", address="tcp://127.0.0.1:8786")
+    for value, recorded in ((math.inf, "inf"), (1.1, 1.1)):
+        with dask.config.set({"distributed.scheduler.worker-saturation": value}):
+            event = plugin._session_event(scheduler)
+        config = msgspec.json.decode(msgspec.json.encode(event))["config"]
+        assert config["distributed.scheduler.worker-saturation"] == recorded
 
 
 def flaky(marker: str) -> int:
