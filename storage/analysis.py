@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -638,15 +639,17 @@ def regressions(
     db: Session, run: m.Run, baseline: int, threshold_pct: float, action: str = "compute",
     *, same_cluster: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Prefixes whose p90 in ``run`` moved more than ``threshold_pct`` against the merged
-    histogram of the previous ``baseline`` runs with the same fingerprint (of ``run``'s
-    cluster only, with ``same_cluster``)."""
+    """Prefixes whose p90 in ``run`` moved more than ``threshold_pct`` against the median
+    of the p90s of the previous ``baseline`` runs with the same fingerprint (of ``run``'s
+    cluster only, with ``same_cluster``). The median, not the p90 of their tasks pooled:
+    one slow run among five set the pooled p90, so the normal run after it read 61%
+    faster and a slowdown right after it was hidden (found by a trial)."""
     prev = previous_runs(db, run, baseline, same_cluster=same_cluster)
     mine = _prefix_stats(db, [run.id], action)
-    base = _prefix_stats(db, [p.id for p in prev], action) if prev else {}
+    base = _median_p90(db, [p.id for p in prev], action) if prev else {}
     flagged, checked = [], []
     for p in sorted(set(mine) & set(base)):
-        a, b = base[p]["p90"], mine[p]["p90"]
+        a, b = base[p], mine[p]["p90"]
         if a is None or b is None or a == 0:
             continue
         change = (b - a) / a * 100.0
@@ -663,6 +666,30 @@ def regressions(
         "regressions": sorted(flagged, key=lambda e: -abs(e["change_pct"])),
         "checked": checked,
     }
+
+
+def _median_p90(db: Session, run_ids: list[int], action: str) -> dict[str, float]:
+    """Per prefix, the median over ``run_ids`` of each run's p90 of ``action``."""
+    H, A = m.RunPrefixHist, m.RunPrefixAction
+    bounds = {
+        (r, p): (lo, hi)
+        for r, p, lo, hi in db.execute(
+            select(A.run_id, A.prefix, A.min, A.max).where(
+                A.run_id.in_(run_ids), A.action == action
+            )
+        )
+    }
+    p90s: dict[str, list[float]] = defaultdict(list)
+    for r, p, buckets in db.execute(
+        select(H.run_id, H.prefix, H.buckets).where(H.run_id.in_(run_ids), H.action == action)
+    ):
+        if (r, p) not in bounds:
+            continue
+        h = {int(b): c for b, c in (buckets or {}).items()}
+        q = sketch.quantiles(h, QUANTILES, *bounds[(r, p)])[1]
+        if q is not None:
+            p90s[p].append(q)
+    return {p: statistics.median(v) for p, v in p90s.items()}
 
 
 # ---------------------------------------------------------------- histories across clusters

@@ -451,6 +451,41 @@ def test_a_clusters_time_counts_a_thread_once_when_its_runs_overlap(clients, mak
     assert got["workers"][0]["capacity"] == pytest.approx(30.0)
 
 
+def test_one_slow_run_does_not_set_the_regression_baseline(clients, make_token):
+    """Found by a trial: the baseline was the p90 of the previous runs' tasks pooled, so
+    one slow run among four set it: the normal run after it read 61% faster, and a
+    slowdown right after it would have been hidden. It is the median of their p90s."""
+    collector, query = clients
+    token = make_token()
+
+    def etl(n: int, seconds: float) -> dict[str, Any]:
+        t = T0 + n * 100
+        tasks = [{"kind": "task", "key": f"transform-{n}-{i}", "prefix": "transform",
+                  "status": "memory", "run": f"r{n}", "worker": "tcp://w:1", "thread": 1,
+                  "startstops": [{"action": "compute", "start": t + i, "stop": t + i + seconds}]}
+                 for i in range(20)]  # fmt: skip
+        events = [{"kind": "run", "event": "started", "id": f"r{n}", "name": "etl", "time": t},
+                  *tasks, {"kind": "run", "event": "finished", "id": f"r{n}", "time": t + 20}]  # fmt: skip
+        return example(cluster="prod", session="s1", agent="scheduler-1", seq=n, events=events)
+
+    for n, seconds in enumerate((0.03, 0.03, 0.03, 0.08, 0.03, 0.06)):
+        assert post(collector, etl(n, seconds), token=token).status_code == 202
+    runs = {
+        r["started_at"]: r["id"] for r in query.get("/v1/runs", headers=auth(token)).json["runs"]
+    }
+    normal, slow = runs[T0 + 400], runs[T0 + 500]
+
+    def moved(run_id: str) -> dict[str, Any]:
+        got = query.get(f"/v1/runs/{run_id}/regressions?baseline=4&threshold=20",
+                        headers=auth(token)).json  # fmt: skip
+        assert len(got["baseline_runs"]) == 4
+        (entry,) = got["checked"]
+        return {"baseline": entry["baseline_p90"], "flagged": [r["direction"] for r in got["regressions"]]}  # fmt: skip
+
+    assert moved(normal) == {"baseline": pytest.approx(0.03, rel=0.05), "flagged": []}
+    assert moved(slow) == {"baseline": pytest.approx(0.03, rel=0.05), "flagged": ["slower"]}
+
+
 def test_transfers_leave_the_threads_idle(clients, make_token):
     """Found by a held-out check: a transfer-bound run's workers read 4.4 s idle of 7.9 s
     of thread capacity, its 3.5 s of transfers taken from the threads; Dask transfers on
