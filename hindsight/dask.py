@@ -393,11 +393,9 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             return
         try:
             group = ts.group
-            run = self._span_runs.get(group.span_id)
-            if run is None or run not in self._open_runs:
-                run = self._run_of(group)
             get = msg.get
-            record = (ts.key, group.prefix.name, group.name, run, "erred", get("worker"))
+            record = (ts.key, group.prefix.name, group.name, self._run_of(group), "erred",
+                      get("worker"))  # fmt: skip
             agent.add(
                 (_task_event, *record, get("thread"), None, None, get("startstops"),
                  get("exception_text"), get("traceback_text"), {"retried": True})
@@ -945,11 +943,7 @@ class _LogHandler(logging.Handler):
                 # failure could land in the next run (found by a trial). Of workers that
                 # share a process, the one with the task keeps it (found by a review).
                 owner = task_owner(record.args[0])
-                if (
-                    owner is None
-                    and not owns_record(self.worker)
-                    or (owner is not None and owner is not self.worker)
-                ):
+                if not (owner is self.worker if owner is not None else owns_record(self.worker)):
                     return
                 at = scheduler_time(self.worker, record.created)
                 key, run = task_and_run(self.worker, record.args[0])
