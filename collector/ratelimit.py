@@ -57,8 +57,9 @@ class RateLimiter:
 SMALL_BODY = 4096
 
 
-def enforce(limiter: RateLimiter, tenant: str, events: int | None,
-            body_bytes: int | None = None) -> None:  # fmt: skip
+def enforce(
+    limiter: RateLimiter, tenant: str, events: int | None, body_bytes: int | None = None
+) -> None:
     """429 with ``Retry-After`` if ``tenant`` may not send ``events`` events now. With
     ``events`` None, before the body is read: 429 if the tenant's bucket is empty, unless
     the body is small (``body_bytes``, the request's Content-Length)."""

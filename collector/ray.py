@@ -127,10 +127,17 @@ def post_ray_events() -> Any:
         t0 = time.perf_counter()
         try:
             res = ray.index_part(
-                session, st.blobs, tenant_id=principal.tenant_id, tenant=principal.tenant,
-                cluster=cluster, stored=p, now=time.time(), defer_tasks=sweeper is not None,
-                cache=st.ids, hold=hold is not None,
-            )  # fmt: skip
+                session,
+                st.blobs,
+                tenant_id=principal.tenant_id,
+                tenant=principal.tenant,
+                cluster=cluster,
+                stored=p,
+                now=time.time(),
+                defer_tasks=sweeper is not None,
+                cache=st.ids,
+                hold=hold is not None,
+            )
             session.commit()
             if res.held:  # committed: the manifest row says they are held
                 assert hold is not None and res.session_id is not None and res.body_id is not None
@@ -141,10 +148,12 @@ def post_ray_events() -> Any:
             # body is stored, and refusing it would have Ray send it again forever. Logged
             # without the statement's parameters (the body's values).
             session.rollback()
-            logger.error("Ray body %s: the index cannot hold it; stored, not indexed: %s",
-                         p.sha, exc.orig)  # fmt: skip
-            results.append(ray.PartResult(p.session, False, len(p.part.raw),
-                                          {"unindexable": len(p.part.raw)}))  # fmt: skip
+            logger.error(
+                "Ray body %s: the index cannot hold it; stored, not indexed: %s", p.sha, exc.orig
+            )
+            results.append(
+                ray.PartResult(p.session, False, len(p.part.raw), {"unindexable": len(p.part.raw)})
+            )
         INDEX_SECONDS.observe(time.perf_counter() - t0)
     # Back-pressure: a request's threads share the process with the sweeper's, and left
     # alone they can outrun its flushes (the hold, and the tasks waiting in it, grow).
@@ -158,8 +167,11 @@ def post_ray_events() -> Any:
     for r in results:
         for k, n in r.skipped.items():
             skipped[k] = skipped.get(k, 0) + n
-    duplicate = (bool(results) and not any(written)  # (an empty array: nothing to repeat)
-                 and all(r.duplicate or r.session == NO_SESSION for r in results))  # fmt: skip
+    duplicate = (
+        bool(results)
+        and not any(written)  # (an empty array: nothing to repeat)
+        and all(r.duplicate or r.session == NO_SESSION for r in results)
+    )
     ray_bodies(duplicate).inc()
     if not duplicate:
         ray_events("indexed").inc(sum(r.events for r in results) - sum(skipped.values()))
@@ -296,8 +308,11 @@ class Sweeper:
             try:
                 self.hold.flush(st.sessions, st.blobs, force=True, cache=st.ids)
             except Exception:
-                logger.warning("Ray sweeper: held task patches not merged at exit; another "
-                               "sweeper merges their bodies again", exc_info=True)  # fmt: skip
+                logger.warning(
+                    "Ray sweeper: held task patches not merged at exit; another "
+                    "sweeper merges their bodies again",
+                    exc_info=True,
+                )
 
     def _pass(self) -> bool:
         """One pass; whether there is still open work (None-safe if the app is gone)."""

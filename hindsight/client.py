@@ -39,11 +39,37 @@ def _pd() -> Any:
 
 # The columns of a frame with no rows (found by a new user: ``c.runs(cluster="x").id``
 # failed on an empty answer, a frame without columns). A frame with rows has the answer's.
-RUN_COLUMNS = ("id", "name", "cluster", "session", "run_key", "status", "started_at",
-               "finished_at", "makespan", "task_count", "error_count", "nbytes", "span", "client")  # fmt: skip
+RUN_COLUMNS = (
+    "id",
+    "name",
+    "cluster",
+    "session",
+    "run_key",
+    "status",
+    "started_at",
+    "finished_at",
+    "makespan",
+    "task_count",
+    "error_count",
+    "nbytes",
+    "span",
+    "client",
+)
 CLUSTER_COLUMNS = ("name", "first_seen", "last_seen", "sessions", "runs", "last_run_started_at")
-SUMMARY_COLUMNS = ("prefix", "action", "tasks", "errors", "count", "total", "mean", "min", "p50",
-                   "p90", "p99", "max")  # fmt: skip
+SUMMARY_COLUMNS = (
+    "prefix",
+    "action",
+    "tasks",
+    "errors",
+    "count",
+    "total",
+    "mean",
+    "min",
+    "p50",
+    "p90",
+    "p99",
+    "max",
+)
 ERROR_COLUMNS = (
     "exception",
     "count",
@@ -55,11 +81,29 @@ ERROR_COLUMNS = (
     "traceback",
 )
 SEGMENT_COLUMNS = ("kind", "key", "prefix", "worker", "start", "stop", "seconds")
-TIME_COLUMNS = ("worker", "capacity", "compute", "transfer", "spill", "other", "tasks", "nthreads",
-                "idle")  # fmt: skip
+TIME_COLUMNS = (
+    "worker",
+    "capacity",
+    "compute",
+    "transfer",
+    "spill",
+    "other",
+    "tasks",
+    "nthreads",
+    "idle",
+)
 PREFIX_HISTORY_COLUMNS = ("time", "count", "mean", "p50", "p90", "p99", "max")
-CLUSTER_HISTORY_COLUMNS = ("cluster", "time", "runs", "tasks", "errors", "compute_seconds",
-                           "transfer_seconds", "disk_seconds", "nbytes")  # fmt: skip
+CLUSTER_HISTORY_COLUMNS = (
+    "cluster",
+    "time",
+    "runs",
+    "tasks",
+    "errors",
+    "compute_seconds",
+    "transfer_seconds",
+    "disk_seconds",
+    "nbytes",
+)
 
 
 def _frame(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
@@ -114,9 +158,13 @@ class Client:
             return json.loads(resp.read())
 
     def _pages(
-        self, path: str, key: str, params: dict[str, Any], limit: int | None,
+        self,
+        path: str,
+        key: str,
+        params: dict[str, Any],
+        limit: int | None,
         first: list[dict[str, Any]] | None = None,
-    ) -> Iterator[dict[str, Any]]:  # fmt: skip
+    ) -> Iterator[dict[str, Any]]:
         """Every ``key`` item of every page (at most ``limit``); ``first`` gets the first
         page's whole body (what it says besides the items)."""
         cursor = None
@@ -170,8 +218,15 @@ class Client:
         rows = []
         for p in self.get(f"/v1/runs/{run_id}/summary")["prefixes"]:
             for action, stats in p["actions"].items():
-                rows.append({"prefix": p["prefix"], "action": action, "tasks": p["count"],
-                             "errors": p["errors"], **stats})  # fmt: skip
+                rows.append(
+                    {
+                        "prefix": p["prefix"],
+                        "action": action,
+                        "tasks": p["count"],
+                        "errors": p["errors"],
+                        **stats,
+                    }
+                )
         return _frame(rows, SUMMARY_COLUMNS)
 
     def metrics(self, run_id: str, points: int = 500, **filters: Any) -> Any:
@@ -266,8 +321,13 @@ class Client:
         speedscope or inferno; ``"speedscope"`` speedscope's JSON."""
         return self._profile(f"/v1/runs/{run_id}/profile", format, prefix=prefix, worker=worker)
 
-    def profiles(self, prefix: str | None = None, name: str | None = None, format: str = "json",
-                 **window: Any) -> Any:  # fmt: skip
+    def profiles(
+        self,
+        prefix: str | None = None,
+        name: str | None = None,
+        format: str = "json",
+        **window: Any,
+    ) -> Any:
         """The merged profile of a prefix and/or of a job's runs over runs started in
         ``since``/``until`` (also ``cluster``, ``runs``), in the formats of :meth:`profile`."""
         return self._profile("/v1/profiles", format, prefix=prefix, name=name, **window)
@@ -305,18 +365,25 @@ class Client:
         ``samples`` (the run's first and last sample times)."""
         body = self.get(f"/v1/runs/{run_id}/state", at=at)
         pd = _pd()
-        workers = [{"worker": w["worker"], **w["memory"], "processing": w["processing"]}
-                   for w in body["workers"]]  # fmt: skip
+        workers = [
+            {"worker": w["worker"], **w["memory"], "processing": w["processing"]}
+            for w in body["workers"]
+        ]
         return {
             **body,
-            "workers": pd.DataFrame(workers, columns=["worker", "managed", "unmanaged",
-                                                      "spilled", "limit", "processing"]),
-            "prefixes": pd.DataFrame(body["prefixes"], columns=[
-                "prefix", "waiting", "processing", "memory", "released", "erred"]),
-        }  # fmt: skip
+            "workers": pd.DataFrame(
+                workers,
+                columns=["worker", "managed", "unmanaged", "spilled", "limit", "processing"],
+            ),
+            "prefixes": pd.DataFrame(
+                body["prefixes"],
+                columns=["prefix", "waiting", "processing", "memory", "released", "erred"],
+            ),
+        }
 
-    def activity_history(self, prefix: str | None = None, name: str | None = None,
-                         **params: Any) -> Any:  # fmt: skip
+    def activity_history(
+        self, prefix: str | None = None, name: str | None = None, **params: Any
+    ) -> Any:
         """Seconds by activity per hour or day of run start (``bucket``), of a prefix and/or
         a job name: one row per time and activity, with ``runs``, ``total`` and ``mean``
         (per run)."""
@@ -364,9 +431,12 @@ class Client:
         df = _pd().DataFrame(rows, columns=["time", "worker", "key", "value"])
         agg = first[0]["aggregate"]
         df.attrs["aggregate"] = (
-            None if agg is None else _pd().DataFrame(
-                agg["points"], columns=["time", "count", "sum", "mean", "min", "max"])
-        )  # fmt: skip
+            None
+            if agg is None
+            else _pd().DataFrame(
+                agg["points"], columns=["time", "count", "sum", "mean", "min", "max"]
+            )
+        )
         return df
 
     def lifecycle(self, run_id: str) -> dict[str, Any]:
@@ -445,8 +515,13 @@ class Client:
         import pyarrow as pa
 
         f = _filters(filters)
-        params = {**f.params(), "columns": ",".join(columns) if columns else None,
-                  "sort": sort, "limit": limit, "format": "arrow"}  # fmt: skip
+        params = {
+            **f.params(),
+            "columns": ",".join(columns) if columns else None,
+            "sort": sort,
+            "limit": limit,
+            "format": "arrow",
+        }
         with self._open(f"/v1/lake/{table}", params) as resp:
             return pa.ipc.open_stream(resp.read()).read_all().to_pandas()
 

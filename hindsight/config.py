@@ -156,8 +156,13 @@ def _valid(name: str, value: Any) -> bool:
         return 0 <= value <= 64
     if name == "zstd_level":
         return 1 <= value <= 22
-    if name in ("flush_interval", "close_timeout", "sample_interval", "request_timeout",
-                "profile_interval"):  # fmt: skip
+    if name in (
+        "flush_interval",
+        "close_timeout",
+        "sample_interval",
+        "request_timeout",
+        "profile_interval",
+    ):
         return value > 0
     if name == "encoding":
         return value in ("zstd", "gzip", "identity")

@@ -394,12 +394,27 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         try:
             group = ts.group
             get = msg.get
-            record = (ts.key, group.prefix.name, group.name, self._run_of(group), "erred",
-                      get("worker"))  # fmt: skip
+            record = (
+                ts.key,
+                group.prefix.name,
+                group.name,
+                self._run_of(group),
+                "erred",
+                get("worker"),
+            )
             agent.add(
-                (_task_event, *record, get("thread"), None, None, get("startstops"),
-                 get("exception_text"), get("traceback_text"), {"retried": True})
-            )  # fmt: skip
+                (
+                    _task_event,
+                    *record,
+                    get("thread"),
+                    None,
+                    None,
+                    get("startstops"),
+                    get("exception_text"),
+                    get("traceback_text"),
+                    {"retried": True},
+                )
+            )
         except Exception:
             logger.debug("hindsight: recording a retried attempt failed", exc_info=True)
 
@@ -543,8 +558,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     when = submitted
                 else:
                     when = None
-                add((_graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies],
-                     when))  # fmt: skip
+                add((_graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies], when))
             if forgotten:
                 agent.drop("graph_forgotten", forgotten)
         if self._pending_graphs and not self._pump_scheduled and self.scheduler is not None:

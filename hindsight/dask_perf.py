@@ -110,8 +110,10 @@ def flatten_profile(tree: dict[str, Any]) -> tuple[list[ProfileFrame], list[tupl
         callees = [_frame(idents[k], descs[k]) for k in kids]
         names = sorted({c.name for c in callees})
         files = {c.filename for c in callees}
-        frame = ProfileFrame(name=_cut("one of: " + ", ".join(names)),
-                             filename=files.pop() if len(files) == 1 else "")  # fmt: skip
+        frame = ProfileFrame(
+            name=_cut("one of: " + ", ".join(names)),
+            filename=files.pop() if len(files) == 1 else "",
+        )
         ident = f"{frame.name};{frame.filename};0"
         f = frame_ids.get(ident)
         if f is None:

@@ -258,8 +258,9 @@ def tokens_create(
         # user): with auth on, its earlier runs are the tenant default's.
         other = (
             f"; runs recorded without auth belong to tenant 'default', not to {tenant!r}"
-            if tenant != "default" else ""
-        )  # fmt: skip
+            if tenant != "default"
+            else ""
+        )
         click.echo(f"note: the first token of the index at {local}{other}; {elsewhere}", err=True)
     if for_ == "ray":
         click.echo(f"{url.rstrip('/')}/v1/ray/events?cluster={cluster}&token={token}")
@@ -282,15 +283,21 @@ def tokens_list(tenant: str | None, data_dir: str | None) -> None:
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else "-"
             for t in (r["created_at"], r["revoked_at"])
         )
-        click.echo(f"{r['id']}\t{r['tenant']}\t{r['scopes']}\t{r['name'] or '-'}\t{created}"
-                   f"\t{revoked}\t{r['hash']}")  # fmt: skip
+        click.echo(
+            f"{r['id']}\t{r['tenant']}\t{r['scopes']}\t{r['name'] or '-'}\t{created}"
+            f"\t{revoked}\t{r['hash']}"
+        )
 
 
 @tokens.command("revoke")
 @click.argument("token_id", type=int, required=False)
-@click.option("--token", "token", default=None,
-              help="Revoke this token itself (a leaked one in hand) rather than an id; "
-                   "'-' reads it from stdin (out of ps and shell history).")  # fmt: skip
+@click.option(
+    "--token",
+    "token",
+    default=None,
+    help="Revoke this token itself (a leaked one in hand) rather than an id; "
+    "'-' reads it from stdin (out of ps and shell history).",
+)
 @click.option("--data-dir", type=click.Path(file_okay=False))
 def tokens_revoke(token_id: int | None, token: str | None, data_dir: str | None) -> None:
     """Revoke a token by its id (``hindsight tokens list``) or by the token itself. Services
@@ -323,9 +330,13 @@ def reindex(data_dir: str | None, skip_finish: bool) -> None:
         total = sum(1 for _ in blobs.list("v1/"))
         with click.progressbar(length=total, label="reindexing", file=sys.stderr) as bar:
             sessions = make_sessionmaker(engine)
-            counts = do_reindex(blobs, sessions, on_progress=bar.update,
-                                ray_settle=settings.ray_settle_seconds,
-                                ray_idle=settings.ray_idle_close_seconds)  # fmt: skip
+            counts = do_reindex(
+                blobs,
+                sessions,
+                on_progress=bar.update,
+                ray_settle=settings.ray_settle_seconds,
+                ray_idle=settings.ray_idle_close_seconds,
+            )
         click.echo(
             f"{counts['blobs']} blobs: {counts['indexed']} indexed, {counts['already']} already "
             f"indexed, {counts['skipped']} skipped"
@@ -369,7 +380,7 @@ def retention_apply(
     data_dir: str | None,
 ) -> None:
     """Remove a tenant's sessions past retention: blobs first, then index rows (a crash in
-    between is finished by the next run; reindex cannot resurrect what is removed)."""  # fmt: skip
+    between is finished by the next run; reindex cannot resurrect what is removed)."""
     if max_age_days is None and max_runs is None:
         raise click.UsageError("give --max-age-days, --max-runs, or both")
     with _index(data_dir, existing="index,blobs") as (settings, engine):

@@ -456,14 +456,24 @@ def _per_action(c: _Tasks, aggs: list[RunAggregate], buckets: tuple[Any, Any]) -
     ph_run, ph_prefix = c.run[c.ph_task], c.prefix[c.ph_task]
     heads, counts, totals, mins, maxs, hists = _phase_groups(
         c,
-        [(ph_run, len(c.run_names)), (ph_prefix, len(c.prefix_names)),
-         (c.ph_action, len(c.action_names))],
+        [
+            (ph_run, len(c.run_names)),
+            (ph_prefix, len(c.prefix_names)),
+            (c.ph_action, len(c.action_names)),
+        ],
         buckets,
-    )  # fmt: skip
+    )
     for r, p, a, n, tot, lo, hi, h in zip(
-        ph_run[heads].tolist(), ph_prefix[heads].tolist(), c.ph_action[heads].tolist(),
-        counts.tolist(), totals.tolist(), mins.tolist(), maxs.tolist(), hists, strict=True,
-    ):  # fmt: skip
+        ph_run[heads].tolist(),
+        ph_prefix[heads].tolist(),
+        c.ph_action[heads].tolist(),
+        counts.tolist(),
+        totals.tolist(),
+        mins.tolist(),
+        maxs.tolist(),
+        hists,
+        strict=True,
+    ):
         pa = (c.prefix_names[p], c.action_names[a])
         rs = aggs[r]
         rs.actions[pa] = ActionStats(n, tot, lo, hi)
@@ -477,12 +487,21 @@ def _per_day(c: _Tasks, out: BatchAggregate, buckets: tuple[Any, Any]) -> None:
     d0 = int(day.min())
     heads, counts, totals, _, maxs, hists = _phase_groups(
         c,
-        [(day - d0, int(day.max()) - d0 + 1), (ph_prefix, len(c.prefix_names)),
-         (c.ph_action, len(c.action_names))],
+        [
+            (day - d0, int(day.max()) - d0 + 1),
+            (ph_prefix, len(c.prefix_names)),
+            (c.ph_action, len(c.action_names)),
+        ],
         buckets,
-    )  # fmt: skip
+    )
     for p, a, dy, n, tot, hi, h in zip(
-        ph_prefix[heads].tolist(), c.ph_action[heads].tolist(), day[heads].tolist(),
-        counts.tolist(), totals.tolist(), maxs.tolist(), hists, strict=True,
-    ):  # fmt: skip
+        ph_prefix[heads].tolist(),
+        c.ph_action[heads].tolist(),
+        day[heads].tolist(),
+        counts.tolist(),
+        totals.tolist(),
+        maxs.tolist(),
+        hists,
+        strict=True,
+    ):
         out.days[(c.prefix_names[p], c.action_names[a], dy)] = DayStats(n, tot, hi, h)

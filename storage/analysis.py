@@ -75,9 +75,22 @@ def task_records(table: Any, run_key: str | None = None) -> list[dict[str, Any]]
     # compacted before it existed.
     attrs = ["attrs"] if "attrs" in table.column_names else []
     for row in table.select(
-        ["key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
-         "startstops", "exception", "traceback", "compute", *attrs]
-    ).to_pylist():  # fmt: skip
+        [
+            "key",
+            "prefix",
+            "group",
+            "worker",
+            "thread",
+            "status",
+            "nbytes",
+            "typename",
+            "startstops",
+            "exception",
+            "traceback",
+            "compute",
+            *attrs,
+        ]
+    ).to_pylist():
         row["startstops"] = json.loads(row["startstops"])
         row["duration"] = row.pop("compute")
         row["run"] = run
@@ -115,8 +128,13 @@ def prefix_summary(db: Session, run: m.Run) -> list[dict[str, Any]]:
     for p in db.execute(
         select(m.RunPrefix).where(m.RunPrefix.run_id == run.id).order_by(m.RunPrefix.prefix)
     ).scalars():
-        prefixes[p.prefix] = {"prefix": p.prefix, "count": p.count, "errors": p.errors,
-                              "nbytes": p.nbytes, "actions": {}}  # fmt: skip
+        prefixes[p.prefix] = {
+            "prefix": p.prefix,
+            "count": p.count,
+            "errors": p.errors,
+            "nbytes": p.nbytes,
+            "actions": {},
+        }
     for a in db.execute(
         select(m.RunPrefixAction)
         .where(m.RunPrefixAction.run_id == run.id)
@@ -129,9 +147,15 @@ def prefix_summary(db: Session, run: m.Run) -> list[dict[str, Any]]:
             hists.get((a.prefix, a.action), {}), QUANTILES, a.min, a.max
         )
         entry["actions"][a.action] = {
-            "count": a.count, "total": a.total, "mean": a.total / a.count if a.count else None,
-            "min": a.min, "p50": p50, "p90": p90, "p99": p99, "max": a.max,
-        }  # fmt: skip
+            "count": a.count,
+            "total": a.total,
+            "mean": a.total / a.count if a.count else None,
+            "min": a.min,
+            "p50": p50,
+            "p90": p90,
+            "p99": p99,
+            "max": a.max,
+        }
     return list(prefixes.values())
 
 
@@ -170,9 +194,12 @@ def metric_series(
 def progress(data: RunData, buckets: int) -> dict[str, Any]:
     """Completed tasks per prefix per time bucket (by each task's last stop)."""
     stops = [
-        (s, p) for s, p in zip(data.tasks["stop"].to_pylist(), data.tasks["prefix"].to_pylist(), strict=True)
+        (s, p)
+        for s, p in zip(
+            data.tasks["stop"].to_pylist(), data.tasks["prefix"].to_pylist(), strict=True
+        )
         if s is not None
-    ]  # fmt: skip
+    ]
     if not stops:
         return {"start": None, "bucket_seconds": None, "times": [], "prefixes": {}}
     t0 = min(s for s, _ in stops)
@@ -211,8 +238,15 @@ def graph(data: RunData) -> dict[str, Any]:
     for key, n in nodes.items():
         a = attrs.get(key)
         if a is not None:
-            n.update(status=a["status"], worker=a["worker"], nbytes=a["nbytes"],
-                     typename=a["typename"], duration=a["compute"], start=a["start"], stop=a["stop"])  # fmt: skip
+            n.update(
+                status=a["status"],
+                worker=a["worker"],
+                nbytes=a["nbytes"],
+                typename=a["typename"],
+                duration=a["compute"],
+                start=a["start"],
+                stop=a["stop"],
+            )
         out.append(n)
     return {"nodes": out, "edges": edges}
 
@@ -256,9 +290,16 @@ def errors(data: RunData) -> list[dict[str, Any]]:
             fp = fingerprints[exc] = error_fingerprint(exc)
         g = groups.get(fp)
         if g is None:
-            g = groups[fp] = {"exception": exc, "count": 0, "retried": 0, "messages": 0,
-                              "prefixes": {}, "workers": set(), "keys": [],
-                              "traceback": r["traceback"]}  # fmt: skip
+            g = groups[fp] = {
+                "exception": exc,
+                "count": 0,
+                "retried": 0,
+                "messages": 0,
+                "prefixes": {},
+                "workers": set(),
+                "keys": [],
+                "traceback": r["traceback"],
+            }
         g["count"] += 1
         if r["attrs"] and json.loads(r["attrs"]).get("retried") is True:
             g["retried"] += 1  # an attempt Dask's retries= ran again
@@ -326,8 +367,19 @@ def critical_path(data: RunData) -> dict[str, Any]:
     still goes to the dependency: what the client waited for is not recorded (stepping to
     the task that ended last before the submission named unrelated tasks in busy runs).
     Segments are in time order."""
-    rows = data.tasks.select(["key", "prefix", "worker", "status", "start", "stop",
-                              "compute_start", "compute_stop", "startstops"]).to_pylist()  # fmt: skip
+    rows = data.tasks.select(
+        [
+            "key",
+            "prefix",
+            "worker",
+            "status",
+            "start",
+            "stop",
+            "compute_start",
+            "compute_stop",
+            "startstops",
+        ]
+    ).to_pylist()
     # A key computed more than once in a run (recomputed after a worker died, computed
     # again by a second compute() of the run) has a record per time: all of them count for
     # the run's start, and a dependent waited for the latest that started before it did.
@@ -367,12 +419,28 @@ def critical_path(data: RunData) -> dict[str, Any]:
             hi = min(ph["stop"], upper)
             if hi <= ph["start"]:
                 continue
-            mine.append({"kind": ph["action"], "key": node["key"], "prefix": node["prefix"],
-                         "worker": node["worker"], "start": ph["start"], "stop": hi,
-                         "source": ph.get("source")})  # fmt: skip
+            mine.append(
+                {
+                    "kind": ph["action"],
+                    "key": node["key"],
+                    "prefix": node["prefix"],
+                    "worker": node["worker"],
+                    "start": ph["start"],
+                    "stop": hi,
+                    "source": ph.get("source"),
+                }
+            )
             upper = ph["start"]
-        mine.append({"kind": "compute", "key": node["key"], "prefix": node["prefix"],
-                     "worker": node["worker"], "start": cstart, "stop": cstop})  # fmt: skip
+        mine.append(
+            {
+                "kind": "compute",
+                "key": node["key"],
+                "prefix": node["prefix"],
+                "worker": node["worker"],
+                "start": cstart,
+                "stop": cstop,
+            }
+        )
         preds = [_before(tasks[d], cstart) for d in deps.get(node["key"], ()) if d in tasks]
         pred = max(preds, key=lambda r: r["stop"]) if preds else None
         ready = pred["stop"] if pred is not None else t0
@@ -390,29 +458,67 @@ def critical_path(data: RunData) -> dict[str, Any]:
             if hi <= lo:
                 continue
             if hi < cursor:
-                mine.append({"kind": "wait", "key": node["key"], "prefix": node["prefix"],
-                             "worker": node["worker"], "start": hi, "stop": cursor})  # fmt: skip
-            mine.append({"kind": ph["action"], "key": node["key"], "prefix": node["prefix"],
-                         "worker": node["worker"], "start": lo, "stop": hi,
-                         "source": ph.get("source")})  # fmt: skip
+                mine.append(
+                    {
+                        "kind": "wait",
+                        "key": node["key"],
+                        "prefix": node["prefix"],
+                        "worker": node["worker"],
+                        "start": hi,
+                        "stop": cursor,
+                    }
+                )
+            mine.append(
+                {
+                    "kind": ph["action"],
+                    "key": node["key"],
+                    "prefix": node["prefix"],
+                    "worker": node["worker"],
+                    "start": lo,
+                    "stop": hi,
+                    "source": ph.get("source"),
+                }
+            )
             cursor = lo
         if late and cursor > sub:
-            mine.append({"kind": "wait", "key": node["key"], "prefix": node["prefix"],
-                         "worker": node["worker"], "start": sub, "stop": cursor})  # fmt: skip
+            mine.append(
+                {
+                    "kind": "wait",
+                    "key": node["key"],
+                    "prefix": node["prefix"],
+                    "worker": node["worker"],
+                    "start": sub,
+                    "stop": cursor,
+                }
+            )
             cursor = sub
         if cursor > ready:
             kind = "unsubmitted" if late else "wait"
-            mine.append({"kind": kind, "key": node["key"], "prefix": node["prefix"],
-                         "worker": node["worker"], "start": ready, "stop": cursor})  # fmt: skip
+            mine.append(
+                {
+                    "kind": kind,
+                    "key": node["key"],
+                    "prefix": node["prefix"],
+                    "worker": node["worker"],
+                    "start": ready,
+                    "stop": cursor,
+                }
+            )
         # Attempts of this task that erred before it ran again (``retries=``,
         # ``client.retry``): their compute was not waiting (found by a review). One may
         # read a few ms past this compute's start (two workers' clocks): clipped there.
         failed = [
-            (max(r["compute_start"] if r["compute_start"] is not None else r["start"], ready),
-             min(r["compute_stop"] if r["compute_stop"] is not None else r["stop"], cstart), r)
+            (
+                max(r["compute_start"] if r["compute_start"] is not None else r["start"], ready),
+                min(r["compute_stop"] if r["compute_stop"] is not None else r["stop"], cstart),
+                r,
+            )
             for r in tasks[node["key"]]
-            if r is not node and r["status"] == "erred" and ready < r["stop"] and r["start"] < cstart
-        ]  # fmt: skip
+            if r is not node
+            and r["status"] == "erred"
+            and ready < r["stop"]
+            and r["start"] < cstart
+        ]
         if failed:
             mine = _carve_failed(mine, failed)
         segments += mine
@@ -431,14 +537,30 @@ def critical_path(data: RunData) -> dict[str, Any]:
         if seg["start"] > seg["stop"]:
             seg["start"] = seg["stop"]
         if seg["stop"] < bound:
-            timeline.append({"kind": "wait", "key": seg["key"], "prefix": seg["prefix"],
-                             "worker": seg["worker"], "start": seg["stop"], "stop": bound})  # fmt: skip
+            timeline.append(
+                {
+                    "kind": "wait",
+                    "key": seg["key"],
+                    "prefix": seg["prefix"],
+                    "worker": seg["worker"],
+                    "start": seg["stop"],
+                    "stop": bound,
+                }
+            )
         timeline.append(seg)
         bound = seg["start"]
     if bound > t0:
         first = timeline[-1]
-        timeline.append({"kind": "wait", "key": first["key"], "prefix": first["prefix"],
-                         "worker": first["worker"], "start": t0, "stop": bound})  # fmt: skip
+        timeline.append(
+            {
+                "kind": "wait",
+                "key": first["key"],
+                "prefix": first["prefix"],
+                "worker": first["worker"],
+                "start": t0,
+                "stop": bound,
+            }
+        )
     # Zero-length compute stays: the chain of tasks is the answer, even where skew ate it.
     segments = [s for s in reversed(timeline) if s["stop"] > s["start"] or s["kind"] == "compute"]
     totals: dict[str, float] = defaultdict(float)
@@ -478,8 +600,16 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     (``executing``), as its own metrics count them. Threads come from the worker's
     ``joined`` event."""
     if not run_ids:
-        return {"runs": 0, "capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0,
-                "other": 0.0, "idle": 0.0, "workers": []}  # fmt: skip
+        return {
+            "runs": 0,
+            "capacity": 0.0,
+            "compute": 0.0,
+            "transfer": 0.0,
+            "spill": 0.0,
+            "other": 0.0,
+            "idle": 0.0,
+            "workers": [],
+        }
     rows = db.execute(
         select(
             m.RunWorker,
@@ -488,12 +618,12 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
             m.Worker.nthreads,
             m.Worker.joined_at,
             m.Worker.left_at,
-        )  # fmt: skip
+        )
         .join(m.Run, m.Run.id == m.RunWorker.run_id)
         .outerjoin(
             m.Worker,
             and_(m.Worker.session_id == m.Run.session_id, m.Worker.address == m.RunWorker.worker),
-        )  # fmt: skip
+        )
         .where(m.RunWorker.run_id.in_(run_ids))
     ).all()
     per_worker: dict[str, dict[str, float]] = {}
@@ -517,8 +647,12 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
         d = per_worker.setdefault(
             w.worker, {k: 0.0 for k in tot} | {"tasks": 0, "nthreads": nthreads}
         )
-        vals = {"compute": w.compute, "transfer": w.transfer,
-                "spill": w.disk_read + w.disk_write, "other": w.other}  # fmt: skip
+        vals = {
+            "compute": w.compute,
+            "transfer": w.transfer,
+            "spill": w.disk_read + w.disk_write,
+            "other": w.other,
+        }
         for k, v in vals.items():
             d[k] += v
             tot[k] += v
@@ -530,8 +664,12 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
     for d in per_worker.values():
         d["idle"] = max(0.0, d["capacity"] - d["compute"] - d["spill"] - d["other"])
     idle = sum(d["idle"] for d in per_worker.values())
-    return {"runs": len(run_ids), **tot, "idle": idle,
-            "workers": [{"worker": k, **v} for k, v in sorted(per_worker.items())]}  # fmt: skip
+    return {
+        "runs": len(run_ids),
+        **tot,
+        "idle": idle,
+        "workers": [{"worker": k, **v} for k, v in sorted(per_worker.items())],
+    }
 
 
 # ---------------------------------------------------------------- fingerprints, compare, regressions
@@ -550,12 +688,18 @@ def _prefix_stats(db: Session, run_ids: list[int], action: str) -> dict[str, dic
         select(A.prefix, func.sum(A.count), func.sum(A.total), func.min(A.min), func.max(A.max))
         .where(A.run_id.in_(run_ids), A.action == action)
         .group_by(A.prefix)
-    ):  # fmt: skip
+    ):
         # clamped to the exact min and max, as the run summary's (a one-task prefix's p90 is
         # its duration, not the histogram bucket's value)
         p50, p90, p99 = sketch.quantiles(hists.get((p, action), {}), QUANTILES, lo, hi)
-        out[p] = {"count": int(count), "total": float(total), "mean": float(total) / int(count),
-                  "p50": p50, "p90": p90, "p99": p99}  # fmt: skip
+        out[p] = {
+            "count": int(count),
+            "total": float(total),
+            "mean": float(total) / int(count),
+            "p50": p50,
+            "p90": p90,
+            "p99": p99,
+        }
     counts = db.execute(
         select(m.RunPrefix.prefix, func.sum(m.RunPrefix.count))
         .where(m.RunPrefix.run_id.in_(run_ids))
@@ -582,13 +726,15 @@ def compare(db: Session, a: m.Run, b: m.Run, action: str = "compute") -> dict[st
     prefixes = []
     for p in sorted(set(sa) & set(sb)):
         x, y = sa[p], sb[p]
-        prefixes.append({
-            "prefix": p,
-            "tasks": _delta(x.get("tasks"), y.get("tasks")),
-            "mean": _delta(x["mean"], y["mean"]),
-            "p90": _delta(x["p90"], y["p90"]),
-            "total": _delta(x["total"], y["total"]),
-        })  # fmt: skip
+        prefixes.append(
+            {
+                "prefix": p,
+                "tasks": _delta(x.get("tasks"), y.get("tasks")),
+                "mean": _delta(x["mean"], y["mean"]),
+                "p90": _delta(x["p90"], y["p90"]),
+                "total": _delta(x["total"], y["total"]),
+            }
+        )
     return {
         "a": a.public_id,
         "b": b.public_id,
@@ -636,9 +782,14 @@ def previous_runs(
 
 
 def regressions(
-    db: Session, run: m.Run, baseline: int, threshold_pct: float, action: str = "compute",
-    *, same_cluster: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    db: Session,
+    run: m.Run,
+    baseline: int,
+    threshold_pct: float,
+    action: str = "compute",
+    *,
+    same_cluster: bool = False,
+) -> dict[str, Any]:
     """Prefixes whose p90 in ``run`` moved more than ``threshold_pct`` against the median
     of the p90s of the previous ``baseline`` runs with the same fingerprint (of ``run``'s
     cluster only, with ``same_cluster``). The median, not the p90 of their tasks pooled:
@@ -711,9 +862,15 @@ def _hour_range(since: float | None, until: float | None) -> tuple[int | None, i
 
 
 def prefix_history(
-    db: Session, tenant_id: int, prefix: str, action: str, bucket: str,
-    since: float | None, until: float | None, cluster: str | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+    db: Session,
+    tenant_id: int,
+    prefix: str,
+    action: str,
+    bucket: str,
+    since: float | None,
+    until: float | None,
+    cluster: str | None = None,
+) -> list[dict[str, Any]]:
     """A prefix's duration quantiles per time bucket across the tenant's clusters (or one).
     Days come from the ``prefix_days`` rollup (by each task's first start); hours merge
     the histograms of the runs started in each hour."""
@@ -758,15 +915,28 @@ def prefix_history(
     for s in sorted(hists):
         n, total, hi = totals.get(s, (sum(hists[s].values()), 0.0, None))
         p50, p90, p99 = sketch.quantiles(hists[s], QUANTILES, hi=hi)
-        out.append({"time": s * float(sec), "count": n, "mean": total / n if n else None,
-                    "p50": p50, "p90": p90, "p99": p99, "max": hi})  # fmt: skip
+        out.append(
+            {
+                "time": s * float(sec),
+                "count": n,
+                "mean": total / n if n else None,
+                "p50": p50,
+                "p90": p90,
+                "p99": p99,
+                "max": hi,
+            }
+        )
     return out
 
 
 def _prefix_days(
-    db: Session, cluster_ids: list[int], prefix: str, action: str,
-    since: float | None, until: float | None,
-) -> list[dict[str, Any]]:  # fmt: skip
+    db: Session,
+    cluster_ids: list[int],
+    prefix: str,
+    action: str,
+    since: float | None,
+    until: float | None,
+) -> list[dict[str, Any]]:
     """Day buckets from the ``prefix_days`` rollup: one row per cluster and day, merged."""
     D = m.PrefixDay
     q = select(D.day, D.count, D.total, D.max, D.buckets).where(
@@ -789,15 +959,28 @@ def _prefix_days(
     for day in sorted(per):
         h, n, total, hi = per[day]
         p50, p90, p99 = sketch.quantiles(h, QUANTILES, hi=hi)
-        out.append({"time": day * 86400.0, "count": n, "mean": total / n if n else None,
-                    "p50": p50, "p90": p90, "p99": p99, "max": hi})  # fmt: skip
+        out.append(
+            {
+                "time": day * 86400.0,
+                "count": n,
+                "mean": total / n if n else None,
+                "p50": p50,
+                "p90": p90,
+                "p99": p99,
+                "max": hi,
+            }
+        )
     return out
 
 
 def cluster_history(
-    db: Session, tenant_id: int, bucket: str, since: float | None, until: float | None,
+    db: Session,
+    tenant_id: int,
+    bucket: str,
+    since: float | None,
+    until: float | None,
     cluster: str | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """Per cluster per time bucket: runs started, tasks, errors, compute/transfer/disk seconds."""
     clusters = _tenant_clusters(db, tenant_id, cluster)
     if not clusters:
@@ -806,19 +989,32 @@ def cluster_history(
     CH = m.ClusterHour
     lo, hi = _hour_range(since, until)
     q = select(
-        CH.cluster_id, (CH.hour - CH.hour % per).label("slot"), func.sum(CH.tasks),
-        func.sum(CH.errors), func.sum(CH.compute), func.sum(CH.transfer), func.sum(CH.disk),
+        CH.cluster_id,
+        (CH.hour - CH.hour % per).label("slot"),
+        func.sum(CH.tasks),
+        func.sum(CH.errors),
+        func.sum(CH.compute),
+        func.sum(CH.transfer),
+        func.sum(CH.disk),
         func.sum(CH.nbytes),
-    ).where(CH.cluster_id.in_(list(clusters)))  # fmt: skip
+    ).where(CH.cluster_id.in_(list(clusters)))
     if lo is not None:
         q = q.where(CH.hour >= lo)
     if hi is not None:
         q = q.where(CH.hour < hi)
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     for cid, s, tasks, errs, comp, tr, disk, nb in db.execute(q.group_by(CH.cluster_id, "slot")):
-        rows[(cid, int(s))] = {"cluster": clusters[cid], "time": int(s) * 3600.0, "runs": 0,
-                               "tasks": int(tasks), "errors": int(errs), "compute_seconds": comp,
-                               "transfer_seconds": tr, "disk_seconds": disk, "nbytes": int(nb)}  # fmt: skip
+        rows[(cid, int(s))] = {
+            "cluster": clusters[cid],
+            "time": int(s) * 3600.0,
+            "runs": 0,
+            "tasks": int(tasks),
+            "errors": int(errs),
+            "compute_seconds": comp,
+            "transfer_seconds": tr,
+            "disk_seconds": disk,
+            "nbytes": int(nb),
+        }
     sec = per * 3600
     rq = select(m.Run.cluster_id, m.Run.started_at).where(
         m.Run.tenant_id == tenant_id, m.Run.cluster_id.in_(list(clusters))
@@ -834,9 +1030,20 @@ def cluster_history(
         ).group_by(sub.c.cluster_id, "s")
     ):
         hour = int(s) * per
-        entry = rows.setdefault((cid, hour), {"cluster": clusters[cid], "time": hour * 3600.0,
-                                "runs": 0, "tasks": 0, "errors": 0, "compute_seconds": 0.0,
-                                "transfer_seconds": 0.0, "disk_seconds": 0.0, "nbytes": 0})  # fmt: skip
+        entry = rows.setdefault(
+            (cid, hour),
+            {
+                "cluster": clusters[cid],
+                "time": hour * 3600.0,
+                "runs": 0,
+                "tasks": 0,
+                "errors": 0,
+                "compute_seconds": 0.0,
+                "transfer_seconds": 0.0,
+                "disk_seconds": 0.0,
+                "nbytes": 0,
+            },
+        )
         entry["runs"] = int(n)
     return [rows[k] for k in sorted(rows, key=lambda k: (clusters[k[0]], k[1]))]
 
@@ -893,10 +1100,20 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
             action = ph["action"]
             track = "transfers" if action == "transfer" else f"thread {thread}"
             start, stop = ph["start"] - t0, max(ph["start"], ph["stop"]) - t0
-            slices.setdefault((worker, track), []).append((start, stop, {
-                "ph": "X", "name": f"{r['prefix']} {action}" if action != "compute" else r["prefix"],
-                "cat": action, "ts": start * 1e6, "dur": (stop - start) * 1e6, "args": args,
-            }))  # fmt: skip
+            slices.setdefault((worker, track), []).append(
+                (
+                    start,
+                    stop,
+                    {
+                        "ph": "X",
+                        "name": f"{r['prefix']} {action}" if action != "compute" else r["prefix"],
+                        "cat": action,
+                        "ts": start * 1e6,
+                        "dur": (stop - start) * 1e6,
+                        "args": args,
+                    },
+                )
+            )
     events: list[dict[str, Any]] = []
     tid = 0
     for (worker, track), items in sorted(slices.items(), key=lambda kv: (pids[kv[0][0]], kv[0][1])):
@@ -910,8 +1127,15 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
                 lanes.append(stop)
                 lane_tids.append(tid)
                 name = track if lane == 0 else f"{track} ({lane + 1})"
-                events.append({"ph": "M", "name": "thread_name", "pid": pids[worker], "tid": tid,
-                               "args": {"name": name}})  # fmt: skip
+                events.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pids[worker],
+                        "tid": tid,
+                        "args": {"name": name},
+                    }
+                )
             lanes[lane] = stop
             event.update(pid=pids[worker], tid=lane_tids[lane])
             events.append(event)
@@ -920,8 +1144,15 @@ def chrome_trace(data: RunData, run_name: str) -> dict[str, Any]:
     for r in data.metrics.to_pylist():
         if r["name"] not in TRACE_COUNTERS or r["worker"] not in pids:
             continue
-        events.append({"ph": "C", "name": r["name"], "pid": pids[r["worker"]],
-                       "ts": (r["time"] - t0) * 1e6, "args": {"bytes": r["value"]}})  # fmt: skip
+        events.append(
+            {
+                "ph": "C",
+                "name": r["name"],
+                "pid": pids[r["worker"]],
+                "ts": (r["time"] - t0) * 1e6,
+                "args": {"bytes": r["value"]},
+            }
+        )
     for worker, pid in pids.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": worker}})
     return {
@@ -948,8 +1179,14 @@ def outcome(data: RunData) -> dict[str, int]:
     import pyarrow.compute as pc
 
     t = data.tasks
-    out = {"keys": 0, "erred_keys": 0, "errored_keys": 0, "recovered_keys": 0,
-           "graph": data.graph.num_rows, "unrecorded": 0}  # fmt: skip
+    out = {
+        "keys": 0,
+        "erred_keys": 0,
+        "errored_keys": 0,
+        "recovered_keys": 0,
+        "graph": data.graph.num_rows,
+        "unrecorded": 0,
+    }
     if data.graph.num_rows:
         recorded = pc.is_in(data.graph["key"], value_set=t["key"].combine_chunks())
         out["unrecorded"] = int(pc.sum(pc.invert(recorded)).as_py() or 0)
@@ -957,8 +1194,10 @@ def outcome(data: RunData) -> dict[str, int]:
     if not n:
         return out
     # a key's records by stop (a record without one first), the last one its end
-    order = pc.sort_indices(t.select(["key", "stop"]), sort_keys=[
-        ("key", "ascending"), ("stop", "ascending", "at_start")])  # fmt: skip
+    order = pc.sort_indices(
+        t.select(["key", "stop"]),
+        sort_keys=[("key", "ascending"), ("stop", "ascending", "at_start")],
+    )
     keys = pc.take(t["key"], order).combine_chunks()
     codes = np.asarray(pc.dictionary_encode(keys).indices)
     first = np.ones(n, dtype=bool)

@@ -189,8 +189,9 @@ class _PathStylePut:
 
         url = self._base + urllib.parse.quote(key, safe="/~")
         # The signer adds the payload's SHA-256 (signed, as botocore does over plain HTTP).
-        req = AWSRequest(method="PUT", url=url, data=data,
-                         headers={"If-None-Match": "*"} if if_absent else {})  # fmt: skip
+        req = AWSRequest(
+            method="PUT", url=url, data=data, headers={"If-None-Match": "*"} if if_absent else {}
+        )
         credentials = self._credentials.get_frozen_credentials()
         self._signer_type(credentials, "s3", self._region).add_auth(req)
         try:

@@ -45,9 +45,14 @@ def make_engine(url: str) -> Engine:
     # /readyz) with no answer at all; now they fail over to a 503 (unless the URL says).
     connect = {} if "connect_timeout" in parsed.query else {"connect_timeout": 10}
     engine = create_engine(
-        url, pool_pre_ping=True, pool_size=8, max_overflow=8, hide_parameters=True,
-        executemany_mode="values_plus_batch", connect_args=connect,
-    )  # fmt: skip
+        url,
+        pool_pre_ping=True,
+        pool_size=8,
+        max_overflow=8,
+        hide_parameters=True,
+        executemany_mode="values_plus_batch",
+        connect_args=connect,
+    )
 
     @event.listens_for(engine, "connect")
     def _notice_a_dead_client(dbapi_conn: Any, _record: Any) -> None:

@@ -203,8 +203,9 @@ class _Renewal:
     def __init__(self, sessions: sessionmaker[Session], run_id: int) -> None:
         self.sessions, self.run_id = sessions, run_id
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="hindsight-finish-lease",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._loop, name="hindsight-finish-lease", daemon=True
+        )
 
     def __enter__(self) -> _Renewal:
         self._thread.start()
@@ -225,8 +226,9 @@ class _Renewal:
                         .values(claimed_until=time.time() + LEASE_SECONDS)
                     )
             except Exception:  # the index is down: the lease may run out; the work is idempotent
-                logger.warning("could not renew the lease of run %s's finish job", self.run_id,
-                               exc_info=True)  # fmt: skip
+                logger.warning(
+                    "could not renew the lease of run %s's finish job", self.run_id, exc_info=True
+                )
 
 
 def release_claims(sessions: sessionmaker[Session]) -> int:
@@ -333,8 +335,12 @@ def close_silent(
                 .on_conflict_do_nothing(index_elements=["run_id"])
             )
             closed += 1
-            logger.warning("run %s closed as lost: nothing heard from its session for %.0f s "
-                           "(its scheduler died?)", run_id, silence)  # fmt: skip
+            logger.warning(
+                "run %s closed as lost: nothing heard from its session for %.0f s "
+                "(its scheduler died?)",
+                run_id,
+                silence,
+            )
     return closed
 
 

@@ -82,9 +82,13 @@ def emitted(db: Session, blobs: BlobStore, run: m.Run) -> Iterator[CustomEvent]:
     decode = msgspec.json.decode
     for r in runlogs.load(db, blobs, run).streams.to_pylist():
         yield CustomEvent(
-            stream=r["stream"], time=r["time"], value=decode(r["value"]), worker=r["worker"],
-            run=run.run_key, key=r["key"],
-        )  # fmt: skip
+            stream=r["stream"],
+            time=r["time"],
+            value=decode(r["value"]),
+            worker=r["worker"],
+            run=run.run_key,
+            key=r["key"],
+        )
 
 
 def build_tables(

@@ -142,7 +142,7 @@ class Run(Base):
             "session_id",
             postgresql_where=text("status = 'running'"),
             sqlite_where=text("status = 'running'"),
-        ),  # fmt: skip
+        ),
     )
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     # Deterministic public id: uuid5 of tenant/cluster/session/run key, so a rebuilt
@@ -421,9 +421,13 @@ class RayBody(Base):
     __tablename__ = "ray_bodies"
     __table_args__ = (
         UniqueConstraint("session_id", "sha"),
-        Index("ix_ray_bodies_held", "received_at", postgresql_where=text("tasks_merged IS false"),
-              sqlite_where=text("tasks_merged IS 0")),
-    )  # fmt: skip
+        Index(
+            "ix_ray_bodies_held",
+            "received_at",
+            postgresql_where=text("tasks_merged IS false"),
+            sqlite_where=text("tasks_merged IS 0"),
+        ),
+    )
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
     sha: Mapped[str] = mapped_column(String(64))

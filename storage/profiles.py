@@ -300,12 +300,18 @@ def frame_ids(
         db.execute(
             insert(F).on_conflict_do_nothing(index_elements=["tenant_id", "digest"]),
             [
-                {"tenant_id": tenant_id, "digest": d, "name": digests[d][0],
-                 "filename": digests[d][1], "first_line": digests[d][2],
-                 "line_number": frames[digests[d]][0], "line": frames[digests[d]][1]}
+                {
+                    "tenant_id": tenant_id,
+                    "digest": d,
+                    "name": digests[d][0],
+                    "filename": digests[d][1],
+                    "first_line": digests[d][2],
+                    "line_number": frames[digests[d]][0],
+                    "line": frames[digests[d]][1],
+                }
                 for d in chunk
             ],
-        )  # fmt: skip
+        )
         for fid, d in db.execute(
             select(F.c.id, F.c.digest).where(F.c.tenant_id == tenant_id, F.c.digest.in_(chunk))
         ):
@@ -463,10 +469,17 @@ def store(db: Session, run: m.Run, new_rows: list[Row], tag: str) -> None:
     for r in new_rows:
         global_ids = {fid: ids[key] for fid, key in r.tree.keys.items() if key in ids}
         values.append(
-            {"run_id": run.id, "prefix": r.prefix, "worker": r.worker, "samples": r.tree.samples,
-             "nodes": r.tree.size(), "interval": r.tree.interval, "tag": tag,
-             "data": encode(r.tree, global_ids)}
-        )  # fmt: skip
+            {
+                "run_id": run.id,
+                "prefix": r.prefix,
+                "worker": r.worker,
+                "samples": r.tree.samples,
+                "nodes": r.tree.size(),
+                "interval": r.tree.interval,
+                "tag": tag,
+                "data": encode(r.tree, global_ids),
+            }
+        )
     P = m.RunProfile.__table__
     if values:
         ins = _insert(db)(P)

@@ -24,9 +24,20 @@ from storage.runfacts import display_name, fingerprint, makespan, makespan_colum
 # "lost": the scheduler went silent before ending the run (storage.finish.close_silent)
 RUN_STATUSES = ("running", "finished", "erred", "lost")
 TASK_FIELDS = (
-    "key", "prefix", "group", "run", "worker", "thread", "status", "nbytes", "typename",
-    "startstops", "exception", "traceback", "attrs",
-)  # fmt: skip
+    "key",
+    "prefix",
+    "group",
+    "run",
+    "worker",
+    "thread",
+    "status",
+    "nbytes",
+    "typename",
+    "startstops",
+    "exception",
+    "traceback",
+    "attrs",
+)
 
 
 class BadCursor(ValueError):
@@ -125,8 +136,16 @@ def run_summary(run: m.Run, cluster: str, session: str) -> dict[str, Any]:
     }
 
 
-RUN_SORTS = ("-started_at", "started_at", "-makespan", "makespan", "-task_count", "task_count",
-             "-error_count", "error_count")  # fmt: skip
+RUN_SORTS = (
+    "-started_at",
+    "started_at",
+    "-makespan",
+    "makespan",
+    "-task_count",
+    "task_count",
+    "-error_count",
+    "error_count",
+)
 
 
 @dataclass
@@ -146,8 +165,11 @@ def _sort_column(sort: str) -> Any:
     if col == "makespan":
         # Runs without task times sort as makespan -1 (last when descending).
         return func.coalesce(makespan_column(), -1.0)
-    return {"started_at": m.Run.started_at, "task_count": m.Run.task_count,
-            "error_count": m.Run.error_count}[col]  # fmt: skip
+    return {
+        "started_at": m.Run.started_at,
+        "task_count": m.Run.task_count,
+        "error_count": m.Run.error_count,
+    }[col]
 
 
 def list_runs(
@@ -412,13 +434,21 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
         for action, a in entry["actions"].items():
             totals[action] = totals.get(action, 0.0) + a["total"]
     workers = [
-        {"worker": w.worker, "tasks": w.tasks, "errors": w.errors, "compute": w.compute,
-         "transfer": w.transfer, "disk_read": w.disk_read, "disk_write": w.disk_write,
-         "first_start": w.first_start, "last_stop": w.last_stop}
+        {
+            "worker": w.worker,
+            "tasks": w.tasks,
+            "errors": w.errors,
+            "compute": w.compute,
+            "transfer": w.transfer,
+            "disk_read": w.disk_read,
+            "disk_write": w.disk_write,
+            "first_start": w.first_start,
+            "last_stop": w.last_stop,
+        }
         for w in db.execute(
             select(m.RunWorker).where(m.RunWorker.run_id == run.id).order_by(m.RunWorker.worker)
         ).scalars()
-    ]  # fmt: skip
+    ]
     detail.update(
         tasks_by_status={s: c for s, c in sorted(statuses)},
         graph_count=run.graph_count,

@@ -168,8 +168,20 @@ _encode = msgspec.json.Encoder().encode
 
 # How a task patch merges into its row (the merge statements) and into a held patch
 # (``_fold``): set once, the earliest time, ``defined`` OR-ed.
-_TASK_FIRST = ("job_id", "name", "func", "module", "task_type", "parent_id", "actor_id",
-               "node_id", "worker_id", "pid", "error_type", "error_message")  # fmt: skip
+_TASK_FIRST = (
+    "job_id",
+    "name",
+    "func",
+    "module",
+    "task_type",
+    "parent_id",
+    "actor_id",
+    "node_id",
+    "worker_id",
+    "pid",
+    "error_type",
+    "error_message",
+)
 _TASK_LOW = ("pending_at", "submitted_at", "running_at", "finished_at", "failed_at")
 
 
@@ -195,9 +207,17 @@ def _statements(dialect: str) -> SimpleNamespace:
 
     st = SimpleNamespace(dialect=dialect, insert=insert)
 
-    def upsert(model: Any, keys: list[str], first: Iterable[str] = (), low: Iterable[str] = (),
-               high: Iterable[str] = (), ored: Iterable[str] = (), returning: Any = None,
-               bulk: bool = False, taken: Any = None) -> Any:  # fmt: skip
+    def upsert(
+        model: Any,
+        keys: list[str],
+        first: Iterable[str] = (),
+        low: Iterable[str] = (),
+        high: Iterable[str] = (),
+        ored: Iterable[str] = (),
+        returning: Any = None,
+        bulk: bool = False,
+        taken: Any = None,
+    ) -> Any:
         t = model.__table__
         ins = insert(t)
         if bulk:
@@ -229,7 +249,7 @@ def _statements(dialect: str) -> SimpleNamespace:
                         if c.name == "defined"
                         else rs.c[c.name]
                         for c in cols
-                    ),  # fmt: skip
+                    ),
                 ),
             )
         ex = ins.excluded
@@ -239,16 +259,22 @@ def _statements(dialect: str) -> SimpleNamespace:
         sets.update({c: hi(t.c[c], ex[c]) for c in high})
         sets.update({c: or_(t.c[c], ex[c]) for c in ored})
         if taken is not None:
-            sets.update(emitted=or_(t.c.emitted, taken(None)),
-                        emitted_before=t.c.emitted)  # fmt: skip
+            sets.update(emitted=or_(t.c.emitted, taken(None)), emitted_before=t.c.emitted)
         stmt = ins.on_conflict_do_update(index_elements=keys, set_=sets)
         return stmt.returning(*returning) if returning is not None else stmt
 
     N, W, A, J, T = (x.__table__ for x in (m.RayNode, m.RayWorker, m.RayActor, m.RayJob, m.RayTask))
     R = m.RayReady.__table__
 
-    def complete_of(session: Any, node: Any, defined: Any, running: Any, finished: Any,
-                    failed: Any, node_known: Any = None) -> Any:  # fmt: skip
+    def complete_of(
+        session: Any,
+        node: Any,
+        defined: Any,
+        running: Any,
+        finished: Any,
+        failed: Any,
+        node_known: Any = None,
+    ) -> Any:
         """Complete: defined, RUNNING and ended, on a node whose IP is known (the worker
         label needs it; a node's definition may arrive after its tasks' events)."""
         if node_known is None:
@@ -257,8 +283,12 @@ def _statements(dialect: str) -> SimpleNamespace:
                 .where(N.c.session_id == session, N.c.node_id == node, N.c.ip.is_not(None))
                 .exists()
             )
-        return and_(defined.is_(True), running.is_not(None),
-                    or_(finished.is_not(None), failed.is_not(None)), node_known)  # fmt: skip
+        return and_(
+            defined.is_(True),
+            running.is_not(None),
+            or_(finished.is_not(None), failed.is_not(None)),
+            node_known,
+        )
 
     C, S, B = m.Cluster.__table__, m.Session.__table__, m.RayBody.__table__
     st.cluster = insert(C).on_conflict_do_nothing(index_elements=["tenant_id", "name"])
@@ -299,21 +329,41 @@ def _statements(dialect: str) -> SimpleNamespace:
         index_elements=["session_id", "kind", "event_type"],
         set_={"count": EC.c.count + ins.excluded.count},
     )
-    st.node = upsert(m.RayNode, ["session_id", "node_id"],
-                     first=("ip", "hostname", "name", "death_reason", "resources"),
-                     low=("started_at", "alive_at", "dead_at"), returning=(N.c.node_id, N.c.ip))  # fmt: skip
-    st.worker = upsert(m.RayWorker, ["session_id", "worker_id"],
-                       first=("node_id", "pid", "worker_type", "job_id", "exit_type", "exit_detail"),
-                       low=("started_at", "ended_at"), returning=tuple(W.c))  # fmt: skip
-    st.actor = upsert(m.RayActor, ["session_id", "actor_id"],
-                      first=("job_id", "class_name", "name", "node_id", "worker_id", "pid"),
-                      low=("alive_at", "dead_at"))  # fmt: skip
-    st.job = upsert(m.RayJob, ["session_id", "job_id"],
-                    first=("entrypoint", "driver_pid", "driver_node"),
-                    low=("created_at", "finished_at", "driver_exit_at", "end_seen"),
-                    high=("last_event_at",), returning=tuple(J.c))  # fmt: skip
-    st.task = upsert(m.RayTask, ["session_id", "task_id", "attempt"], first=_TASK_FIRST,
-                     low=(*_TASK_LOW, "first_seen", "end_seen"), ored=("defined",))  # fmt: skip
+    st.node = upsert(
+        m.RayNode,
+        ["session_id", "node_id"],
+        first=("ip", "hostname", "name", "death_reason", "resources"),
+        low=("started_at", "alive_at", "dead_at"),
+        returning=(N.c.node_id, N.c.ip),
+    )
+    st.worker = upsert(
+        m.RayWorker,
+        ["session_id", "worker_id"],
+        first=("node_id", "pid", "worker_type", "job_id", "exit_type", "exit_detail"),
+        low=("started_at", "ended_at"),
+        returning=tuple(W.c),
+    )
+    st.actor = upsert(
+        m.RayActor,
+        ["session_id", "actor_id"],
+        first=("job_id", "class_name", "name", "node_id", "worker_id", "pid"),
+        low=("alive_at", "dead_at"),
+    )
+    st.job = upsert(
+        m.RayJob,
+        ["session_id", "job_id"],
+        first=("entrypoint", "driver_pid", "driver_node"),
+        low=("created_at", "finished_at", "driver_exit_at", "end_seen"),
+        high=("last_event_at",),
+        returning=tuple(J.c),
+    )
+    st.task = upsert(
+        m.RayTask,
+        ["session_id", "task_id", "attempt"],
+        first=_TASK_FIRST,
+        low=(*_TASK_LOW, "first_seen", "end_seen"),
+        ored=("defined",),
+    )
     st.ready = insert(R).on_conflict_do_nothing(index_elements=["session_id", "task_id", "attempt"])
     st.task_bulk = st.task_taken = None
     if dialect == "postgresql":
@@ -325,25 +375,41 @@ def _statements(dialect: str) -> SimpleNamespace:
             """Complete after the merge: of a new row (``rs``, the patches) or of the
             existing row merged with the patch (``rs`` None: ON CONFLICT's SET)."""
             if rs is not None:
-                return complete_of(bindparam("p_session", type_=T.c.session_id.type), rs.c.node_id,
-                                   func.coalesce(rs.c.defined, false()), rs.c.running_at,
-                                   rs.c.finished_at, rs.c.failed_at)  # fmt: skip
+                return complete_of(
+                    bindparam("p_session", type_=T.c.session_id.type),
+                    rs.c.node_id,
+                    func.coalesce(rs.c.defined, false()),
+                    rs.c.running_at,
+                    rs.c.finished_at,
+                    rs.c.failed_at,
+                )
             ex = insert(T).excluded
             # Written out: SQLAlchemy does not correlate a subquery inside ON CONFLICT's SET.
             node_known = literal_column(
                 "EXISTS (SELECT 1 FROM ray_nodes AS n WHERE n.session_id = ray_tasks.session_id"
                 " AND n.node_id = coalesce(ray_tasks.node_id, excluded.node_id)"
-                " AND n.ip IS NOT NULL)", Boolean()
-            )  # fmt: skip
-            return complete_of(None, None, or_(T.c.defined, ex.defined),
-                               func.coalesce(T.c.running_at, ex.running_at),
-                               func.coalesce(T.c.finished_at, ex.finished_at),
-                               func.coalesce(T.c.failed_at, ex.failed_at), node_known)  # fmt: skip
+                " AND n.ip IS NOT NULL)",
+                Boolean(),
+            )
+            return complete_of(
+                None,
+                None,
+                or_(T.c.defined, ex.defined),
+                func.coalesce(T.c.running_at, ex.running_at),
+                func.coalesce(T.c.finished_at, ex.finished_at),
+                func.coalesce(T.c.failed_at, ex.failed_at),
+                node_known,
+            )
 
         merged = upsert(
-            m.RayTask, ["session_id", "task_id", "attempt"], first=_TASK_FIRST,
-            low=(*_TASK_LOW, "first_seen", "end_seen"), ored=("defined",), bulk=True, taken=taken,
-        )  # fmt: skip
+            m.RayTask,
+            ["session_id", "task_id", "attempt"],
+            first=_TASK_FIRST,
+            low=(*_TASK_LOW, "first_seen", "end_seen"),
+            ored=("defined",),
+            bulk=True,
+            taken=taken,
+        )
         up = merged.returning(*T.c).cte("up")
         flipped = and_(up.c.emitted.is_(True), up.c.emitted_before.is_(False))
         st.task_bulk = (
@@ -364,9 +430,10 @@ def _statements(dialect: str) -> SimpleNamespace:
     # (``_emit_locked``) and drains the queue in one (``take_ready``).
     keys = tuple_(T.c.task_id, T.c.attempt).in_(bindparam("p_keys", expanding=True))
     complete = (
-        complete_of(T.c.session_id, T.c.node_id, T.c.defined, T.c.running_at, T.c.finished_at,
-                    T.c.failed_at),
-    )  # fmt: skip
+        complete_of(
+            T.c.session_id, T.c.node_id, T.c.defined, T.c.running_at, T.c.finished_at, T.c.failed_at
+        ),
+    )
     st.complete = complete
     st.rows = select(*T.c).where(T.c.session_id == bindparam("p_session"), keys)
     st.emit_complete = (
@@ -399,12 +466,18 @@ def _skip_locked(q: Any, db: Session) -> Any:
     return q.with_for_update(skip_locked=True) if db.get_bind().dialect.name == "postgresql" else q
 
 
-def ensure_session(db: Session, tenant_id: int, cluster: str, session: str, now: float) -> tuple[int, int]:  # fmt: skip
+def ensure_session(
+    db: Session, tenant_id: int, cluster: str, session: str, now: float
+) -> tuple[int, int]:
     """(cluster id, session id), created if new."""
     st = _stmts(db)
-    db.execute(st.cluster, {"tenant_id": tenant_id, "name": cluster, "first_seen": now, "last_seen": now})  # fmt: skip
+    db.execute(
+        st.cluster, {"tenant_id": tenant_id, "name": cluster, "first_seen": now, "last_seen": now}
+    )
     cluster_id = db.execute(st.cluster_id, {"tenant_id": tenant_id, "name": cluster}).scalar_one()
-    db.execute(st.session, {"cluster_id": cluster_id, "name": session, "first_seen": now, "last_seen": now})  # fmt: skip
+    db.execute(
+        st.session, {"cluster_id": cluster_id, "name": session, "first_seen": now, "last_seen": now}
+    )
     session_id = db.execute(st.session_id, {"cluster_id": cluster_id, "name": session}).scalar_one()
     return cluster_id, session_id
 
@@ -424,7 +497,9 @@ def session_started(session: str) -> float | None:
         return None
 
 
-def worker_label(ip: str | None, pid: int | None, node: str | None, worker: str | None) -> str | None:  # fmt: skip
+def worker_label(
+    ip: str | None, pid: int | None, node: str | None, worker: str | None
+) -> str | None:
     """A Ray worker process as the pages show it: ``ip:pid`` (or the ids when unknown)."""
     if pid and ip:
         return f"{ip}:{pid}"
@@ -570,8 +645,17 @@ def worker_events(w: Any, ip: str | None) -> list[WorkerEvent]:
     if _time_ok(w.ended_at):
         reason = ": ".join(x for x in (w.exit_type, w.exit_detail) if x) or None
         expected, status = _EXITS.get(w.exit_type or "", (None, None))
-        out.append(WorkerEvent(event="left", address=address, time=w.ended_at, name=w.worker_id,
-                               reason=clean(reason, 1024), expected=expected, status=status))  # fmt: skip
+        out.append(
+            WorkerEvent(
+                event="left",
+                address=address,
+                time=w.ended_at,
+                name=w.worker_id,
+                reason=clean(reason, 1024),
+                expected=expected,
+                status=status,
+            )
+        )
     return out
 
 
@@ -595,7 +679,9 @@ class _Lookups:
     _cache: dict[tuple[str, int, str], Any] = {}
 
     @classmethod
-    def _get(cls, db: Session, session_id: int, ids: Iterable[str | None], key: Any, value: Any) -> dict[str, Any]:  # fmt: skip
+    def _get(
+        cls, db: Session, session_id: int, ids: Iterable[str | None], key: Any, value: Any
+    ) -> dict[str, Any]:
         table = key.class_.__tablename__
         want = {i for i in ids if i}
         out = {
@@ -606,8 +692,10 @@ class _Lookups:
         missing = want - set(out)
         if missing:
             rows = db.execute(
-                select(key, value).where(key.class_.session_id == session_id, key.in_(missing), value.is_not(None))
-            )  # fmt: skip
+                select(key, value).where(
+                    key.class_.session_id == session_id, key.in_(missing), value.is_not(None)
+                )
+            )
             for i, v in rows:
                 out[i] = v
                 if len(cls._cache) > 200_000:
@@ -647,7 +735,9 @@ def tasks_as_events(db: Session, session_id: int, rows: list[Any]) -> list[TaskE
 _DEFINED = ("name", "func", "module", "task_type", "parent_id", "actor_id")
 
 
-def _borrow_definitions(db: Session, session_id: int, rows: list[Any], task_ids: list[str]) -> list[Any]:  # fmt: skip
+def _borrow_definitions(
+    db: Session, session_id: int, rows: list[Any], task_ids: list[str]
+) -> list[Any]:
     """Rows whose definition never came, named from another attempt of the same task (Ray
     sends a restarted actor's creation task's later attempt as a RUNNING alone). They keep
     ``defined`` false: ``attrs.defined`` still says the definition of this attempt never came."""
@@ -737,8 +827,16 @@ def write_derived(
     key = derived_key(tenant, cluster, session, seq)
     if not blobs.put(key, data, if_absent=True):
         data = blobs.get(key)  # index what is stored (the same content, by its name)
-    index_batch(db, tenant_id=tenant_id, tenant=tenant, batch=batch, blob_key=key,
-                size=len(data), now=now, cache=cache)  # fmt: skip
+    index_batch(
+        db,
+        tenant_id=tenant_id,
+        tenant=tenant,
+        batch=batch,
+        blob_key=key,
+        size=len(data),
+        now=now,
+        cache=cache,
+    )
     return key
 
 
@@ -811,16 +909,29 @@ def merge_part(
     st = _stmts(db)
     part = stored.part
     held = hold and st.task_bulk is not None and bool(part.tasks)
-    body = {"sha": stored.sha, "blob_key": key, "events": len(part.raw),
-            "bytes": len(stored.data), "received_at": now, "tasks_merged": not held}  # fmt: skip
+    body = {
+        "sha": stored.sha,
+        "blob_key": key,
+        "events": len(part.raw),
+        "bytes": len(stored.data),
+        "received_at": now,
+        "tasks_merged": not held,
+    }
     body_id = None
     cached = cache.get((tenant_id, cluster, part.session, AGENT)) if cache else None
     if cached is not None:
         cluster_id, session_id = cached[0], cached[1]
-        body_id = db.execute(st.body_guarded, {
-            **body, "session_id": session_id, "p_session": part.session,
-            "p_cluster_id": cluster_id, "p_cluster": cluster, "p_tenant_id": tenant_id,
-        }).scalar()  # fmt: skip
+        body_id = db.execute(
+            st.body_guarded,
+            {
+                **body,
+                "session_id": session_id,
+                "p_session": part.session,
+                "p_cluster_id": cluster_id,
+                "p_cluster": cluster,
+                "p_tenant_id": tenant_id,
+            },
+        ).scalar()
     if body_id is None:
         cluster_id, session_id = ensure_session(db, tenant_id, cluster, part.session, now)
         body_id = db.execute(st.body, {**body, "session_id": session_id}).scalar()
@@ -828,45 +939,88 @@ def merge_part(
         return None
     sid = session_id
     if part.nodes:
-        db.execute(st.node, [
-            {"session_id": sid, "node_id": k, "ip": n.ip, "hostname": n.hostname, "name": n.name,
-             "started_at": n.started_at, "alive_at": n.alive_at, "dead_at": n.dead_at,
-             "death_reason": n.death_reason, "resources": n.resources}
-            for k, n in sorted(part.nodes.items())
-        ])  # fmt: skip
+        db.execute(
+            st.node,
+            [
+                {
+                    "session_id": sid,
+                    "node_id": k,
+                    "ip": n.ip,
+                    "hostname": n.hostname,
+                    "name": n.name,
+                    "started_at": n.started_at,
+                    "alive_at": n.alive_at,
+                    "dead_at": n.dead_at,
+                    "death_reason": n.death_reason,
+                    "resources": n.resources,
+                }
+                for k, n in sorted(part.nodes.items())
+            ],
+        )
     workers = []
     for k, w in sorted(part.workers.items()):
-        workers += db.execute(st.worker, {
-            "session_id": sid, "worker_id": k, "node_id": w.node, "pid": w.pid,
-            "worker_type": w.worker_type, "job_id": w.job, "started_at": w.started_at,
-            "ended_at": w.ended_at, "exit_type": w.exit_type, "exit_detail": w.exit_detail,
-        }).all()  # fmt: skip
+        workers += db.execute(
+            st.worker,
+            {
+                "session_id": sid,
+                "worker_id": k,
+                "node_id": w.node,
+                "pid": w.pid,
+                "worker_type": w.worker_type,
+                "job_id": w.job,
+                "started_at": w.started_at,
+                "ended_at": w.ended_at,
+                "exit_type": w.exit_type,
+                "exit_detail": w.exit_detail,
+            },
+        ).all()
     if part.actors:
-        db.execute(st.actor, [
-            {"session_id": sid, "actor_id": k, "job_id": a.job, "class_name": a.class_name,
-             "name": a.name, "node_id": a.node, "worker_id": a.worker, "pid": a.pid,
-             "alive_at": a.alive_at, "dead_at": a.dead_at}
-            for k, a in sorted(part.actors.items())
-        ])  # fmt: skip
+        db.execute(
+            st.actor,
+            [
+                {
+                    "session_id": sid,
+                    "actor_id": k,
+                    "job_id": a.job,
+                    "class_name": a.class_name,
+                    "name": a.name,
+                    "node_id": a.node,
+                    "worker_id": a.worker,
+                    "pid": a.pid,
+                    "alive_at": a.alive_at,
+                    "dead_at": a.dead_at,
+                }
+                for k, a in sorted(part.actors.items())
+            ],
+        )
     jobs = set(part.jobs) | {t.job_id for t in part.tasks.values() if t.job_id}
     job_rows = []
     for job in sorted(jobs):
         j = part.jobs.get(job)
         patched = j is not None and any(
-            v is not None for v in (j.entrypoint, j.driver_pid, j.created_at, j.finished_at, j.driver_exit_at)
-        )  # fmt: skip
+            v is not None
+            for v in (j.entrypoint, j.driver_pid, j.created_at, j.finished_at, j.driver_exit_at)
+        )
         if not patched and not _Touches.due(db, sid, job, now):
             continue
         ended = j is not None and (j.finished_at is not None or j.driver_exit_at is not None)
-        job_rows += db.execute(st.job, {
-            "session_id": sid, "job_id": job,
-            "entrypoint": j.entrypoint if j else None, "driver_pid": j.driver_pid if j else None,
-            "driver_node": j.driver_node if j else None, "created_at": j.created_at if j else None,
-            "finished_at": j.finished_at if j else None,
-            "driver_exit_at": j.driver_exit_at if j else None,
-            "end_seen": now if ended else None, "last_event_at": now, "closed_at": None,
-            "closed_by": None,
-        }).all()  # fmt: skip
+        job_rows += db.execute(
+            st.job,
+            {
+                "session_id": sid,
+                "job_id": job,
+                "entrypoint": j.entrypoint if j else None,
+                "driver_pid": j.driver_pid if j else None,
+                "driver_node": j.driver_node if j else None,
+                "created_at": j.created_at if j else None,
+                "finished_at": j.finished_at if j else None,
+                "driver_exit_at": j.driver_exit_at if j else None,
+                "end_seen": now if ended else None,
+                "last_event_at": now,
+                "closed_at": None,
+                "closed_by": None,
+            },
+        ).all()
     patches = None
     if held:
         patches = list(part.tasks.values())
@@ -877,8 +1031,14 @@ def merge_part(
         else:
             rows = [{f: getattr(t, f) for f in t.__struct_fields__} for t in patches]
             for r in rows:
-                r.update(session_id=sid, first_seen=now, emitted=False, end_seen=(
-                    now if r["finished_at"] is not None or r["failed_at"] is not None else None))  # fmt: skip
+                r.update(
+                    session_id=sid,
+                    first_seen=now,
+                    emitted=False,
+                    end_seen=(
+                        now if r["finished_at"] is not None or r["failed_at"] is not None else None
+                    ),
+                )
             db.execute(st.task, rows)
             for chunk in _chunks(sorted(part.tasks)):
                 _enqueue(
@@ -925,8 +1085,16 @@ def index_part(
     if part.session == NO_SESSION:
         return result  # stored and counted by the caller; nothing to index
     key = raw_key(tenant, cluster, part.session, stored.sha)
-    merged = merge_part(db, tenant_id=tenant_id, cluster=cluster, stored=stored, key=key, now=now,
-                        cache=cache, hold=hold)  # fmt: skip
+    merged = merge_part(
+        db,
+        tenant_id=tenant_id,
+        cluster=cluster,
+        stored=stored,
+        key=key,
+        now=now,
+        cache=cache,
+        hold=hold,
+    )
     if merged is None:
         result.duplicate = True
         return result
@@ -941,20 +1109,31 @@ def index_part(
     derived.workers = workers_of(db, sid, worker_rows, stored.part.nodes)
     result.emitted = len(derived.tasks)
     result.derived_key = write_derived(
-        db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster, session=part.session,
-        derived=derived, now=now, cache=cache,
-    )  # fmt: skip
+        db,
+        blobs,
+        tenant_id=tenant_id,
+        tenant=tenant,
+        cluster=cluster,
+        session=part.session,
+        derived=derived,
+        now=now,
+        cache=cache,
+    )
     return result
 
 
-def workers_of(db: Session, session_id: int, rows: list[Any], nodes: Iterable[str]) -> list[WorkerEvent]:  # fmt: skip
+def workers_of(
+    db: Session, session_id: int, rows: list[Any], nodes: Iterable[str]
+) -> list[WorkerEvent]:
     """Worker events for the merged worker rows, and for the workers of nodes whose IP just
     became known (their labels need it)."""
     by_id = {r.worker_id: r for r in rows}
     nodes = list(nodes)
     if nodes:
         W = m.RayWorker
-        for r in db.execute(select(W).where(W.session_id == session_id, W.node_id.in_(nodes))).scalars():  # fmt: skip
+        for r in db.execute(
+            select(W).where(W.session_id == session_id, W.node_id.in_(nodes))
+        ).scalars():
             by_id.setdefault(r.worker_id, r)
     if not by_id:
         return []
@@ -993,7 +1172,9 @@ def _session_names(db: Session, session_id: int) -> tuple[int, str, str, str]:
     return row[0], row[1], row[2], row[3]
 
 
-def _emit_locked(db: Session, session_id: int, where: list[Any], limit: int | None = None) -> list[Any]:  # fmt: skip
+def _emit_locked(
+    db: Session, session_id: int, where: list[Any], limit: int | None = None
+) -> list[Any]:
     """Emit the unemitted tasks of a session matching ``where`` (at most ``limit``) that no
     other transaction holds: lock them with SKIP LOCKED (never wait, so never deadlock with
     a merge), then flip exactly those."""
@@ -1017,13 +1198,23 @@ def _emit_locked(db: Session, session_id: int, where: list[Any], limit: int | No
 def _enqueue(db: Session, session_id: int, rows: list[Any]) -> None:
     """Queue tasks just taken for writing (``emitted`` flipped) in ``ray_ready``."""
     if rows:
-        db.execute(_stmts(db).ready, [
-            {"session_id": session_id, "task_id": r.task_id, "attempt": r.attempt, "job_id": r.job_id}
-            for r in rows
-        ])  # fmt: skip
+        db.execute(
+            _stmts(db).ready,
+            [
+                {
+                    "session_id": session_id,
+                    "task_id": r.task_id,
+                    "attempt": r.attempt,
+                    "job_id": r.job_id,
+                }
+                for r in rows
+            ],
+        )
 
 
-def take_ready(db: Session, session_id: int, *, job: str | None = None, limit: int | None = None) -> list[Any]:  # fmt: skip
+def take_ready(
+    db: Session, session_id: int, *, job: str | None = None, limit: int | None = None
+) -> list[Any]:
     """Take queued tasks of a session (of one job; at most ``limit``) out of ``ray_ready``
     for writing in this transaction: their ``ray_tasks`` rows as they are now. Queue rows
     another transaction holds are left to it (SKIP LOCKED)."""
@@ -1050,11 +1241,12 @@ def take_ready(db: Session, session_id: int, *, job: str | None = None, limit: i
         d = taken.cte("d")
         one = (
             select(*T.c)
-            .where(T.c.session_id == session_id, T.c.task_id == d.c.task_id,
-                   T.c.attempt == d.c.attempt)
+            .where(
+                T.c.session_id == session_id, T.c.task_id == d.c.task_id, T.c.attempt == d.c.attempt
+            )
             .limit(1)
             .lateral("t")
-        )  # fmt: skip
+        )
         return db.execute(select(*one.c).select_from(d).join(one, true())).all()
     keys = db.execute(taken).all()
     rows: list[Any] = []
@@ -1064,9 +1256,14 @@ def take_ready(db: Session, session_id: int, *, job: str | None = None, limit: i
 
 
 def _sweep_session(
-    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, where: list[Any] | None,
-    now: float, cache: IdCache | None, limit: int | None = None,
-) -> SweepCounts:  # fmt: skip
+    sessions: sessionmaker[Session],
+    blobs: BlobStore,
+    session_id: int,
+    where: list[Any] | None,
+    now: float,
+    cache: IdCache | None,
+    limit: int | None = None,
+) -> SweepCounts:
     """Write a session's tasks: those matching ``where`` not yet taken, or (``where`` None)
     those the merges queued."""
     out = SweepCounts()
@@ -1081,23 +1278,44 @@ def _sweep_session(
     return out
 
 
-def _write_tasks(db: Session, blobs: BlobStore, session_id: int, rows: list[Any], now: float,
-                 cache: IdCache | None, batch: int | None = None) -> int:  # fmt: skip
+def _write_tasks(
+    db: Session,
+    blobs: BlobStore,
+    session_id: int,
+    rows: list[Any],
+    now: float,
+    cache: IdCache | None,
+    batch: int | None = None,
+) -> int:
     """Write taken ``ray_tasks`` rows as derived batches of at most ``batch`` tasks (one
     batch if None); returns how many batches."""
     tenant_id, tenant, cluster, session = _session_names(db, session_id)
     parts = list(_chunks(rows, batch)) if batch else [rows]
     for part in parts:
-        write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
-                      session=session, derived=Derived(tasks=tasks_as_events(db, session_id, part)),
-                      now=now, cache=cache)  # fmt: skip
+        write_derived(
+            db,
+            blobs,
+            tenant_id=tenant_id,
+            tenant=tenant,
+            cluster=cluster,
+            session=session,
+            derived=Derived(tasks=tasks_as_events(db, session_id, part)),
+            now=now,
+            cache=cache,
+        )
     return len(parts)
 
 
 def _close_job(
-    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, job_id: str,
-    now: float, settle: float, idle: float, cache: IdCache | None,
-) -> SweepCounts:  # fmt: skip
+    sessions: sessionmaker[Session],
+    blobs: BlobStore,
+    session_id: int,
+    job_id: str,
+    now: float,
+    settle: float,
+    idle: float,
+    cache: IdCache | None,
+) -> SweepCounts:
     out = SweepCounts()
     J, T = m.RayJob, m.RayTask
     with sessions.begin() as db:
@@ -1116,9 +1334,13 @@ def _close_job(
             return out
         again = job.closed_at is not None
         job_end = next((t for t in (job.finished_at, job.driver_exit_at) if _time_ok(t)), None)
-        if (not again and ended and job_end is not None
-                and job.end_seen > now - settle - WORKER_DEATH_WINDOW_S
-                and _awaits_worker_death(db, session_id, job_id)):  # fmt: skip
+        if (
+            not again
+            and ended
+            and job_end is not None
+            and job.end_seen > now - settle - WORKER_DEATH_WINDOW_S
+            and _awaits_worker_death(db, session_id, job_id)
+        ):
             return out
         rows: list[Any] = []
         if not again:
@@ -1146,14 +1368,26 @@ def _close_job(
             derived.runs.append(started)
         if finished is not None:
             derived.runs.append(RunEvent(event="finished", id=job_id, time=finished))
-        if write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
-                         session=session, derived=derived, now=now, cache=cache):  # fmt: skip
+        if write_derived(
+            db,
+            blobs,
+            tenant_id=tenant_id,
+            tenant=tenant,
+            cluster=cluster,
+            session=session,
+            derived=derived,
+            now=now,
+            cache=cache,
+        ):
             out.batches += 1
         job.closed_at = now
         job.closed_by = (
-            "finished" if job.finished_at is not None
-            else "driver_exit" if job.driver_exit_at is not None else "idle"
-        )  # fmt: skip
+            "finished"
+            if job.finished_at is not None
+            else "driver_exit"
+            if job.driver_exit_at is not None
+            else "idle"
+        )
         out.tasks += len(rows)
         out.jobs_closed += 0 if again else 1
     return out
@@ -1169,8 +1403,13 @@ WORKER_DEATH_WINDOW_S = 15.0 - 1.0
 
 
 #: Ray's ``WorkerExitType`` numbers, as its State API prints them in a task's error.
-_EXIT_CODES = {"SYSTEM_ERROR": 0, "INTENDED_SYSTEM_EXIT": 1, "USER_ERROR": 2,
-               "INTENDED_USER_EXIT": 3, "NODE_OUT_OF_MEMORY": 4}  # fmt: skip
+_EXIT_CODES = {
+    "SYSTEM_ERROR": 0,
+    "INTENDED_SYSTEM_EXIT": 1,
+    "USER_ERROR": 2,
+    "INTENDED_USER_EXIT": 3,
+    "NODE_OUT_OF_MEMORY": 4,
+}
 
 
 def _unended_running(r: Any) -> bool:
@@ -1197,10 +1436,11 @@ def _workers_died(db: Session, session_id: int, rows: list[Any]) -> list[_Died]:
     W = m.RayWorker
     got = db.execute(
         select(W.worker_id, W.pid, W.started_at, W.ended_at, W.exit_type, W.exit_detail).where(
-            W.session_id == session_id, W.ended_at.is_not(None),
+            W.session_id == session_id,
+            W.ended_at.is_not(None),
             or_(W.worker_id.in_(ids), W.pid.in_(pids)),
         )
-    )  # fmt: skip
+    )
     return [_Died(*row) for row in got]
 
 
@@ -1213,11 +1453,15 @@ def _awaits_worker_death(db: Session, session_id: int, job_id: str) -> bool:
     T = m.RayTask
     running = db.execute(
         select(T.worker_id, T.pid, T.running_at, T.finished_at, T.failed_at).where(
-            T.session_id == session_id, T.job_id == job_id, T.emitted.is_(False),
-            T.defined.is_(True), T.running_at.is_not(None),
-            T.finished_at.is_(None), T.failed_at.is_(None),
+            T.session_id == session_id,
+            T.job_id == job_id,
+            T.emitted.is_(False),
+            T.defined.is_(True),
+            T.running_at.is_not(None),
+            T.finished_at.is_(None),
+            T.failed_at.is_(None),
         )
-    ).all()  # fmt: skip
+    ).all()
     if not running:
         return False
     died = _workers_died(db, session_id, running)
@@ -1231,14 +1475,19 @@ def _died_running(r: Any, died: list[_Died]) -> _Died | None:
         if r.worker_id and w.worker_id == r.worker_id:
             return w if w.ended_at >= r.running_at else None
     for w in died:
-        if (r.pid and w.pid == r.pid and w.ended_at >= r.running_at
-                and (w.started_at is None or w.started_at <= r.running_at)):  # fmt: skip
+        if (
+            r.pid
+            and w.pid == r.pid
+            and w.ended_at >= r.running_at
+            and (w.started_at is None or w.started_at <= r.running_at)
+        ):
             return w
     return None
 
 
-def failed_with_job(rows: list[Any], job_id: str, end: float,
-                    died: list[_Died] | None = None) -> list[Any]:  # fmt: skip
+def failed_with_job(
+    rows: list[Any], job_id: str, end: float, died: list[_Died] | None = None
+) -> list[Any]:
     """Ray's rule for a job's end, applied to the tasks written with it: a task that had
     not ended when its job did (its driver exited: pending, or running in a worker Ray then
     kills) is FAILED, ``WORKER_DIED``. Ray's GCS marks them so in its State API and sends
@@ -1258,13 +1507,17 @@ def failed_with_job(rows: list[Any], job_id: str, end: float,
             w = _died_running(r, died) if died and _unended_running(r) else None
             if w is not None and _time_ok(w.ended_at) and w.ended_at <= end + WORKER_DEATH_WINDOW_S:
                 at, kind = w.ended_at, w.exit_type
-                message = (f"Worker running the task ({w.worker_id}) died with exit_type: "
-                           f"{_EXIT_CODES.get(kind or '', kind)} with error_message: "
-                           f"{w.exit_detail or ''}")  # fmt: skip
+                message = (
+                    f"Worker running the task ({w.worker_id}) died with exit_type: "
+                    f"{_EXIT_CODES.get(kind or '', kind)} with error_message: "
+                    f"{w.exit_detail or ''}"
+                )
             else:
                 at = end
-                message = (f"Job finishes ({job_id}) as driver exits. Marking all non-terminal "
-                           "tasks as failed.")  # fmt: skip
+                message = (
+                    f"Job finishes ({job_id}) as driver exits. Marking all non-terminal "
+                    "tasks as failed."
+                )
             r = r._replace(
                 failed_at=at,
                 error_type=r.error_type or "WORKER_DIED",
@@ -1306,8 +1559,9 @@ class _Quarantine:
                 s for (i, s), (until, _) in self._until.items() if i == index and until > now
             )
 
-    def run(self, sessions: sessionmaker[Session], sid: int, what: str,
-            fn: Callable[[], SweepCounts]) -> SweepCounts:  # fmt: skip
+    def run(
+        self, sessions: sessionmaker[Session], sid: int, what: str, fn: Callable[[], SweepCounts]
+    ) -> SweepCounts:
         key = (self._index(sessions), sid)
         try:
             got = fn()
@@ -1316,8 +1570,14 @@ class _Quarantine:
                 last = self._until.get(key, (0.0, self.FIRST_DELAY / 2))[1]
                 delay = min(self.MAX_DELAY, last * 2)
                 self._until[key] = (time.monotonic() + delay, delay)
-            logger.warning("Ray sweeper: %s failed for session %s; the other sessions go on, "
-                           "this one is tried again in %.0f s", what, sid, delay, exc_info=True)  # fmt: skip
+            logger.warning(
+                "Ray sweeper: %s failed for session %s; the other sessions go on, "
+                "this one is tried again in %.0f s",
+                what,
+                sid,
+                delay,
+                exc_info=True,
+            )
             return SweepCounts(failed=1)
         if key in self._until:
             with self._lock:
@@ -1356,14 +1616,19 @@ def run_due(
         # includes every body acknowledged in it, so nothing is written or closed while
         # one of those is not merged (a task whose end is held would be written without
         # it, lost or failed with its job, for good). Per session, the oldest.
-        held = dict(db.execute(
-            select(B.session_id, func.min(B.received_at))
-            .where(B.tasks_merged.is_(False))
-            .group_by(B.session_id)
-        ).all())  # fmt: skip
+        held = dict(
+            db.execute(
+                select(B.session_id, func.min(B.received_at))
+                .where(B.tasks_merged.is_(False))
+                .group_by(B.session_id)
+            ).all()
+        )
         stale = db.scalars(
-            select(T.session_id).where(T.emitted.is_(False), T.end_seen <= cutoff).distinct().limit(limit)
-        ).all()  # fmt: skip
+            select(T.session_id)
+            .where(T.emitted.is_(False), T.end_seen <= cutoff)
+            .distinct()
+            .limit(limit)
+        ).all()
         closing = db.execute(
             select(J.session_id, J.job_id, J.end_seen, J.last_event_at)
             .where(J.closed_at.is_(None), or_(J.end_seen <= cutoff, J.last_event_at <= now - idle))
@@ -1376,7 +1641,7 @@ def run_due(
                 J.closed_by != "finished",
                 J.finished_at.is_not(None),
                 J.end_seen <= cutoff,
-            )  # fmt: skip
+            )
             .limit(limit)
         ).all()
         stragglers = db.scalars(
@@ -1403,16 +1668,45 @@ def run_due(
     closing = [(sid, job) for sid, job, end, last in closing if not waits(sid, end, last)]
     q, mono = _quarantine, time.monotonic()
     for sid in q.ready(sessions, stale, mono):
-        out.add(q.run(sessions, sid, "writing settled tasks", lambda sid=sid: _sweep_session(
-            sessions, blobs, sid, [T.end_seen <= settled(sid)], now, cache)))  # fmt: skip
+        out.add(
+            q.run(
+                sessions,
+                sid,
+                "writing settled tasks",
+                lambda sid=sid: _sweep_session(
+                    sessions, blobs, sid, [T.end_seen <= settled(sid)], now, cache
+                ),
+            )
+        )
     for sid, job in closing:
         if q.ready(sessions, [sid], mono):
-            out.add(q.run(sessions, sid, f"closing job {job}", lambda sid=sid, job=job: _close_job(
-                sessions, blobs, sid, job, now, settle, idle, cache)))  # fmt: skip
+            out.add(
+                q.run(
+                    sessions,
+                    sid,
+                    f"closing job {job}",
+                    lambda sid=sid, job=job: _close_job(
+                        sessions, blobs, sid, job, now, settle, idle, cache
+                    ),
+                )
+            )
     for sid in q.ready(sessions, stragglers, mono):
         closed = select(J.job_id).where(J.session_id == sid, J.closed_at.is_not(None))
-        out.add(q.run(sessions, sid, "writing late tasks", lambda sid=sid, closed=closed: _sweep_session(
-            sessions, blobs, sid, [T.job_id.in_(closed), T.first_seen <= settled(sid)], now, cache)))  # fmt: skip
+        out.add(
+            q.run(
+                sessions,
+                sid,
+                "writing late tasks",
+                lambda sid=sid, closed=closed: _sweep_session(
+                    sessions,
+                    blobs,
+                    sid,
+                    [T.job_id.in_(closed), T.first_seen <= settled(sid)],
+                    now,
+                    cache,
+                ),
+            )
+        )
     return out
 
 
@@ -1437,8 +1731,12 @@ def emit_ready(
         sids = db.scalars(select(R.session_id).distinct().limit(limit)).all()
     for sid in _quarantine.ready(sessions, sids, time.monotonic()):
         while True:
-            got = _quarantine.run(sessions, sid, "writing complete tasks", lambda sid=sid: _sweep_session(
-                sessions, blobs, sid, None, now, cache, batch))  # fmt: skip
+            got = _quarantine.run(
+                sessions,
+                sid,
+                "writing complete tasks",
+                lambda sid=sid: _sweep_session(sessions, blobs, sid, None, now, cache, batch),
+            )
             out.add(got)
             if got.failed or got.tasks < batch:
                 break
@@ -1623,8 +1921,14 @@ class TaskHold:
                 complete = self._complete.setdefault(sid, set())
                 complete.update(k for k, h in held.items() if _complete(h.patch))
 
-    def flush(self, sessions: sessionmaker[Session], blobs: BlobStore, *, force: bool = False,
-              cache: IdCache | None = None) -> int:  # fmt: skip
+    def flush(
+        self,
+        sessions: sessionmaker[Session],
+        blobs: BlobStore,
+        *,
+        force: bool = False,
+        cache: IdCache | None = None,
+    ) -> int:
         """Merge the patches due (every one with ``force``), a transaction per session, which
         marks the bodies whose last held patch it merges and writes the tasks the merge
         completes (one derived batch). A session whose flush fails (or that failed a
@@ -1646,18 +1950,30 @@ class TaskHold:
                         continue
 
                     def one(sid: int = sid) -> SweepCounts:
-                        return self._flush_session(sessions, blobs, sid, due[sid], released[sid],
-                                                   cache)  # fmt: skip
+                        return self._flush_session(
+                            sessions, blobs, sid, due[sid], released[sid], cache
+                        )
 
-                    merged += _flush_pause.run(sessions, sid, "merging held task patches "
-                                               "(their bodies are left to recovery)", one).tasks  # fmt: skip
+                    merged += _flush_pause.run(
+                        sessions,
+                        sid,
+                        "merging held task patches (their bodies are left to recovery)",
+                        one,
+                    ).tasks
                 except BaseException:
                     self._put_back({s: due[s] for s in sids[i:]})  # this one and the rest
                     raise
             return merged
 
-    def _flush_session(self, sessions: sessionmaker[Session], blobs: BlobStore, sid: int,
-                       due: list[_Held], released: list[int], cache: IdCache | None) -> SweepCounts:  # fmt: skip
+    def _flush_session(
+        self,
+        sessions: sessionmaker[Session],
+        blobs: BlobStore,
+        sid: int,
+        due: list[_Held],
+        released: list[int],
+        cache: IdCache | None,
+    ) -> SweepCounts:
         patches = sorted((h.patch for h in due), key=lambda p: (p.task_id, p.attempt))
         with self._lock:
             done = [b for b in released if b not in self._poisoned]
@@ -1676,8 +1992,11 @@ class TaskHold:
             # brought it is unknown here: recovery merges them one by one from their
             # blobs, as each body's own request would have (a good body's fields of the
             # same task are kept).
-            logger.error("Ray: the index refused held task patches (%s); their bodies are "
-                         "merged again from their blobs, one by one", exc.orig)  # fmt: skip
+            logger.error(
+                "Ray: the index refused held task patches (%s); their bodies are "
+                "merged again from their blobs, one by one",
+                exc.orig,
+            )
             return SweepCounts()
         with self._lock:
             self._poisoned.difference_update(released)
@@ -1708,8 +2027,14 @@ def _mark_merged(db: Session, bodies: list[int]) -> None:
         db.execute(update(B).where(B.c.id.in_(sorted(bodies))).values(tasks_merged=True))
 
 
-def _merge_and_write(db: Session, blobs: BlobStore, session_id: int, patches: list[TaskPatch],
-                     cache: IdCache | None, batch: int = 20_000) -> int:  # fmt: skip
+def _merge_and_write(
+    db: Session,
+    blobs: BlobStore,
+    session_id: int,
+    patches: list[TaskPatch],
+    cache: IdCache | None,
+    batch: int = 20_000,
+) -> int:
     """Merge task patches (in key order) into ``ray_tasks`` (Postgres) and write the tasks
     they complete in the same transaction (a derived batch per ``batch`` tasks), where
     :func:`_merge_patches` alone queues them. Returns how many tasks were written."""
@@ -1720,16 +2045,24 @@ def _merge_and_write(db: Session, blobs: BlobStore, session_id: int, patches: li
     return len(rows)
 
 
-def _merge_patches(db: Session, session_id: int, patches: list[TaskPatch], now: float | None = None,
-                   *, take: bool = False) -> list[Any]:  # fmt: skip
+def _merge_patches(
+    db: Session,
+    session_id: int,
+    patches: list[TaskPatch],
+    now: float | None = None,
+    *,
+    take: bool = False,
+) -> list[Any]:
     """Merge task patches (in key order) into ``ray_tasks`` (Postgres), queueing in
     ``ray_ready`` what they complete, or with ``take`` returning its rows, taken, for the
     caller to write in this transaction."""
     st, now = _stmts(db), time.time() if now is None else now
     rows: list[Any] = []
     for chunk in _chunks(patches, 5_000):
-        got = db.execute(st.task_taken if take else st.task_bulk,
-                         {"p_rows": _encode(chunk).decode(), "p_session": session_id, "p_now": now})  # fmt: skip
+        got = db.execute(
+            st.task_taken if take else st.task_bulk,
+            {"p_rows": _encode(chunk).decode(), "p_session": session_id, "p_now": now},
+        )
         if take:
             rows += got.all()
     return rows
@@ -1743,8 +2076,12 @@ def _merge_each(sessions: sessionmaker[Session], session_id: int, patches: list[
             with sessions.begin() as db:
                 _merge_patches(db, session_id, [p])
         except DataError as exc:
-            logger.error("Ray task %s attempt %s: the index cannot hold it; stored, not "
-                         "indexed: %s", p.task_id, p.attempt, exc.orig)  # fmt: skip
+            logger.error(
+                "Ray task %s attempt %s: the index cannot hold it; stored, not indexed: %s",
+                p.task_id,
+                p.attempt,
+                exc.orig,
+            )
 
 
 #: A body whose task patches are still not merged this long after it came was held by a
@@ -1753,8 +2090,14 @@ def _merge_each(sessions: sessionmaker[Session], session_id: int, patches: list[
 RECOVER_AFTER = 10.0
 
 
-def recover_held(sessions: sessionmaker[Session], blobs: BlobStore, *, now: float | None = None,
-                 after: float = RECOVER_AFTER, limit: int = 50) -> SweepCounts:  # fmt: skip
+def recover_held(
+    sessions: sessionmaker[Session],
+    blobs: BlobStore,
+    *,
+    now: float | None = None,
+    after: float = RECOVER_AFTER,
+    limit: int = 50,
+) -> SweepCounts:
     """Merge the task patches of bodies a dead process held (``ray_bodies.tasks_merged``
     false ``after`` seconds after they came) from their stored blobs, one body a
     transaction, each taken with SKIP LOCKED. Returns how many bodies (``batches``)."""
@@ -1770,8 +2113,14 @@ def recover_held(sessions: sessionmaker[Session], blobs: BlobStore, *, now: floa
     for body_id, sid in rows:
         if not _quarantine.ready(sessions, [sid], time.monotonic()):
             continue
-        out.add(_quarantine.run(sessions, sid, f"merging held body {body_id} again",
-                                lambda b=body_id: _remerge(sessions, blobs, b)))  # fmt: skip
+        out.add(
+            _quarantine.run(
+                sessions,
+                sid,
+                f"merging held body {body_id} again",
+                lambda b=body_id: _remerge(sessions, blobs, b),
+            )
+        )
     return out
 
 
@@ -1782,7 +2131,9 @@ def _remerge(sessions: sessionmaker[Session], blobs: BlobStore, body_id: int) ->
         return _remerge_body(sessions, blobs, body_id, each=True)
 
 
-def _remerge_body(sessions: sessionmaker[Session], blobs: BlobStore, body_id: int, *, each: bool) -> SweepCounts:  # fmt: skip
+def _remerge_body(
+    sessions: sessionmaker[Session], blobs: BlobStore, body_id: int, *, each: bool
+) -> SweepCounts:
     B = m.RayBody
     with sessions.begin() as db:
         # The session's row before the body's, the order retention takes them in (its
@@ -1799,7 +2150,9 @@ def _remerge_body(sessions: sessionmaker[Session], blobs: BlobStore, body_id: in
         try:
             data = blobs.get(key)
         except FileNotFoundError:  # retention took it
-            logger.error("Ray body %s: its blob %s is gone; its tasks cannot be merged", body_id, key)  # fmt: skip
+            logger.error(
+                "Ray body %s: its blob %s is gone; its tasks cannot be merged", body_id, key
+            )
         else:
             part = parse(read_stored(data)).get(name or "")
             if part is not None:
@@ -1809,8 +2162,11 @@ def _remerge_body(sessions: sessionmaker[Session], blobs: BlobStore, body_id: in
         else:
             _merge_patches(db, sid, patches)
         _mark_merged(db, [body_id])
-    logger.warning("Ray body %s: merged %d task patches a collector had held and not merged "
-                   "(it stopped)", body_id, len(patches))  # fmt: skip
+    logger.warning(
+        "Ray body %s: merged %d task patches a collector had held and not merged (it stopped)",
+        body_id,
+        len(patches),
+    )
     return SweepCounts(tasks=0, batches=1)
 
 
@@ -1865,9 +2221,16 @@ def reindex(
                 with sessions.begin() as db:
                     if tenant not in tenants:
                         tenants[tenant] = ensure_tenant(db, tenant, time.time())
-                    res = index_part(db, blobs, tenant_id=tenants[tenant], tenant=tenant,
-                                     cluster=cluster, stored=stored, emit=False,
-                                     now=min(stored_at, time.time()))  # fmt: skip
+                    res = index_part(
+                        db,
+                        blobs,
+                        tenant_id=tenants[tenant],
+                        tenant=tenant,
+                        cluster=cluster,
+                        stored=stored,
+                        emit=False,
+                        now=min(stored_at, time.time()),
+                    )
                     if res.session_id is not None:
                         touched[res.session_id] = (tenants[tenant], tenant, cluster, stored.session)
             except DataError as exc:  # a value the index cannot hold: this body, not the rebuild
@@ -1892,9 +2255,14 @@ def reindex(
 
 
 def emit_session(
-    sessions: sessionmaker[Session], blobs: BlobStore, session_id: int, tenant_id: int,
-    tenant: str, cluster: str, session: str,
-) -> int:  # fmt: skip
+    sessions: sessionmaker[Session],
+    blobs: BlobStore,
+    session_id: int,
+    tenant_id: int,
+    tenant: str,
+    cluster: str,
+    session: str,
+) -> int:
     """Write everything of a session that is complete (reindex's second pass)."""
     st = None
     with sessions.begin() as db:
@@ -1907,6 +2275,14 @@ def emit_session(
         derived.runs = [e for e in (job_started(j) for j in jobs) if e is not None]
         workers = db.execute(select(W).where(W.session_id == session_id)).scalars().all()
         derived.workers = workers_of(db, session_id, list(workers), [])
-        write_derived(db, blobs, tenant_id=tenant_id, tenant=tenant, cluster=cluster,
-                      session=session, derived=derived, now=time.time())  # fmt: skip
+        write_derived(
+            db,
+            blobs,
+            tenant_id=tenant_id,
+            tenant=tenant,
+            cluster=cluster,
+            session=session,
+            derived=derived,
+            now=time.time(),
+        )
     return len(rows)

@@ -27,18 +27,20 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
     # job, as Ray's State API lists it (storage/ray.py failed_with_job): Ray sends no end
     # for it, so none is missing. Not one that came after that close (written as it was).
     ended_by_job = (
-        (T.defined.is_(True) & T.finished_at.is_(None) & T.failed_at.is_(None)
-         & (T.first_seen <= job.unended_failed_at))
+        (
+            T.defined.is_(True)
+            & T.finished_at.is_(None)
+            & T.failed_at.is_(None)
+            & (T.first_seen <= job.unended_failed_at)
+        )
         if job.unended_failed_at is not None
         else false()
-    )  # fmt: skip
+    )
     ended = T.finished_at.is_not(None) | T.failed_at.is_not(None) | ended_by_job
     # A task that failed before it reached a worker (cancelled while pending, a call on a
     # dead actor, a task still pending when its job ended: no SUBMITTED_TO_WORKER, no
     # worker) never ran: no RUNNING is missing.
-    never_ran = (
-        ended & T.submitted_at.is_(None) & T.running_at.is_(None) & T.worker_id.is_(None)
-    )  # fmt: skip
+    never_ran = ended & T.submitted_at.is_(None) & T.running_at.is_(None) & T.worker_id.is_(None)
     ran = T.running_at.is_not(None) | never_ran
     total, complete, no_def, no_running, no_end, waiting = db.execute(
         select(
@@ -49,7 +51,7 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
             func.sum(case((~ended, 1), else_=0)),
             func.sum(case((T.emitted.is_(False), 1), else_=0)),
         ).where(T.session_id == job.session_id, T.job_id == job.job_id)
-    ).one()  # fmt: skip
+    ).one()
     R = m.RayReady
     queued = db.scalar(
         select(func.count()).where(R.session_id == job.session_id, R.job_id == job.job_id)
@@ -91,22 +93,38 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
 def detail(db: Session, job: m.RayJob) -> dict[str, Any]:
     """The Ray facts of a run: its job, the session's nodes, and the job's actors."""
     nodes = [
-        {"node_id": n.node_id, "ip": n.ip, "hostname": n.hostname, "started_at": n.started_at,
-         "alive_at": n.alive_at, "dead_at": n.dead_at, "death_reason": n.death_reason,
-         "resources": n.resources or {}}
+        {
+            "node_id": n.node_id,
+            "ip": n.ip,
+            "hostname": n.hostname,
+            "started_at": n.started_at,
+            "alive_at": n.alive_at,
+            "dead_at": n.dead_at,
+            "death_reason": n.death_reason,
+            "resources": n.resources or {},
+        }
         for n in db.execute(
-            select(m.RayNode).where(m.RayNode.session_id == job.session_id).order_by(m.RayNode.node_id)
+            select(m.RayNode)
+            .where(m.RayNode.session_id == job.session_id)
+            .order_by(m.RayNode.node_id)
         ).scalars()
-    ]  # fmt: skip
+    ]
     actors = [
-        {"actor_id": a.actor_id, "class_name": a.class_name, "name": a.name, "pid": a.pid,
-         "node_id": a.node_id, "alive_at": a.alive_at, "dead_at": a.dead_at}
+        {
+            "actor_id": a.actor_id,
+            "class_name": a.class_name,
+            "name": a.name,
+            "pid": a.pid,
+            "node_id": a.node_id,
+            "alive_at": a.alive_at,
+            "dead_at": a.dead_at,
+        }
         for a in db.execute(
             select(m.RayActor)
             .where(m.RayActor.session_id == job.session_id, m.RayActor.job_id == job.job_id)
             .order_by(m.RayActor.actor_id)
         ).scalars()
-    ]  # fmt: skip
+    ]
     return {
         "job_id": job.job_id,
         "entrypoint": job.entrypoint,

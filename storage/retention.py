@@ -221,8 +221,11 @@ def apply(
         result.blobs_deleted += _delete_under(blobs, prefixes[1])
         logger.info(
             "retention: removed session %s of tenant %s (%d runs, %d batches)",
-            s.prefix.rstrip("/"), tenant, s.runs, s.batches,
-        )  # fmt: skip
+            s.prefix.rstrip("/"),
+            tenant,
+            s.runs,
+            s.batches,
+        )
         if on_progress:
             on_progress(s)
     if result.cutoffs:

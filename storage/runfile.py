@@ -44,10 +44,27 @@ ROW_GROUP = 65_536
 _CACHE_SIZE = 4
 
 TASK_COLUMNS = (
-    "key", "prefix", "group", "worker", "thread", "status", "nbytes", "typename",
-    "exception", "traceback", "start", "stop", "compute_start", "compute_stop",
-    "compute", "transfer", "disk_read", "disk_write", "startstops", "attrs",
-)  # fmt: skip
+    "key",
+    "prefix",
+    "group",
+    "worker",
+    "thread",
+    "status",
+    "nbytes",
+    "typename",
+    "exception",
+    "traceback",
+    "start",
+    "stop",
+    "compute_start",
+    "compute_stop",
+    "compute",
+    "transfer",
+    "disk_read",
+    "disk_write",
+    "startstops",
+    "attrs",
+)
 
 
 @dataclass
@@ -96,12 +113,29 @@ def _schemas() -> tuple[Any, Any, Any]:
 
     s, f, i = pa.string(), pa.float64(), pa.int64()
     tasks = pa.schema(
-        [("key", s), ("prefix", s), ("group", s), ("worker", s), ("thread", i),
-         ("status", s), ("nbytes", i), ("typename", s), ("exception", s), ("traceback", s),
-         ("start", f), ("stop", f), ("compute_start", f), ("compute_stop", f),
-         ("compute", f), ("transfer", f), ("disk_read", f), ("disk_write", f),
-         ("startstops", s), ("attrs", s)]
-    )  # fmt: skip
+        [
+            ("key", s),
+            ("prefix", s),
+            ("group", s),
+            ("worker", s),
+            ("thread", i),
+            ("status", s),
+            ("nbytes", i),
+            ("typename", s),
+            ("exception", s),
+            ("traceback", s),
+            ("start", f),
+            ("stop", f),
+            ("compute_start", f),
+            ("compute_stop", f),
+            ("compute", f),
+            ("transfer", f),
+            ("disk_read", f),
+            ("disk_write", f),
+            ("startstops", s),
+            ("attrs", s),
+        ]
+    )
     graph = pa.schema(
         [("key", s), ("prefix", s), ("dependencies", pa.list_(s)), ("submitted", pa.list_(f))]
     )
@@ -301,21 +335,39 @@ def sample_run(*, through_parquet: bool = False) -> RunData:
     tasks_schema, graph_schema, metrics_schema = _schemas()
     t0 = 1.0e9
     events = [
-        TaskEvent(key=f"warm-{i}", prefix="warm", status="erred" if i == 2 else "memory",
-                  worker="tcp://127.0.0.1:1", thread=i, nbytes=8,
-                  startstops=[StartStop("transfer", t0, t0 + 0.1)] * (i == 1)
-                  + [StartStop("compute", t0 + i, t0 + i + 0.5)])
+        TaskEvent(
+            key=f"warm-{i}",
+            prefix="warm",
+            status="erred" if i == 2 else "memory",
+            worker="tcp://127.0.0.1:1",
+            thread=i,
+            nbytes=8,
+            startstops=[StartStop("transfer", t0, t0 + 0.1)] * (i == 1)
+            + [StartStop("compute", t0 + i, t0 + i + 0.5)],
+        )
         for i in range(3)
-    ]  # fmt: skip
+    ]
     cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
     _task_columns(events, cols)
-    graph = pa.table({"key": ["warm-0", "warm-1", "warm-2"], "prefix": ["warm"] * 3,
-                      "dependencies": [[], ["warm-0"], ["warm-1"]], "submitted": [[t0]] * 3},
-                     schema=graph_schema)  # fmt: skip
+    graph = pa.table(
+        {
+            "key": ["warm-0", "warm-1", "warm-2"],
+            "prefix": ["warm"] * 3,
+            "dependencies": [[], ["warm-0"], ["warm-1"]],
+            "submitted": [[t0]] * 3,
+        },
+        schema=graph_schema,
+    )
     names = ("memory.managed", "memory.unmanaged", "memory.spilled", "cpu", "tasks.processing")
-    metrics = pa.table({"worker": ["tcp://127.0.0.1:1"] * 10, "time": [t0, t0 + 1] * 5,
-                        "name": [n for n in names for _ in range(2)], "value": [1.0, 2.0] * 5},
-                       schema=metrics_schema)  # fmt: skip
+    metrics = pa.table(
+        {
+            "worker": ["tcp://127.0.0.1:1"] * 10,
+            "time": [t0, t0 + 1] * 5,
+            "name": [n for n in names for _ in range(2)],
+            "value": [1.0, 2.0] * 5,
+        },
+        schema=metrics_schema,
+    )
     tables = [pa.table(cols, schema=tasks_schema), graph, metrics]
     if through_parquet:  # as a compacted copy is read (pyarrow's reader and its threads warm)
         import pyarrow.parquet as pq

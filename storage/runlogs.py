@@ -91,19 +91,27 @@ def _schemas() -> dict[str, Any]:
     s, f, ls = pa.string(), pa.float64(), pa.list_(pa.string())
     return {
         "logs": pa.schema(
-            [("time", f), ("level", s), ("worker", s), ("logger", s), ("message", s),
-             ("key", s)]
+            [("time", f), ("level", s), ("worker", s), ("logger", s), ("message", s), ("key", s)]
         ),
         "streams": pa.schema(
-            [("stream", s), ("time", f), ("worker", s), ("key", s), ("value", s),
-             ("number", f)]
+            [("stream", s), ("time", f), ("worker", s), ("key", s), ("value", s), ("number", f)]
         ),
         "workers": pa.schema(
-            [("event", s), ("address", s), ("time", f), ("name", s), ("reason", s),
-             ("expected", pa.bool_()), ("status", s), ("processing", ls), ("erred", ls),
-             ("lost", ls), ("counts", s)]
+            [
+                ("event", s),
+                ("address", s),
+                ("time", f),
+                ("name", s),
+                ("reason", s),
+                ("expected", pa.bool_()),
+                ("status", s),
+                ("processing", ls),
+                ("erred", ls),
+                ("lost", ls),
+                ("counts", s),
+            ]
         ),
-    }  # fmt: skip
+    }
 
 
 def window(run: m.Run) -> tuple[float | None, float | None]:
@@ -151,10 +159,20 @@ def _build(db: Session, blobs: BlobStore, run: m.Run, keys: list[str]) -> dict[s
                 )
             elif t is WorkerEvent:
                 workers.append(
-                    (ev.event, ev.address, ev.time, ev.name, ev.reason, ev.expected, ev.status,
-                     list(ev.processing), list(ev.erred), list(ev.lost),
-                     enc.encode(ev.counts).decode() if ev.counts else None)
-                )  # fmt: skip
+                    (
+                        ev.event,
+                        ev.address,
+                        ev.time,
+                        ev.name,
+                        ev.reason,
+                        ev.expected,
+                        ev.status,
+                        list(ev.processing),
+                        list(ev.erred),
+                        list(ev.lost),
+                        enc.encode(ev.counts).decode() if ev.counts else None,
+                    )
+                )
     sch = _schemas()
     logs.sort(key=lambda r: (r[0], r[2] or "", r[4]))
     values.sort(key=lambda r: (r[0], r[1]))
@@ -281,15 +299,26 @@ def stream_names(streams: Any) -> list[dict[str, Any]]:
     if not len(streams):
         return []
     g = streams.group_by("stream").aggregate(
-        [("time", "count"), ("number", "count"), ("time", "min"), ("time", "max"),
-         ("worker", "count_distinct")]
-    )  # fmt: skip
+        [
+            ("time", "count"),
+            ("number", "count"),
+            ("time", "min"),
+            ("time", "max"),
+            ("worker", "count_distinct"),
+        ]
+    )
     rows = sorted(g.to_pylist(), key=lambda r: r["stream"])
     return [
-        {"stream": r["stream"], "count": r["time_count"], "numeric": r["number_count"],
-         "first": r["time_min"], "last": r["time_max"], "workers": r["worker_count_distinct"]}
+        {
+            "stream": r["stream"],
+            "count": r["time_count"],
+            "numeric": r["number_count"],
+            "first": r["time_min"],
+            "last": r["time_max"],
+            "workers": r["worker_count_distinct"],
+        }
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def one_stream(streams: Any, name: str) -> Any:
@@ -331,14 +360,27 @@ def aggregate(table: Any, buckets: int, interval: float | None = None) -> dict[s
     g = (
         nums.append_column("slot", slot)
         .group_by("slot")
-        .aggregate([("number", "count"), ("number", "sum"), ("number", "mean"),
-                    ("number", "min"), ("number", "max")])
-    )  # fmt: skip
+        .aggregate(
+            [
+                ("number", "count"),
+                ("number", "sum"),
+                ("number", "mean"),
+                ("number", "min"),
+                ("number", "max"),
+            ]
+        )
+    )
     points = [
-        {"time": t0 + r["slot"] * width, "count": r["number_count"], "sum": r["number_sum"],
-         "mean": r["number_mean"], "min": r["number_min"], "max": r["number_max"]}
+        {
+            "time": t0 + r["slot"] * width,
+            "count": r["number_count"],
+            "sum": r["number_sum"],
+            "mean": r["number_mean"],
+            "min": r["number_min"],
+            "max": r["number_max"],
+        }
         for r in sorted(g.to_pylist(), key=lambda r: r["slot"])
-    ]  # fmt: skip
+    ]
     return {"interval": width, "start": t0, "points": points}
 
 
@@ -430,8 +472,15 @@ def lifecycle(
             "left_during_run": during,
         }
         down = None
-        if (not during and d and d["erred"] and lo is not None and hi is not None
-                and w.left_at is not None and lo <= w.left_at <= hi + KILLED_AFTER_S):  # fmt: skip
+        if (
+            not during
+            and d
+            and d["erred"]
+            and lo is not None
+            and hi is not None
+            and w.left_at is not None
+            and lo <= w.left_at <= hi + KILLED_AFTER_S
+        ):
             # A departure that failed one of the run's tasks is the run's, even after the
             # run's window closed: Dask marks a run's last task KilledWorker when it removes
             # the worker, after the span ended, and that task has no times. Only a task the
@@ -465,8 +514,11 @@ def _killed_here(tasks: Any, keys: list[str]) -> list[str]:
     if not keys or tasks is None or not len(tasks):
         return []
     rows = tasks.filter(pc.is_in(tasks["key"], value_set=pa.array(sorted(keys), pa.string())))
-    return [r["key"] for r in rows.select(["key", "status", "stop"]).to_pylist()
-            if r["status"] == "erred" and r["stop"] is None]  # fmt: skip
+    return [
+        r["key"]
+        for r in rows.select(["key", "status", "stop"]).to_pylist()
+        if r["status"] == "erred" and r["stop"] is None
+    ]
 
 
 def took_down(departure: dict[str, Any], tasks: Any) -> dict[str, Any]:
@@ -494,8 +546,12 @@ def took_down(departure: dict[str, Any], tasks: Any) -> dict[str, Any]:
             ):
                 prev = later.get(r["key"])
                 if prev is None or stop < prev["stop"]:
-                    later[r["key"]] = {"key": r["key"], "worker": r["worker"],
-                                       "status": r["status"], "stop": stop}  # fmt: skip
+                    later[r["key"]] = {
+                        "key": r["key"],
+                        "worker": r["worker"],
+                        "status": r["status"],
+                        "stop": stop,
+                    }
     erred = [k for k in departure["erred"] if k in mine]
     gone = set(departure["erred"])
     rescheduled = [

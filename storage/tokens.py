@@ -83,14 +83,22 @@ def list_tokens(db: Session, tenant: str | None = None) -> list[dict[str, Any]]:
     if tenant is not None:
         q = q.where(m.Tenant.name == tenant)
     return [
-        {"id": t.id, "tenant": name, "scopes": t.scopes, "name": t.name,
-         "created_at": t.created_at, "revoked_at": t.revoked_at, "hash": t.token_hash[:8]}
+        {
+            "id": t.id,
+            "tenant": name,
+            "scopes": t.scopes,
+            "name": t.name,
+            "created_at": t.created_at,
+            "revoked_at": t.revoked_at,
+            "hash": t.token_hash[:8],
+        }
         for t, name in db.execute(q)
-    ]  # fmt: skip
+    ]
 
 
-def revoke_token(db: Session, *, token_id: int | None = None, token: str | None = None,
-                 now: float | None = None) -> bool:  # fmt: skip
+def revoke_token(
+    db: Session, *, token_id: int | None = None, token: str | None = None, now: float | None = None
+) -> bool:
     """Revoke the token with id ``token_id``, or the token ``token`` itself (a leaked one in
     hand); False if there is no such token or it was revoked already. Services stop taking
     it within their cache's lifetime (``HINDSIGHT_TOKEN_CACHE_SECONDS``)."""

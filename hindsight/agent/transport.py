@@ -90,9 +90,13 @@ class Transport:
             retry_after = parse_retry_after(resp.headers.get("retry-after"))
             return Outcome("retry", resp.status, retry_after, message)
         if resp.status in MISADDRESSED:
-            return Outcome("retry", resp.status, None,
-                           f"no collector at {self.url}: point the agent at the collector's "
-                           f"base URL, e.g. http://HOST:8700 (answered: {message})")  # fmt: skip
+            return Outcome(
+                "retry",
+                resp.status,
+                None,
+                f"no collector at {self.url}: point the agent at the collector's "
+                f"base URL, e.g. http://HOST:8700 (answered: {message})",
+            )
         if resp.status == 413:
             return Outcome("too_large", resp.status, None, message)
         return Outcome("reject", resp.status, None, message)

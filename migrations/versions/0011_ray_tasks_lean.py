@@ -43,6 +43,9 @@ def downgrade() -> None:
     op.create_index("ix_ray_tasks_pending", "ray_tasks", ["emitted", "end_seen"])
     with op.batch_alter_table("ray_tasks") as batch:
         batch.create_foreign_key(
-            "fk_ray_tasks_session_id_sessions", "sessions", ["session_id"], ["id"],
+            "fk_ray_tasks_session_id_sessions",
+            "sessions",
+            ["session_id"],
+            ["id"],
             ondelete="CASCADE",
-        )  # fmt: skip
+        )

@@ -51,26 +51,33 @@ REQUESTS = Counter(
     "hindsight_http_requests_total", "HTTP requests answered", ["service", "route", "status"]
 )
 REQUEST_SECONDS = Histogram(
-    "hindsight_http_request_seconds", "Time to answer a request", ["service", "route"],
+    "hindsight_http_request_seconds",
+    "Time to answer a request",
+    ["service", "route"],
     buckets=_BUCKETS,
-)  # fmt: skip
+)
 IN_FLIGHT = Gauge(
-    "hindsight_http_in_flight_requests", "Requests being served", ["service"],
+    "hindsight_http_in_flight_requests",
+    "Requests being served",
+    ["service"],
     multiprocess_mode="livesum",
-)  # fmt: skip
+)
 IN_FLIGHT_BYTES = Gauge(
-    "hindsight_http_in_flight_bytes", "Request body bytes (as sent) being served", ["service"],
+    "hindsight_http_in_flight_bytes",
+    "Request body bytes (as sent) being served",
+    ["service"],
     multiprocess_mode="livesum",
-)  # fmt: skip
+)
 EVENTS = Counter("hindsight_ingested_events_total", "Events in newly stored batches")
 BATCHES = Counter("hindsight_ingested_batches_total", "Batches acknowledged", ["duplicate"])
 BYTES = Counter(
     "hindsight_ingested_bytes_total", "Request body bytes of acknowledged batches", ["encoding"]
 )
 REJECTS = Counter(
-    "hindsight_rejected_requests_total", "Ingest requests answered 4xx/5xx, by error code",
+    "hindsight_rejected_requests_total",
+    "Ingest requests answered 4xx/5xx, by error code",
     ["reason"],
-)  # fmt: skip
+)
 BLOB_SECONDS = Histogram(
     "hindsight_blob_seconds", "Blob store call latency", ["op"], buckets=_BUCKETS
 )
@@ -91,11 +98,17 @@ def timed(histogram: Any) -> Iterator[None]:
 
 #: Families only a collector moves: the query service leaves them out of its /metrics (it
 #: showed hindsight_ingested_events_total 0 and an empty index latency histogram).
-INGEST_ONLY = frozenset({
-    "hindsight_ingested_events", "hindsight_ingested_batches", "hindsight_ingested_bytes",
-    "hindsight_index_seconds", "hindsight_blob_seconds", "hindsight_ray_bodies",
-    "hindsight_ray_events",
-})  # fmt: skip
+INGEST_ONLY = frozenset(
+    {
+        "hindsight_ingested_events",
+        "hindsight_ingested_batches",
+        "hindsight_ingested_bytes",
+        "hindsight_index_seconds",
+        "hindsight_blob_seconds",
+        "hindsight_ray_bodies",
+        "hindsight_ray_events",
+    }
+)
 
 
 class _Without:

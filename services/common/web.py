@@ -202,9 +202,11 @@ def health_blueprint(openapi: dict[str, Any], metrics: bool = True, service: str
             revision = current_revision(st.engine)
             heads = _schema_heads()
             checks["index"] = (
-                "ok" if revision in heads else f"error: schema at {revision or 'none'}, this "
+                "ok"
+                if revision in heads
+                else f"error: schema at {revision or 'none'}, this "
                 f"code needs {', '.join(heads)}: run `hindsight db upgrade`"
-            )  # fmt: skip
+            )
         except Exception as exc:
             checks["index"] = f"error: {type(exc).__name__}"
         ready = all(v == "ok" for v in checks.values())

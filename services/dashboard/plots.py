@@ -21,10 +21,25 @@ from bokeh.plotting import figure
 
 # distributed.utils.palette (viridis, 18 colours)
 PALETTE = (
-    "#440154", "#471669", "#472A79", "#433C84", "#3C4D8A", "#355D8C", "#2E6C8E", "#287A8E",
-    "#23898D", "#1E978A", "#20A585", "#2EB27C", "#45BF6F", "#64CB5D", "#88D547", "#AFDC2E",
-    "#D7E219", "#FDE724",
-)  # fmt: skip
+    "#440154",
+    "#471669",
+    "#472A79",
+    "#433C84",
+    "#3C4D8A",
+    "#355D8C",
+    "#2E6C8E",
+    "#287A8E",
+    "#23898D",
+    "#1E978A",
+    "#20A585",
+    "#2EB27C",
+    "#45BF6F",
+    "#64CB5D",
+    "#88D547",
+    "#AFDC2E",
+    "#D7E219",
+    "#FDE724",
+)
 ACTION_COLOURS = {
     "transfer": ("red", 0.4),
     "disk-read": ("orange", 0.4),
@@ -73,8 +88,21 @@ def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], 
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    t = table.select(["key", "prefix", "worker", "thread", "status", "compute_start", "compute_stop",
-                      "transfer", "disk_read", "disk_write", "startstops"])  # fmt: skip
+    t = table.select(
+        [
+            "key",
+            "prefix",
+            "worker",
+            "thread",
+            "status",
+            "compute_start",
+            "compute_stop",
+            "transfer",
+            "disk_read",
+            "disk_write",
+            "startstops",
+        ]
+    )
     # A row per worker thread ("worker-thread"); per worker process where the scheduler
     # reports no threads (Ray).
     worker = pc.fill_null(t["worker"], "?")
@@ -132,10 +160,12 @@ def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], 
     n_prefix = max(len(prefix_of), 1)
     pairs, pair_idx = np.unique(ex_action * n_prefix + prefix_idx[ex_task], return_inverse=True)
     pair_name = np.asarray(
-        [names.setdefault(f"{action_of[q // n_prefix]} {prefix_of[q % n_prefix]}", len(names))
-         for q in pairs.tolist()],
+        [
+            names.setdefault(f"{action_of[q // n_prefix]} {prefix_of[q % n_prefix]}", len(names))
+            for q in pairs.tolist()
+        ],
         dtype="i4",
-    )  # fmt: skip
+    )
     ex_n = pair_name[pair_idx] if len(ex_task) else np.zeros(0, dtype="i4")
     ex_x = (ex_start + ex_stop) / 2
     ex_w = ex_stop - ex_start
@@ -169,10 +199,15 @@ def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], 
 
     payload = {
         "count": int(len(x)),
-        "x": b64(x, "<f8"), "width": b64(width, "<f8"), "y": b64(y, "<i4"),
-        "c": b64(c, "<i4"), "k": b64(task_idx, "<i4"), "n": b64(n, "<i4"),
-        "names": list(names), "colours": [list(ca) for ca in colours],
-    }  # fmt: skip
+        "x": b64(x, "<f8"),
+        "width": b64(width, "<f8"),
+        "y": b64(y, "<i4"),
+        "c": b64(c, "<i4"),
+        "k": b64(task_idx, "<i4"),
+        "n": b64(n, "<i4"),
+        "names": list(names),
+        "colours": [list(ca) for ca in colours],
+    }
     if keys:
         payload["keys"] = stream_keys(table)
     else:  # the page requests them (``stream_keys``) while it builds its figures
@@ -216,24 +251,37 @@ def _stream_figure(
 
     empty = {k: [] for k in ("x", "width", "y", "colour", "alpha", "key", "name")}
     source = ColumnDataSource(empty, name=source_name)
-    paint = ColumnDataSource({"image": [], "x": [], "y": [], "dw": [], "dh": []},
-                             name=f"painted-{source_name}")  # fmt: skip
+    paint = ColumnDataSource(
+        {"image": [], "x": [], "y": [], "dw": [], "dh": []}, name=f"painted-{source_name}"
+    )
     fig = figure(
-        title=title, x_range=x_range, y_range=Range1d(len(rows) - 0.5, -0.5),
-        height=max(160, 24 * len(rows) + 80), sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,box_zoom,reset,save", active_scroll="xwheel_zoom", output_backend="canvas",
+        title=title,
+        x_range=x_range,
+        y_range=Range1d(len(rows) - 0.5, -0.5),
+        height=max(160, 24 * len(rows) + 80),
+        sizing_mode="stretch_width",
+        tools="xpan,xwheel_zoom,box_zoom,reset,save",
+        active_scroll="xwheel_zoom",
+        output_backend="canvas",
         name=name,
-    )  # fmt: skip
+    )
     fig.image_rgba(image="image", x="x", y="y", dw="dw", dh="dh", source=paint)
-    tasks = fig.rect(x="x", y="y", width="width", height=STREAM_HEIGHT, source=source,
-                     fill_color=None, line_color=None)  # fmt: skip
+    tasks = fig.rect(
+        x="x",
+        y="y",
+        width="width",
+        height=STREAM_HEIGHT,
+        source=source,
+        fill_color=None,
+        line_color=None,
+    )
     fig.add_tools(
         HoverTool(
             renderers=[tasks],
             tooltips=wrapping_tooltips(
                 [("task", "@name"), ("key", "@key"), ("seconds", "@width{0.000}")]
             ),
-        )  # fmt: skip
+        )
     )
     fig.yaxis.ticker = FixedTicker(ticks=list(range(len(rows))), name=f"{name}-rows")
     fig.yaxis.major_label_overrides = {i: r for i, r in enumerate(rows)}
@@ -247,9 +295,23 @@ def _stream_figure(
 
 DAG_MAX_NODES = 5000
 WORKER_PALETTE = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
-)  # fmt: skip
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#ff9896",
+    "#c5b0d5",
+    "#c49c94",
+)
 MEMORY_KINDS = (
     ("memory.managed", "managed"),
     ("memory.unmanaged", "unmanaged"),
@@ -263,15 +325,27 @@ BYTES = "0.[0] ib"
 
 def _time_figure(title: str, x_range: Any, height: int = 180, **kw: Any) -> Any:
     fig = figure(
-        title=title, x_range=x_range, height=height, sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,box_zoom,reset,save", active_scroll="xwheel_zoom", **kw,
-    )  # fmt: skip
+        title=title,
+        x_range=x_range,
+        height=height,
+        sizing_mode="stretch_width",
+        tools="xpan,xwheel_zoom,box_zoom,reset,save",
+        active_scroll="xwheel_zoom",
+        **kw,
+    )
     fig.toolbar.logo = None
     return fig
 
 
-def _series_lines(fig: Any, series: list[dict[str, Any]], origin: float, colours: dict[str, str],
-                  label: Any, name: str, number: str = "0.[00]a") -> int:  # fmt: skip
+def _series_lines(
+    fig: Any,
+    series: list[dict[str, Any]],
+    origin: float,
+    colours: dict[str, str],
+    label: Any,
+    name: str,
+    number: str = "0.[00]a",
+) -> int:
     """One multi-line renderer, a line per series (x: seconds since origin), the series'
     label on hover; returns how many lines were drawn. (A renderer per line cost ~25 ms
     each to build and serialise: 80 of them on a 16-worker run.)"""
@@ -294,8 +368,14 @@ def _series_lines(fig: Any, series: list[dict[str, Any]], origin: float, colours
     return len(drawn)
 
 
-def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any],
-                   metrics: list[dict[str, Any]], *, inline_keys: bool = False) -> dict[str, Any]:  # fmt: skip
+def run_page_items(
+    data: Any,
+    critical: dict[str, Any],
+    progress: dict[str, Any],
+    metrics: list[dict[str, Any]],
+    *,
+    inline_keys: bool = False,
+) -> dict[str, Any]:
     """Every plot of a run page as Bokeh JSON items: the time plots share one x axis. The
     task stream's keys (the hover's) are left out unless ``inline_keys`` (a running run,
     whose tasks change between requests)."""
@@ -313,8 +393,16 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
     # Replay's cursor (services/dashboard/static/replay.js moves it to the slider's time)
     from bokeh.models import Span
 
-    stream.add_layout(Span(location=0, dimension="height", line_color="#d62728", line_width=2,
-                           visible=False, name="replay-cursor"))  # fmt: skip
+    stream.add_layout(
+        Span(
+            location=0,
+            dimension="height",
+            line_color="#d62728",
+            line_width=2,
+            visible=False,
+            name="replay-cursor",
+        )
+    )
     figs = [stream]
     # Progress: completed tasks per prefix over time (cumulative), Dask's prefix colours.
     prog = _time_figure("Progress by prefix (tasks completed)", x_range, height=200)
@@ -336,8 +424,14 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
                     ],
                 }
             )
-        n_prog = _series_lines(prog, series, origin, {p: colour_of(p) for p in progress["prefixes"]},
-                               lambda s: s["worker"], "progress")  # fmt: skip
+        n_prog = _series_lines(
+            prog,
+            series,
+            origin,
+            {p: colour_of(p) for p in progress["prefixes"]},
+            lambda s: s["worker"],
+            "progress",
+        )
         figs.append(prog)
 
     workers = sorted({s["worker"] for s in metrics if s["worker"] != "scheduler"})
@@ -352,12 +446,21 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
         fig.name = f"memory-{label}"
         # bytes as 1.5 GiB, not 1.5e+9 (Bokeh's default ticks for large numbers)
         fig.yaxis.formatter = NumeralTickFormatter(format=BYTES)
-        counts[f"memory-{label}"] = _series_lines(fig, by_name.get(metric, []), origin, colours,
-                                                  lambda s: s["worker"], f"memory-{label}", BYTES)  # fmt: skip
+        counts[f"memory-{label}"] = _series_lines(
+            fig,
+            by_name.get(metric, []),
+            origin,
+            colours,
+            lambda s: s["worker"],
+            f"memory-{label}",
+            BYTES,
+        )
         if counts[f"memory-{label}"]:
             figs.append(fig)
-    for metric, title, key in (("cpu", "CPU % per worker", "cpu"),
-                               ("tasks.processing", "Tasks processing per worker", "tasks")):  # fmt: skip
+    for metric, title, key in (
+        ("cpu", "CPU % per worker", "cpu"),
+        ("tasks.processing", "Tasks processing per worker", "tasks"),
+    ):
         fig = _time_figure(title, x_range)
         fig.name = key
         counts[key] = _series_lines(
@@ -381,7 +484,7 @@ def run_page_items(data: Any, critical: dict[str, Any], progress: dict[str, Any]
             "progress": n_prog,
             "dag_nodes": dag_nodes,
             **counts,
-        },  # fmt: skip
+        },
     }
 
 
@@ -414,8 +517,12 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
     if data.tasks.num_rows > DAG_MAX_NODES or data.graph.num_rows > DAG_MAX_NODES:
         return None, max(data.tasks.num_rows, data.graph.num_rows)
     graph = data.graph.to_pylist()
-    attrs = {r["key"]: r for r in data.tasks.select(["key", "prefix", "worker", "nbytes", "typename",
-                                                     "compute"]).to_pylist()}  # fmt: skip
+    attrs = {
+        r["key"]: r
+        for r in data.tasks.select(
+            ["key", "prefix", "worker", "nbytes", "typename", "compute"]
+        ).to_pylist()
+    }
     deps = {r["key"]: [d for d in r["dependencies"]] for r in graph}
     for key in attrs:
         deps.setdefault(key, [])
@@ -446,9 +553,13 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
     on_path = {s["key"] for s in critical.get("segments", ())}
     a = [attrs.get(k, {}) for k in keys]
     node_cols = {
-        "x": [pos[k][0] for k in keys], "y": [pos[k][1] for k in keys], "key": keys,
-        "prefix": [x.get("prefix") or "" for x in a], "worker": [x.get("worker") or "" for x in a],
-        "duration": [x.get("compute") for x in a], "nbytes": [x.get("nbytes") for x in a],
+        "x": [pos[k][0] for k in keys],
+        "y": [pos[k][1] for k in keys],
+        "key": keys,
+        "prefix": [x.get("prefix") or "" for x in a],
+        "worker": [x.get("worker") or "" for x in a],
+        "duration": [x.get("compute") for x in a],
+        "nbytes": [x.get("nbytes") for x in a],
         "typename": [x.get("typename") or "" for x in a],
         "line": ["red" if k in on_path else None for k in keys],
         "c_prefix": [colour_of(x.get("prefix") or "") for x in a],
@@ -456,7 +567,7 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
         "c_worker": _categories([x.get("worker") for x in a]),
         "c_nbytes": _ramp([x.get("nbytes") for x in a]),
         "c_typename": _categories([x.get("typename") for x in a]),
-    }  # fmt: skip
+    }
     node_cols["colour"] = list(node_cols["c_prefix"])
     edges: dict[str, list[Any]] = {
         "x0": [],
@@ -477,25 +588,58 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
                 edges["colour"].append("red" if crit else "#bbbbbb")
                 edges["width"].append(2.5 if crit else 0.6)
     nodes = ColumnDataSource(node_cols, name="dag-nodes")
-    fig = figure(title="Task graph (critical path in red)", height=420, sizing_mode="stretch_width",
-                 tools="pan,wheel_zoom,box_zoom,reset,save", active_scroll="wheel_zoom", name="dag")  # fmt: skip
-    fig.segment("x0", "y0", "x1", "y1", source=ColumnDataSource(edges, name="dag-edges"),
-                line_color="colour", line_width="width")  # fmt: skip
+    fig = figure(
+        title="Task graph (critical path in red)",
+        height=420,
+        sizing_mode="stretch_width",
+        tools="pan,wheel_zoom,box_zoom,reset,save",
+        active_scroll="wheel_zoom",
+        name="dag",
+    )
+    fig.segment(
+        "x0",
+        "y0",
+        "x1",
+        "y1",
+        source=ColumnDataSource(edges, name="dag-edges"),
+        line_color="colour",
+        line_width="width",
+    )
     fig.scatter(
         "x", "y", source=nodes, size=9, fill_color="colour", line_color="line", line_width=2
     )
-    fig.add_tools(HoverTool(tooltips=wrapping_tooltips([
-        ("key", "@key"), ("worker", "@worker"), ("duration", "@duration s"), ("nbytes", "@nbytes"),
-        ("type", "@typename")])))  # fmt: skip
+    fig.add_tools(
+        HoverTool(
+            tooltips=wrapping_tooltips(
+                [
+                    ("key", "@key"),
+                    ("worker", "@worker"),
+                    ("duration", "@duration s"),
+                    ("nbytes", "@nbytes"),
+                    ("type", "@typename"),
+                ]
+            )
+        )
+    )
     fig.axis.visible = False
     fig.grid.visible = False
     fig.toolbar.logo = None
-    pick = Select(title="colour by", value="prefix", options=["prefix", "duration", "worker", "nbytes", "typename"],
-                  name="dag-colour-by")  # fmt: skip
-    pick.js_on_change("value", CustomJS(args={"src": nodes}, code="""
+    pick = Select(
+        title="colour by",
+        value="prefix",
+        options=["prefix", "duration", "worker", "nbytes", "typename"],
+        name="dag-colour-by",
+    )
+    pick.js_on_change(
+        "value",
+        CustomJS(
+            args={"src": nodes},
+            code="""
         src.data.colour = src.data['c_' + cb_obj.value].slice();
         src.change.emit();
-    """))  # fmt: skip
+    """,
+        ),
+    )
     return json_item(column(pick, fig, sizing_mode="stretch_width"), "dag"), len(keys)
 
 
@@ -505,14 +649,26 @@ def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] |
     if len(pts) < 2:
         return None
     pts.sort(key=lambda r: r["started_at"])
-    src = ColumnDataSource({
-        "i": list(range(len(pts))), "makespan": [r["makespan"] for r in pts],
-        "id": [r["id"] for r in pts], "colour": ["red" if r["id"] == current else "#1f77b4" for r in pts],
-    }, name="trend-source")  # fmt: skip
+    src = ColumnDataSource(
+        {
+            "i": list(range(len(pts))),
+            "makespan": [r["makespan"] for r in pts],
+            "id": [r["id"] for r in pts],
+            "colour": ["red" if r["id"] == current else "#1f77b4" for r in pts],
+        },
+        name="trend-source",
+    )
     # as wide as its place allows up to 420 px (a fixed 420 made a phone's page 437 px wide)
-    fig = figure(title="Makespan of this job's runs (s), oldest first", height=160, width=420,
-                 max_width=420, sizing_mode="stretch_width",
-                 tools="hover", tooltips=[("run", "@id"), ("makespan", "@makespan s")], name="trend")  # fmt: skip
+    fig = figure(
+        title="Makespan of this job's runs (s), oldest first",
+        height=160,
+        width=420,
+        max_width=420,
+        sizing_mode="stretch_width",
+        tools="hover",
+        tooltips=[("run", "@id"), ("makespan", "@makespan s")],
+        name="trend",
+    )
     fig.line("i", "makespan", source=src, line_color="#1f77b4")
     fig.scatter("i", "makespan", source=src, size=7, fill_color="colour", line_color=None)
     fig.xaxis.visible = False
@@ -532,8 +688,13 @@ def side_by_side(
     figs, data = [], {}
     for i, (label, tasks) in enumerate(((a_name, a_tasks), (b_name, b_tasks))):
         cols, rows, _ = task_stream_data(tasks)
-        fig, _ = _stream_figure(f"Task stream: {label}", rows, x_range, name=f"compare-{i}",
-                                source_name=f"compare-stream-{i}")  # fmt: skip
+        fig, _ = _stream_figure(
+            f"Task stream: {label}",
+            rows,
+            x_range,
+            name=f"compare-{i}",
+            source_name=f"compare-stream-{i}",
+        )
         figs.append(fig)
         data[f"compare-stream-{i}"] = cols
     return json_item(column(*figs, sizing_mode="stretch_width"), "side-by-side"), data
@@ -567,28 +728,52 @@ def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
     # runs all in one bucket: a bucket either side, not +-1 ms (found in a browser)
     x_range = DataRange1d(name="history-time", default_span=2 * bucket_s * 1000)
     figs = []
-    for field, title in (("runs", "Runs started"), ("tasks", "Tasks"), ("errors", "Failed tasks"),
-                         ("compute_seconds", "Compute seconds")):  # fmt: skip
+    for field, title in (
+        ("runs", "Runs started"),
+        ("tasks", "Tasks"),
+        ("errors", "Failed tasks"),
+        ("compute_seconds", "Compute seconds"),
+    ):
         first = not figs
-        fig = figure(title=title, x_axis_type="datetime", x_range=x_range,
-                     height=170 + (26 * legend_rows + 30 if first else 0),
-                     sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset,save,hover",
-                     tooltips=[("cluster", "@cluster"), (field, "@y")], name=f"history-{field}")  # fmt: skip
+        fig = figure(
+            title=title,
+            x_axis_type="datetime",
+            x_range=x_range,
+            height=170 + (26 * legend_rows + 30 if first else 0),
+            sizing_mode="stretch_width",
+            tools="xpan,xwheel_zoom,reset,save,hover",
+            tooltips=[("cluster", "@cluster"), (field, "@y")],
+            name=f"history-{field}",
+        )
         items = []
         for c in clusters:
-            mine = gapped(sorted((r for r in rows if r["cluster"] == c), key=lambda r: r["time"]),
-                          bucket_s)  # fmt: skip
+            mine = gapped(
+                sorted((r for r in rows if r["cluster"] == c), key=lambda r: r["time"]), bucket_s
+            )
             nan = float("nan")
-            src = ColumnDataSource({"x": [r["time"] * 1000 if r else nan for r in mine],
-                                    "y": [(r[field] or 0) if r else nan for r in mine],
-                                    "cluster": [c] * len(mine)}, name=f"history-{field}-line")  # fmt: skip
+            src = ColumnDataSource(
+                {
+                    "x": [r["time"] * 1000 if r else nan for r in mine],
+                    "y": [(r[field] or 0) if r else nan for r in mine],
+                    "cluster": [c] * len(mine),
+                },
+                name=f"history-{field}-line",
+            )
             line = fig.line("x", "y", source=src, line_color=colours[c], line_width=2)
             fig.scatter("x", "y", source=src, fill_color=colours[c], line_color=None, size=6)
             items.append(LegendItem(label=c, renderers=[line]))
         if first:
-            fig.add_layout(Legend(items=items, orientation="horizontal", label_text_font_size="8pt",
-                                  location="top_left",
-                                  ncols=min(per_row, len(clusters)), name="history-legend"), "above")  # fmt: skip
+            fig.add_layout(
+                Legend(
+                    items=items,
+                    orientation="horizontal",
+                    label_text_font_size="8pt",
+                    location="top_left",
+                    ncols=min(per_row, len(clusters)),
+                    name="history-legend",
+                ),
+                "above",
+            )
         fig.toolbar.logo = None
         figs.append(fig)
     return json_item(column(*figs, sizing_mode="stretch_width"), "history")

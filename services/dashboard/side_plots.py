@@ -41,9 +41,12 @@ def streams_chart(
         colour = WORKER_PALETTE[i % len(WORKER_PALETTE)]
         fig = figure(
             title=f"{stream}: mean per {agg['interval']:.3g} s (band: min to max)",
-            height=180, sizing_mode="stretch_width", tools="xpan,xwheel_zoom,save,reset",
-            name=f"{name}-{i}", **({"x_range": x_range} if x_range is not None else {}),
-        )  # fmt: skip
+            height=180,
+            sizing_mode="stretch_width",
+            tools="xpan,xwheel_zoom,save,reset",
+            name=f"{name}-{i}",
+            **({"x_range": x_range} if x_range is not None else {}),
+        )
         x_range = fig.x_range
         fig.varea(x="t", y1="lo", y2="hi", source=src, fill_color=colour, fill_alpha=0.2)
         line = fig.line(x="t", y="mean", source=src, line_color=colour, line_width=2)
@@ -51,11 +54,17 @@ def streams_chart(
         fig.add_tools(
             HoverTool(
                 renderers=[line],
-                tooltips=[("s from start", "@t{0.000}"), ("values", "@count"),
-                          ("mean", "@mean"), ("min", "@lo"), ("max", "@hi"), ("sum", "@sum")],
+                tooltips=[
+                    ("s from start", "@t{0.000}"),
+                    ("values", "@count"),
+                    ("mean", "@mean"),
+                    ("min", "@lo"),
+                    ("max", "@hi"),
+                    ("sum", "@sum"),
+                ],
                 mode="vline",
             )
-        )  # fmt: skip
+        )
         fig.xaxis.axis_label = "seconds from the run's start"
         fig.toolbar.logo = None
         figs.append(fig)

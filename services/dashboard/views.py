@@ -194,12 +194,17 @@ def name_trends(tenant_id: int, names: set[str]) -> dict[str, list[tuple[str, fl
         return {}
     ranked = (
         select(
-            m.Run.name, m.Run.public_id, m.Run.started_at, makespan_column().label("makespan"),
-            func.row_number().over(partition_by=m.Run.name, order_by=m.Run.started_at.desc()).label("n"),
+            m.Run.name,
+            m.Run.public_id,
+            m.Run.started_at,
+            makespan_column().label("makespan"),
+            func.row_number()
+            .over(partition_by=m.Run.name, order_by=m.Run.started_at.desc())
+            .label("n"),
         )
         .where(m.Run.tenant_id == tenant_id, m.Run.name.in_(sorted(names)))
         .subquery()
-    )  # fmt: skip
+    )
     out: dict[str, list[tuple[str, float]]] = {}
     for name, rid, _, makespan, _ in db().execute(
         select(ranked).where(ranked.c.n <= TREND_RUNS).order_by(ranked.c.name, ranked.c.started_at)
@@ -433,8 +438,9 @@ def history_page() -> Any:
     prefix, job = request.args.get("prefix") or None, request.args.get("name") or None
     activity_plot = None
     if prefix or job:
-        points = activity.history(db(), p.tenant_id, bucket=bucket, prefix=prefix, name=job,
-                                  since=since, until=until)  # fmt: skip
+        points = activity.history(
+            db(), p.tenant_id, bucket=bucket, prefix=prefix, name=job, since=since, until=until
+        )
         what = " of ".join(x for x in (prefix and f"prefix {prefix}", job and f"job {job}") if x)
         activity_plot = why_plots.activity_history_chart(
             points, f"Seconds per run by activity, {what}, per {bucket}", activity.BUCKETS[bucket]

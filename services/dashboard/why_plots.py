@@ -54,8 +54,22 @@ src.selected.indices = [];
 def _quads(
     rows: list[tuple[int, float, float, str, str, str, int, int]], interval: float, total: int
 ) -> dict[str, list[Any]]:
-    cols: dict[str, list[Any]] = {k: [] for k in ("bottom", "top", "left", "right", "name", "where",
-                                                  "line", "samples", "seconds", "pct", "colour")}  # fmt: skip
+    cols: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "bottom",
+            "top",
+            "left",
+            "right",
+            "name",
+            "where",
+            "line",
+            "samples",
+            "seconds",
+            "pct",
+            "colour",
+        )
+    }
     for depth, left, right, name, where, line, samples, _ in rows:
         cols["bottom"].append(depth)
         cols["top"].append(depth + 0.95)
@@ -102,8 +116,13 @@ def flame_graph(p: Profile, title: str, name: str) -> dict[str, Any] | None:
         return None
     prune(p, MAX_FRAMES)
     rows, total = _layout(p)
-    tooltips = [("function", "@name"), ("where", "@where"), ("first sampled line", "@line"),
-                ("samples", "@samples (@pct)"), ("seconds", "@seconds")]  # fmt: skip
+    tooltips = [
+        ("function", "@name"),
+        ("where", "@where"),
+        ("first sampled line", "@line"),
+        ("samples", "@samples (@pct)"),
+        ("seconds", "@seconds"),
+    ]
     fig = _frames_figure(_quads(rows, p.interval, total), title, name, tooltips)
     return json_item(fig, name)
 
@@ -117,12 +136,26 @@ def _frames_figure(
     src = ColumnDataSource(cols, name=f"{name}-source")
     x_range = Range1d(0, 1, bounds=(0, 1), name=f"{name}-x")
     fig = figure(
-        title=title, x_range=x_range, y_range=Range1d(0, depth + 0.2),
-        height=min(900, 60 + 18 * depth), sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,reset,save", active_scroll="xwheel_zoom", name=name,
-    )  # fmt: skip
-    r = fig.quad("left", "right", "top", "bottom", source=src, fill_color="colour",
-                 line_color="white", line_width=0.5, hover_fill_alpha=0.7)  # fmt: skip
+        title=title,
+        x_range=x_range,
+        y_range=Range1d(0, depth + 0.2),
+        height=min(900, 60 + 18 * depth),
+        sizing_mode="stretch_width",
+        tools="xpan,xwheel_zoom,reset,save",
+        active_scroll="xwheel_zoom",
+        name=name,
+    )
+    r = fig.quad(
+        "left",
+        "right",
+        "top",
+        "bottom",
+        source=src,
+        fill_color="colour",
+        line_color="white",
+        line_width=0.5,
+        hover_fill_alpha=0.7,
+    )
     fig.add_tools(HoverTool(renderers=[r], tooltips=wrapping_tooltips(tooltips)))  # paths run long
     fig.add_tools(
         TapTool(renderers=[r], callback=CustomJS(args={"src": src, "xr": x_range}, code=_ZOOM))
@@ -147,12 +180,25 @@ def _labels(fig: Any, cols: dict[str, list[Any]], name: str) -> None:
         n = cols["name"][i]
         text.append(n if len(n) <= fits else n[: max(fits - 1, 1)] + "…")
     labels = ColumnDataSource(
-        {"x": [cols["left"][i] for i in keep], "y": [cols["bottom"][i] for i in keep],
-         "text": text, "colour": [_ink(cols["colour"][i]) for i in keep]},
+        {
+            "x": [cols["left"][i] for i in keep],
+            "y": [cols["bottom"][i] for i in keep],
+            "text": text,
+            "colour": [_ink(cols["colour"][i]) for i in keep],
+        },
         name=f"{name}-labels",
-    )  # fmt: skip
-    fig.text("x", "y", text="text", source=labels, text_font_size="8pt", x_offset=3,
-             y_offset=-3, text_baseline="bottom", text_color="colour")  # fmt: skip
+    )
+    fig.text(
+        "x",
+        "y",
+        text="text",
+        source=labels,
+        text_font_size="8pt",
+        x_offset=3,
+        y_offset=-3,
+        text_baseline="bottom",
+        text_color="colour",
+    )
 
 
 def _ink(fill: str) -> str:
@@ -188,8 +234,10 @@ def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | 
     are run b's share of samples, red where b spends a larger share than a, blue smaller."""
     if not tree.get("b"):
         return None
-    cols: dict[str, list[Any]] = {k: [] for k in ("bottom", "top", "left", "right", "name", "where",
-                                                  "a", "b", "delta", "colour")}  # fmt: skip
+    cols: dict[str, list[Any]] = {
+        k: []
+        for k in ("bottom", "top", "left", "right", "name", "where", "a", "b", "delta", "colour")
+    }
     stack: list[tuple[dict[str, Any], float, float, int]] = [(tree, 0.0, 1.0, -1)]
     drawn = 0
     while stack and drawn < MAX_FRAMES:
@@ -216,8 +264,13 @@ def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | 
                 continue
             stack.append((child, x, x + w, depth + 1))
             x += w
-    tooltips = [("function", "@name"), ("where", "@where"), ("share in a", "@a"),
-                ("share in b", "@b"), ("change", "@delta")]  # fmt: skip
+    tooltips = [
+        ("function", "@name"),
+        ("where", "@where"),
+        ("share in a", "@a"),
+        ("share in b", "@b"),
+        ("change", "@delta"),
+    ]
     fig = _frames_figure(cols, title, name, tooltips)
     return json_item(fig, name)
 
@@ -245,8 +298,9 @@ def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> di
     if not seconds:
         return None
     order = sorted(seconds, key=lambda a: -sum(seconds[a].values()))
-    cols: dict[str, list[Any]] = {k: [] for k in ("activity", "bottom", "top", "prefix", "seconds",
-                                                  "colour")}  # fmt: skip
+    cols: dict[str, list[Any]] = {
+        k: [] for k in ("activity", "bottom", "top", "prefix", "seconds", "colour")
+    }
     for act in order:
         bottom = 0.0
         for who, v in sorted(seconds[act].items(), key=lambda kv: -kv[1]):
@@ -260,13 +314,28 @@ def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> di
     src = ColumnDataSource(cols, name=f"{name}-source")
     fig = figure(
         title="Where the time went: seconds by activity, split by task prefix (Dask's fine "
-        "performance metrics)", x_range=FactorRange(*order, name=f"{name}-activities"),
-        height=320, sizing_mode="stretch_width", tools="save,reset", name=name,
-    )  # fmt: skip
-    r = fig.vbar(x="activity", bottom="bottom", top="top", width=0.8, source=src,
-                 fill_color="colour", line_color="white")  # fmt: skip
-    fig.add_tools(HoverTool(renderers=[r], tooltips=[("activity", "@activity"), ("prefix", "@prefix"),
-                                                     ("seconds", "@seconds")]))  # fmt: skip
+        "performance metrics)",
+        x_range=FactorRange(*order, name=f"{name}-activities"),
+        height=320,
+        sizing_mode="stretch_width",
+        tools="save,reset",
+        name=name,
+    )
+    r = fig.vbar(
+        x="activity",
+        bottom="bottom",
+        top="top",
+        width=0.8,
+        source=src,
+        fill_color="colour",
+        line_color="white",
+    )
+    fig.add_tools(
+        HoverTool(
+            renderers=[r],
+            tooltips=[("activity", "@activity"), ("prefix", "@prefix"), ("seconds", "@seconds")],
+        )
+    )
     fig.yaxis.axis_label = "seconds"
     fig.xaxis.major_label_orientation = 0.5
     fig.xgrid.visible = False
@@ -284,28 +353,44 @@ def activity_history_chart(
         return None
     activities = sorted({a for p in points for a in p["activity"]})
     fig = figure(
-        title=title, x_axis_type="datetime", height=300, sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,reset,save", name="activity-history",
+        title=title,
+        x_axis_type="datetime",
+        height=300,
+        sizing_mode="stretch_width",
+        tools="xpan,xwheel_zoom,reset,save",
+        name="activity-history",
         # at least three buckets wide, so a single bucket is not drawn on a microsecond axis
         x_range=DataRange1d(min_interval=3 * bucket_s * 1000, name="activity-history-x"),
-    )  # fmt: skip
+    )
     for i, act in enumerate(activities):
         # the line breaks over buckets without runs of it
-        mine = gapped(sorted((p for p in points if act in p["activity"]), key=lambda p: p["time"]),
-                      bucket_s)  # fmt: skip
+        mine = gapped(
+            sorted((p for p in points if act in p["activity"]), key=lambda p: p["time"]), bucket_s
+        )
         nan = float("nan")
         src = ColumnDataSource(
-            {"x": [p["time"] * 1000 if p else nan for p in mine],
-             "y": [p["activity"][act]["mean"] if p else nan for p in mine],
-             "runs": [p["runs"] if p else 0 for p in mine], "activity": [act] * len(mine)},
+            {
+                "x": [p["time"] * 1000 if p else nan for p in mine],
+                "y": [p["activity"][act]["mean"] if p else nan for p in mine],
+                "runs": [p["runs"] if p else 0 for p in mine],
+                "activity": [act] * len(mine),
+            },
             name=f"activity-history-{i}",
-        )  # fmt: skip
+        )
         colour = activity_colour(act, i)
         fig.line("x", "y", source=src, line_color=colour, line_width=2, legend_label=act)
         r = fig.scatter("x", "y", source=src, fill_color=colour, line_color=None, size=7)
-        fig.add_tools(HoverTool(renderers=[r], tooltips=[("activity", "@activity"),
-                                                         ("seconds per run", "@y{0.000}"), ("runs", "@runs")],
-                                formatters={}))  # fmt: skip
+        fig.add_tools(
+            HoverTool(
+                renderers=[r],
+                tooltips=[
+                    ("activity", "@activity"),
+                    ("seconds per run", "@y{0.000}"),
+                    ("runs", "@runs"),
+                ],
+                formatters={},
+            )
+        )
     fig.yaxis.axis_label = "seconds per run"
     fig.legend.label_text_font_size = "8pt"
     fig.legend.location = "top_left"

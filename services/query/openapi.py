@@ -7,15 +7,18 @@ from typing import Any
 from services.common.openapi import AUTH_ERRORS, UNAVAILABLE, document, error, ok
 
 _limit = lambda default, hi: {  # noqa: E731
-    "name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": hi, "default": default},
-}  # fmt: skip
+    "name": "limit",
+    "in": "query",
+    "schema": {"type": "integer", "minimum": 1, "maximum": hi, "default": default},
+}
 _cursor = {"name": "cursor", "in": "query", "schema": {"type": "string", "maxLength": 256}}
 _time = lambda name, what: {  # noqa: E731
-    "name": name, "in": "query",
+    "name": name,
+    "in": "query",
     "description": f"{what}: epoch seconds or ISO 8601"
     + ("; a date alone (2026-11-21) includes that day (UTC)" if name == "until" else ""),
     "schema": {"type": "string", "maxLength": 256},
-}  # fmt: skip
+}
 _run_id = {
     "name": "run_id",
     "in": "path",
@@ -37,8 +40,11 @@ def _get(
 
 _run = {"$ref": "#/components/schemas/Run"}
 _q = lambda name, schema, desc=None: {  # noqa: E731
-    "name": name, "in": "query", "schema": schema, **({"description": desc} if desc else {}),
-}  # fmt: skip
+    "name": name,
+    "in": "query",
+    "schema": schema,
+    **({"description": desc} if desc else {}),
+}
 _str = lambda n=1024: {"type": "string", "maxLength": n}  # noqa: E731
 _obj = {"type": "object"}
 _arr = {"type": "array", "items": _obj}
@@ -48,9 +54,12 @@ _task_filters = [
     _q("status", _str(32), "memory, erred, or lost (Ray: no end arrived)"),
     _time("since", "tasks that stopped at or after"),
     _time("until", "tasks that started before"),
-    _q("sort", {"type": "string", "enum": ["duration", "-duration", "start", "-start"]},
-       "duration is compute seconds; '-' for descending"),
-]  # fmt: skip
+    _q(
+        "sort",
+        {"type": "string", "enum": ["duration", "-duration", "start", "-start"]},
+        "duration is compute seconds; '-' for descending",
+    ),
+]
 _action = _q("action", _str(64), "compute (default), transfer, disk-read, disk-write")
 
 
@@ -60,11 +69,14 @@ def _json(summary: str, props: dict[str, Any]) -> dict[str, Any]:
 
 _stats = {
     "type": "object",
-    "properties": {k: {"type": ["number", "null"]} for k in
-                   ("count", "total", "mean", "min", "p50", "p90", "p99", "max")},
-}  # fmt: skip
-_time_props = {k: {"type": "number"} for k in
-               ("capacity", "compute", "transfer", "spill", "other", "idle")} | {"workers": _arr}  # fmt: skip
+    "properties": {
+        k: {"type": ["number", "null"]}
+        for k in ("count", "total", "mean", "min", "p50", "p90", "p99", "max")
+    },
+}
+_time_props = {
+    k: {"type": "number"} for k in ("capacity", "compute", "transfer", "spill", "other", "idle")
+} | {"workers": _arr}
 
 
 def _binary(summary: str, mime: str, params: list[dict[str, Any]]) -> dict[str, Any]:
@@ -308,21 +320,34 @@ _tree = {
     "type": "object",
     "description": "a frame: samples with it on the stack (`samples`), of its own (`self`), "
     "and its callees (`children`, most sampled first); the root is `all`",
-    "properties": {**_frame_props, "samples": {"type": "integer"}, "self": {"type": "integer"},
-                   "children": {"type": "array", "items": {"type": "object"}}},
-}  # fmt: skip
+    "properties": {
+        **_frame_props,
+        "samples": {"type": "integer"},
+        "self": {"type": "integer"},
+        "children": {"type": "array", "items": {"type": "object"}},
+    },
+}
 _profile = {
     "type": "object",
     "properties": {
         "samples": {"type": "integer"},
         "interval": {"type": "number", "description": "seconds per sample"},
         "seconds": {"type": "number"},
-        "top": {"type": "array", "items": {"type": "object", "properties": {
-            **_frame_props, "self": {"type": "integer"}, "samples": {"type": "integer"},
-            "self_seconds": {"type": "number"}}}},
+        "top": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    **_frame_props,
+                    "self": {"type": "integer"},
+                    "samples": {"type": "integer"},
+                    "self_seconds": {"type": "number"},
+                },
+            },
+        },
         "tree": _tree,
     },
-}  # fmt: skip
+}
 
 
 def _profile_op(
@@ -342,47 +367,73 @@ PATHS |= {
     "/v1/runs/{run_id}/profile": _profile_op(
         "The run's statistical profile (Dask's worker profiles, merged): call tree, hottest "
         "functions; of one task prefix and/or one worker",
-        [_run_id, _q("prefix", _str(), "only tasks of this prefix"),
-         _q("worker", _str(), "only this worker address")],
+        [
+            _run_id,
+            _q("prefix", _str(), "only tasks of this prefix"),
+            _q("worker", _str(), "only this worker address"),
+        ],
         _not_found,
     ),
     "/v1/runs/{run_id}/activity": _json(
         "Dask's fine performance metrics of the run (its span's cumulative_worker_metrics, "
         "as of the last heartbeat after it ended), and totals by activity and unit",
-        {"activity": {"type": "array", "items": _metric}, "totals": _arr,
-         "as_of": {"type": ["number", "null"]}},
+        {
+            "activity": {"type": "array", "items": _metric},
+            "totals": _arr,
+            "as_of": {"type": ["number", "null"]},
+        },
     ),
     "/v1/profiles": _profile_op(
         "The merged profile of a task prefix, or of a job's runs, over the runs started in a "
         "window (newest `runs` runs)",
-        [_q("prefix", _str(), "the task prefix (without it: whole runs; then `name` is needed)"),
-         _q("name", _str(), "only runs of this job name"), _q("cluster", _str(128)),
-         _time("since", "runs started at or after"), _time("until", "runs started before"),
-         _q("runs", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1000},
-            "at most this many runs, newest first")],
+        [
+            _q("prefix", _str(), "the task prefix (without it: whole runs; then `name` is needed)"),
+            _q("name", _str(), "only runs of this job name"),
+            _q("cluster", _str(128)),
+            _time("since", "runs started at or after"),
+            _time("until", "runs started before"),
+            _q(
+                "runs",
+                {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1000},
+                "at most this many runs, newest first",
+            ),
+        ],
     ),
     "/v1/compare/profile": _get(
         "What changed in the hot path: run b's profile against run a's, frame by frame (samples "
         "and share of each run's samples); `format=collapsed` gives `stack A B` lines "
         "(flamegraph.pl's differential input)",
-        [_q("a", _str(64)) | {"required": True}, _q("b", _str(64)) | {"required": True},
-         _q("prefix", _str(), "one task prefix"),
-         _q("format", {"type": "string", "enum": ["json", "collapsed"], "default": "json"})],
-        {"type": "object", "properties": {"samples_a": {"type": "integer"},
-         "samples_b": {"type": "integer"}, "tree": _obj}},
+        [
+            _q("a", _str(64)) | {"required": True},
+            _q("b", _str(64)) | {"required": True},
+            _q("prefix", _str(), "one task prefix"),
+            _q("format", {"type": "string", "enum": ["json", "collapsed"], "default": "json"}),
+        ],
+        {
+            "type": "object",
+            "properties": {
+                "samples_a": {"type": "integer"},
+                "samples_b": {"type": "integer"},
+                "tree": _obj,
+            },
+        },
         _not_found,
     ),
     "/v1/history/activity": _get(
         "Fine performance metrics over time: per hour or day of run start, the runs and per "
         "activity the total and the mean per run (of a prefix, of a job name, or both)",
-        [_q("prefix", _str()), _q("name", _str(), "job name"),
-         _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "day"}),
-         _q("unit", _str(64), "seconds (default), bytes or count"),
-         _time("since", "runs started at or after"), _time("until", "runs started before"),
-         _q("cluster", _str(128))],
+        [
+            _q("prefix", _str()),
+            _q("name", _str(), "job name"),
+            _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "day"}),
+            _q("unit", _str(64), "seconds (default), bytes or count"),
+            _time("since", "runs started at or after"),
+            _time("until", "runs started before"),
+            _q("cluster", _str(128)),
+        ],
         {"type": "object", "properties": {"points": _arr}},
     ),
-}  # fmt: skip
+}
 PATHS["/v1/compare/profile"]["get"]["responses"]["200"]["content"]["text/plain"] = {
     "schema": {"type": "string"}
 }
@@ -397,22 +448,49 @@ PATHS["/v1/runs/{run_id}/state"] = _get(
     "first sample every task is waiting. `thresholds` are the session's memory fractions "
     "(Dask colours managed memory orange from `target`); `samples` the run's sample range",
     [_run_id, _time("at", "the moment (default: now)")],
-    {"type": "object", "required": ["time", "workers", "prefixes"], "properties": {
-        "run": {"type": "string"}, "time": {"type": "number"}, "sampled_at": _num_or_null,
-        "workers": {"type": "array", "items": {"type": "object", "properties": {
-            "worker": {"type": "string"}, "processing": _int,
-            "memory": {"type": "object", "properties": {
-                k: _int for k in ("managed", "unmanaged", "spilled", "limit")}}}}},
-        "prefixes": {"type": "array", "items": {"type": "object", "properties": {
-            "prefix": {"type": "string"}} | {k: _int for k in (
-                "waiting", "processing", "memory", "released", "erred")}}},
-        "thresholds": {"type": "object", "properties": {
-            k: _num_or_null for k in ("target", "spill", "pause", "terminate")}},
-        "samples": {"type": "object", "properties": {
-            "first": _num_or_null, "last": _num_or_null, "samples": _int}},
-    }},
+    {
+        "type": "object",
+        "required": ["time", "workers", "prefixes"],
+        "properties": {
+            "run": {"type": "string"},
+            "time": {"type": "number"},
+            "sampled_at": _num_or_null,
+            "workers": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "worker": {"type": "string"},
+                        "processing": _int,
+                        "memory": {
+                            "type": "object",
+                            "properties": {
+                                k: _int for k in ("managed", "unmanaged", "spilled", "limit")
+                            },
+                        },
+                    },
+                },
+            },
+            "prefixes": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"prefix": {"type": "string"}}
+                    | {k: _int for k in ("waiting", "processing", "memory", "released", "erred")},
+                },
+            },
+            "thresholds": {
+                "type": "object",
+                "properties": {k: _num_or_null for k in ("target", "spill", "pause", "terminate")},
+            },
+            "samples": {
+                "type": "object",
+                "properties": {"first": _num_or_null, "last": _num_or_null, "samples": _int},
+            },
+        },
+    },
     _not_found,
-)  # fmt: skip
+)
 
 
 # ---------------------------------------------------------------- logs, streams, workers (issue 9)
@@ -421,74 +499,167 @@ _str_or_null = {"type": ["string", "null"]}
 _page = lambda what: {  # noqa: E731
     "total": {"type": "integer", "description": f"{what} matching"},
     "next_cursor": {**_str_or_null, "description": "pass as `cursor` for the next page"},
-}  # fmt: skip
-_log = {"type": "object", "properties": {
-    "time": {"type": "number"}, "level": {"type": "string"},
-    "worker": {**_str_or_null, "description": "worker address, or `scheduler`"},
-    "logger": {"type": "string"}, "message": {"type": "string"},
-    "key": {"type": "string", "description": "the task that logged it, if one did"}}}  # fmt: skip
-_stream_value = {"type": "object", "properties": {
-    "time": {"type": "number"}, "worker": _str_or_null, "key": _str_or_null,
-    "value": {"description": "the value as emitted (any JSON)"}}}  # fmt: skip
-_point = {"type": "object", "properties": {
-    k: {"type": "number"} for k in ("time", "count", "sum", "mean", "min", "max")}}  # fmt: skip
-_took = {"type": "array", "items": {"type": "object", "properties": {
-    "key": {"type": "string"}, "worker": _str_or_null, "status": _str_or_null,
-    "stop": _num_or_null}}}  # fmt: skip
-_lifecycle_worker = {"type": "object", "properties": {
-    "address": {"type": "string"}, "name": _str_or_null, "nthreads": {"type": ["integer", "null"]},
-    "memory_limit": {"type": ["integer", "null"]}, "joined_at": _num_or_null,
-    "left_at": _num_or_null, "joined_during_run": {"type": "boolean"},
-    "left_during_run": {"type": "boolean"},
-    "reason": {**_str_or_null, "description": "the scheduler's stimulus for removing it"},
-    "cause": {"type": "string", "enum": ["retired", "closed", "lost", "timed-out", "removed",
-                                         "unknown"]},
-    "cause_text": {"type": "string"}, "expected": {"type": ["boolean", "null"]},
-    "last_status": _str_or_null,
-    "took_down": {"type": "object", "description": "the run's tasks its leaving took down",
-                  "properties": {"erred": {"type": "array", "items": {"type": "string"}},
-                                 "rescheduled": _took, "recomputed": _took,
-                                 "lost": {"type": "array", "items": {"type": "string"}},
-                                 "worker_totals": _obj}}}}  # fmt: skip
-_session_info = {"type": ["object", "null"], "properties": {
-    "time": {"type": "number"}, "address": _str_or_null, "versions": _obj, "config": _obj}}  # fmt: skip
+}
+_log = {
+    "type": "object",
+    "properties": {
+        "time": {"type": "number"},
+        "level": {"type": "string"},
+        "worker": {**_str_or_null, "description": "worker address, or `scheduler`"},
+        "logger": {"type": "string"},
+        "message": {"type": "string"},
+        "key": {"type": "string", "description": "the task that logged it, if one did"},
+    },
+}
+_stream_value = {
+    "type": "object",
+    "properties": {
+        "time": {"type": "number"},
+        "worker": _str_or_null,
+        "key": _str_or_null,
+        "value": {"description": "the value as emitted (any JSON)"},
+    },
+}
+_point = {
+    "type": "object",
+    "properties": {k: {"type": "number"} for k in ("time", "count", "sum", "mean", "min", "max")},
+}
+_took = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "key": {"type": "string"},
+            "worker": _str_or_null,
+            "status": _str_or_null,
+            "stop": _num_or_null,
+        },
+    },
+}
+_lifecycle_worker = {
+    "type": "object",
+    "properties": {
+        "address": {"type": "string"},
+        "name": _str_or_null,
+        "nthreads": {"type": ["integer", "null"]},
+        "memory_limit": {"type": ["integer", "null"]},
+        "joined_at": _num_or_null,
+        "left_at": _num_or_null,
+        "joined_during_run": {"type": "boolean"},
+        "left_during_run": {"type": "boolean"},
+        "reason": {**_str_or_null, "description": "the scheduler's stimulus for removing it"},
+        "cause": {
+            "type": "string",
+            "enum": ["retired", "closed", "lost", "timed-out", "removed", "unknown"],
+        },
+        "cause_text": {"type": "string"},
+        "expected": {"type": ["boolean", "null"]},
+        "last_status": _str_or_null,
+        "took_down": {
+            "type": "object",
+            "description": "the run's tasks its leaving took down",
+            "properties": {
+                "erred": {"type": "array", "items": {"type": "string"}},
+                "rescheduled": _took,
+                "recomputed": _took,
+                "lost": {"type": "array", "items": {"type": "string"}},
+                "worker_totals": _obj,
+            },
+        },
+    },
+}
+_session_info = {
+    "type": ["object", "null"],
+    "properties": {
+        "time": {"type": "number"},
+        "address": _str_or_null,
+        "versions": _obj,
+        "config": _obj,
+    },
+}
 _stream_name = {"name": "stream", "in": "path", "required": True, "schema": _str(256)}
 PATHS |= {
     "/v1/runs/{run_id}/logs": _get(
         "The run's log records (workers' and the scheduler's), oldest first: records its tasks "
         "logged, and records outside any task stamped within its time window",
-        [_run_id,
-         _q("level", _str(32), "this level and above (DEBUG, INFO, WARNING, ERROR, CRITICAL)"),
-         _q("worker", _str(), "one worker's address, or `scheduler`"),
-         _time("since", "records at or after"), _time("until", "records before"),
-         _q("q", _str(), "text in the message or logger name, any case"),
-         _limit(100, 1000), _cursor],
-        {"type": "object", "properties": {"logs": {"type": "array", "items": _log},
-         **_page("records"), "levels": {"type": "object",
-         "description": "the run's records per level (unfiltered)"}}},
+        [
+            _run_id,
+            _q("level", _str(32), "this level and above (DEBUG, INFO, WARNING, ERROR, CRITICAL)"),
+            _q("worker", _str(), "one worker's address, or `scheduler`"),
+            _time("since", "records at or after"),
+            _time("until", "records before"),
+            _q("q", _str(), "text in the message or logger name, any case"),
+            _limit(100, 1000),
+            _cursor,
+        ],
+        {
+            "type": "object",
+            "properties": {
+                "logs": {"type": "array", "items": _log},
+                **_page("records"),
+                "levels": {
+                    "type": "object",
+                    "description": "the run's records per level (unfiltered)",
+                },
+            },
+        },
         _not_found,
     ),
     "/v1/runs/{run_id}/streams": _json(
         "The streams the run's tasks emitted values on (`hindsight.emit`): values, numeric "
         "values, workers, first and last times",
-        {"streams": {"type": "array", "items": {"type": "object", "properties": {
-            "stream": {"type": "string"}, "count": {"type": "integer"},
-            "numeric": {"type": "integer"}, "first": {"type": "number"},
-            "last": {"type": "number"}, "workers": {"type": "integer"}}}}},
+        {
+            "streams": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "stream": {"type": "string"},
+                        "count": {"type": "integer"},
+                        "numeric": {"type": "integer"},
+                        "first": {"type": "number"},
+                        "last": {"type": "number"},
+                        "workers": {"type": "integer"},
+                    },
+                },
+            }
+        },
     ),
     "/v1/runs/{run_id}/streams/{stream}": _get(
         "One stream's values in time order (paged), and its numeric values aggregated per "
         "interval (count, sum, mean, min, max); a stream the run never emitted on has none",
-        [_run_id, _stream_name, _limit(100, 1000), _cursor,
-         _q("buckets", {"type": "integer", "minimum": 1, "maximum": 10000, "default": 100},
-            "intervals over the stream's time span"),
-         _q("interval", {"type": "number", "minimum": 0.001, "maximum": 86400},
-            "interval in seconds instead (widened to answer at most 10,000 points)")],
-        {"type": "object", "properties": {"stream": {"type": "string"},
-         "values": {"type": "array", "items": _stream_value}, **_page("values"),
-         "aggregate": {"type": ["object", "null"], "properties": {
-             "interval": {"type": "number"}, "start": {"type": "number"},
-             "points": {"type": "array", "items": _point}}}}},
+        [
+            _run_id,
+            _stream_name,
+            _limit(100, 1000),
+            _cursor,
+            _q(
+                "buckets",
+                {"type": "integer", "minimum": 1, "maximum": 10000, "default": 100},
+                "intervals over the stream's time span",
+            ),
+            _q(
+                "interval",
+                {"type": "number", "minimum": 0.001, "maximum": 86400},
+                "interval in seconds instead (widened to answer at most 10,000 points)",
+            ),
+        ],
+        {
+            "type": "object",
+            "properties": {
+                "stream": {"type": "string"},
+                "values": {"type": "array", "items": _stream_value},
+                **_page("values"),
+                "aggregate": {
+                    "type": ["object", "null"],
+                    "properties": {
+                        "interval": {"type": "number"},
+                        "start": {"type": "number"},
+                        "points": {"type": "array", "items": _point},
+                    },
+                },
+            },
+        },
         _not_found,
     ),
     "/v1/runs/{run_id}/lifecycle": _json(
@@ -496,7 +667,7 @@ PATHS |= {
         "present during the run: joined, left, why, and the run's tasks a departure took down",
         {"session": _session_info, "workers": {"type": "array", "items": _lifecycle_worker}},
     ),
-}  # fmt: skip
+}
 
 
 # ---------------------------------------------------------------- the history lake (docs/lake.md)

@@ -135,9 +135,10 @@ def run_tasks(run_id: str) -> Any:
     table, sort = _task_query(run, lazy=True)
     offset = _cursor_offset(sort or "", "not a cursor for this sort")
     page, total = (
-        (table.slice(offset, limit), len(table)) if table is not None
+        (table.slice(offset, limit), len(table))
+        if table is not None
         else runfile.task_slice(db(), store().blobs, run, offset, limit)
-    )  # fmt: skip
+    )
     records = analysis.task_records(page, run.run_key)
     next_cursor = _next_cursor(sort or "", offset + len(page), total)
     return {"tasks": records, "total": total, "next_cursor": next_cursor}
@@ -240,9 +241,13 @@ def run_regressions(run_id: str) -> Any:
     threshold = float_arg("threshold", 0.0, 10_000.0)
     action = label_arg("action", 64) or "compute"
     return analysis.regressions(
-        db(), run, baseline, 20.0 if threshold is None else threshold, action,
+        db(),
+        run,
+        baseline,
+        20.0 if threshold is None else threshold,
+        action,
         same_cluster=bool(bool_arg("same_cluster")),
-    )  # fmt: skip
+    )
 
 
 @bp.get("/v1/runs/<run_id>/trace")
@@ -295,9 +300,15 @@ def prefix_history() -> Any:
     action = label_arg("action", 64) or "compute"
     bucket = choice_arg("bucket", tuple(analysis.BUCKETS)) or "hour"
     points = analysis.prefix_history(
-        db(), principal.tenant_id, prefix, action, bucket, time_arg("since"), time_arg("until"),
+        db(),
+        principal.tenant_id,
+        prefix,
+        action,
+        bucket,
+        time_arg("since"),
+        time_arg("until"),
         name_arg("cluster"),
-    )  # fmt: skip
+    )
     return {"prefix": prefix, "action": action, "bucket": bucket, "points": points}
 
 
