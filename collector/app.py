@@ -13,8 +13,8 @@ from collector.ray import bp as ray_bp
 from collector.ray import init_ray
 from collector.views import bp
 from services.common.web import make_app
-from storage.config import Settings
-from storage.finish import FinishWorker
+from storage.core.config import Settings
+from storage.jobs.finish import FinishWorker
 
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:

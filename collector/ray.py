@@ -3,7 +3,7 @@
 Ray's aggregator agent POSTs JSON arrays of events, uncompressed, with no credentials and
 no batch identity, and retries any refused body forever. So:
 
-- a body is acknowledged only once it is stored (``storage.ray``: split per Ray session,
+- a body is acknowledged only once it is stored (``storage.ray.bridge``: split per Ray session,
   named by its content, so a retry is stored and counted once);
 - nothing short of "not a JSON array" is answered 400: an event we do not understand is
   stored, counted as skipped, and the rest indexed;
@@ -32,9 +32,9 @@ from hindsight.schema import valid_name
 from services.common.ops import BLOB_SECONDS, INDEX_SECONDS, timed
 from services.common.store import Store
 from services.common.web import ApiError, db, store
-from storage import ray
-from storage.ray_events import NO_SESSION, TOO_DEEP, NotAnArray, split_array
-from storage.tokens import Principal
+from storage.core.tokens import Principal
+from storage.ray import bridge as ray
+from storage.ray.events import NO_SESSION, TOO_DEEP, NotAnArray, split_array
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def post_ray_events() -> Any:
     raw, body, _ = read_body(settings.max_batch_bytes, settings.body_timeout)
     try:
         # Counted before the work when a rate limit is set; else split only if needed
-        # (storage.ray_events.parse).
+        # (storage.ray.events.parse).
         elements = split_array(body) if limiter.enabled else None
         if elements is not None:
             enforce(limiter, principal.tenant, len(elements))
@@ -245,11 +245,11 @@ def _redact_werkzeug() -> None:
 
 
 class Sweeper:
-    """Merges the task patches its process holds (:class:`storage.ray.TaskHold`, every
+    """Merges the task patches its process holds (:class:`storage.ray.bridge.TaskHold`, every
     ``FLUSH_GAP`` seconds, writing the tasks the merge completes), writes the tasks other
-    merges queued (:func:`storage.ray.emit_ready`, at most every ``EMIT_GAP`` seconds; in
+    merges queued (:func:`storage.ray.bridge.emit_ready`, at most every ``EMIT_GAP`` seconds; in
     both, many bodies' tasks share a derived batch) and runs
-    :func:`storage.ray.run_due` every ``interval`` while the index has open Ray work: closes
+    :func:`storage.ray.bridge.run_due` every ``interval`` while the index has open Ray work: closes
     jobs after their end has settled (or after they went idle) and writes late tasks. One
     per process; several processes cooperate (rows are taken with SKIP LOCKED). It parks
     when there is nothing open and wakes when a Ray body arrives.

@@ -15,9 +15,9 @@ from collector.ratelimit import enforce
 from hindsight.schema import Batch, SchemaError, decode_batch, has_nul
 from services.common.ops import BATCHES, BLOB_SECONDS, BYTES, EVENTS, INDEX_SECONDS, timed
 from services.common.web import ApiError, db, require, store
-from storage.aggregate import aggregate
-from storage.batches import blob_key, decode_stored
-from storage.ingest import index_batch
+from storage.core.batches import blob_key, decode_stored
+from storage.ingest.aggregate import aggregate
+from storage.ingest.writer import index_batch
 
 logger = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ _ENV = {
     "buffer_events": "HINDSIGHT_BUFFER_EVENTS",
     "close_timeout": "HINDSIGHT_CLOSE_TIMEOUT",
     "sample_interval": "HINDSIGHT_SAMPLE_INTERVAL",
-    # not HINDSIGHT_LOG_LEVEL: that is the services' own logging level (storage/config.py)
+    # not HINDSIGHT_LOG_LEVEL: that is the services' own logging level (storage/core/config.py)
     "log_level": "HINDSIGHT_WORKER_LOG_LEVEL",
     "encoding": "HINDSIGHT_ENCODING",
     "zstd_level": "HINDSIGHT_ZSTD_LEVEL",

@@ -2,7 +2,7 @@
 finished run, as Hive-partitioned Parquet in the blob store (docs/lake.md).
 
 This module is the one definition of the lake's layout, its manifests and its filters. The
-server writes the lake (``storage/lake.py``) and answers ``/v1/lake/...`` with it; readers
+server writes the lake (``storage/lake/build.py``) and answers ``/v1/lake/...`` with it; readers
 use it here without a server: ``files()`` plans a scan from the manifests, ``dataset()``
 gives a ``pyarrow.dataset`` and ``dataframe()`` a ``dask.dataframe`` (one partition per
 file), straight from ``s3://bucket/prefix`` or a local directory.
@@ -115,7 +115,7 @@ def latest_manifests(keys: Iterable[str]) -> dict[tuple[str, str, str], str]:
 #: The columns of each table, in order (Arrow types by name). This is the lake's contract:
 #: a column is never removed, renamed or retyped within a lake version; new columns may be
 #: added at the end. tasks and metrics are the compacted run copy's columns
-#: (``storage/runfile.py``) after the run's identity, its ``compute`` named ``duration`` as
+#: (``storage/runs/runfile.py``) after the run's identity, its ``compute`` named ``duration`` as
 #: in a run's task records (and clear of Dask's ``DataFrame.compute``); a test keeps them
 #: in step.
 COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {

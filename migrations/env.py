@@ -1,4 +1,4 @@
-"""Alembic environment: run migrations on the connection handed in by storage.db.upgrade,
+"""Alembic environment: run migrations on the connection handed in by storage.core.db.upgrade,
 or on HINDSIGHT_DATABASE_URL when invoked through the alembic command line."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from storage.models import Base
+from storage.core.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -27,7 +27,7 @@ connection = config.attributes.get("connection")
 if connection is not None:
     _configure_and_run(connection)
 else:
-    from storage.config import load_settings
+    from storage.core.config import load_settings
 
     engine = create_engine(load_settings().database_url)
     with engine.begin() as conn:

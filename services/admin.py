@@ -21,15 +21,15 @@ import click
 from sqlalchemy import Engine, func, select
 
 from hindsight.schema import valid_name
-from storage import finish
-from storage.blobs import blob_store_for
-from storage.config import ConfigError, Settings, load_settings
-from storage.db import current_revision, make_engine, make_sessionmaker
-from storage.db import upgrade as do_upgrade
-from storage.models import Tenant, Token
-from storage.reindex import reindex as do_reindex
-from storage.retention import apply
-from storage.tokens import create_token, list_tokens, revoke_token
+from storage.core.blobs import blob_store_for
+from storage.core.config import ConfigError, Settings, load_settings
+from storage.core.db import current_revision, make_engine, make_sessionmaker
+from storage.core.db import upgrade as do_upgrade
+from storage.core.models import Tenant, Token
+from storage.core.tokens import create_token, list_tokens, revoke_token
+from storage.jobs import finish
+from storage.jobs.reindex import reindex as do_reindex
+from storage.jobs.retention import apply
 
 
 def _settings(**overrides: object) -> Settings:

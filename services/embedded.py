@@ -19,7 +19,7 @@ from services.query.lake import bp as lake_bp
 from services.query.openapi import OPENAPI as QUERY_OPENAPI
 from services.query.openapi import PATHS as QUERY_PATHS
 from services.query.views import bp as query_bp
-from storage.config import Settings
+from storage.core.config import Settings
 
 OPENAPI = document(
     "Hindsight (embedded: collector + query)",

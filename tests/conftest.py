@@ -86,7 +86,7 @@ def fresh_pg_database() -> Iterator[str]:
         )
         pytest.skip(_pg_skip_reason)
     url = admin_url.set(database=name).render_as_string(hide_password=False)
-    from storage.db import upgrade
+    from storage.core.db import upgrade
 
     upgrade(url)
     yield url
@@ -147,8 +147,8 @@ def new_tenant() -> str:
 @pytest.fixture
 def make_token(stack: dict[str, Any]):
     """``make_token(tenant, scopes)`` -> a real token stored (hashed) in the stack's index."""
-    from storage.db import make_engine, make_sessionmaker, upgrade
-    from storage.tokens import create_token
+    from storage.core.db import make_engine, make_sessionmaker, upgrade
+    from storage.core.tokens import create_token
 
     engine = make_engine(stack["database_url"])
     upgrade(engine)

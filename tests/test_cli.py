@@ -207,8 +207,8 @@ def test_serve_refuses_a_public_address_without_auth(tmp_path):
 def test_tokens_list_and_revoke(tmp_path):
     """A leaked token can be revoked (found by a fresh pair of eyes: the docs said so, and
     only SQL could): by its id from ``tokens list``, or by the token itself."""
-    from storage.db import make_engine, make_sessionmaker
-    from storage.tokens import hash_token, verify_token
+    from storage.core.db import make_engine, make_sessionmaker
+    from storage.core.tokens import hash_token, verify_token
 
     d = ["--data-dir", str(tmp_path)]
     made = [run("tokens", "create", "--tenant", t, "--name", n, *d, env=env()) for t, n in
@@ -253,7 +253,7 @@ def test_tokens_create_rejects_bad_input(tmp_path):
 
 def test_db_upgrade_and_reindex_rebuild_a_deleted_index(tmp_path):
     up = run("db", "upgrade", "--data-dir", str(tmp_path), env=env())
-    from storage.db import head_revisions
+    from storage.core.db import head_revisions
 
     assert up.returncode == 0 and f"index at revision {head_revisions()[0]}" in up.stdout
     server = Served(tmp_path)

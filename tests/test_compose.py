@@ -3,7 +3,7 @@
 docker-compose.yml is parsed with PyYAML and its `${VAR:-default}` references are resolved to
 their defaults the way `docker compose` would with no .env file; the Dockerfile is read as text.
 The checks tie the deployment to the code: every HINDSIGHT_* variable must be one the services
-read (storage.config.ENVIRONMENT), and every gunicorn command must name an app factory that
+read (storage.core.config.ENVIRONMENT), and every gunicorn command must name an app factory that
 exists.
 """
 
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from storage.config import ENVIRONMENT, load_settings
+from storage.core.config import ENVIRONMENT, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

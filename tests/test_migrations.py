@@ -5,8 +5,8 @@ from __future__ import annotations
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from storage.db import current_revision, head_revisions, make_engine, upgrade
-from storage.models import Base
+from storage.core.db import current_revision, head_revisions, make_engine, upgrade
+from storage.core.models import Base
 
 
 def test_migrations_have_one_head():

@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
-from storage.blobs import open_blob_store
-from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.reindex import reindex
-from storage.tokens import create_token
+from storage.core.blobs import open_blob_store
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import create_token
+from storage.jobs.reindex import reindex
 from tests.conftest import TEST_DATABASE_URL, new_tenant
 from tests.helpers import auth, example, post
 from tests.query.test_runs import run_batch
@@ -109,13 +109,13 @@ def test_a_rebuild_years_later_still_finds_a_runs_metrics(stack, tmp_path):
     import zstandard
 
     from hindsight.schema import Batch, MetricEvent, RunEvent, StartStop, TaskEvent, encode_batch
-    from storage import models as m
-    from storage import runfile
-    from storage.batches import blob_key, decode_stored
-    from storage.blobs import blob_store_for
-    from storage.config import load_settings
-    from storage.ingest import index_batch
-    from storage.tokens import ensure_tenant
+    from storage.core import models as m
+    from storage.core.batches import blob_key, decode_stored
+    from storage.core.blobs import blob_store_for
+    from storage.core.config import load_settings
+    from storage.core.tokens import ensure_tenant
+    from storage.ingest.writer import index_batch
+    from storage.runs import runfile
 
     t0 = 1_700_000_000.0  # events of 2023, indexed "then" and rebuilt now
     tenant = new_tenant()
@@ -193,7 +193,7 @@ def test_a_rebuilt_index_keeps_when_each_batch_arrived(stack, make_token, tmp_pa
     import time
 
     from collector.app import create_app as collector_app
-    from storage.retention import plan
+    from storage.jobs.retention import plan
 
     if not stack["blob_url"].startswith("file://"):
         pytest.skip("the stored time is set here on the batch's file (S3 sets its own)")

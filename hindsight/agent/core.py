@@ -57,7 +57,7 @@ def _event_of(item: Item) -> Any:
 
 def agent_name_prefix(prefix: str) -> str:
     """What every name :func:`new_agent_name` makes of ``prefix`` starts with (the index
-    tells a Dask worker's agent by it: ``storage.queries.completeness``)."""
+    tells a Dask worker's agent by it: ``storage.query.runs.completeness``)."""
     safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
     return f"{safe[:90] or 'agent'}-"
 

@@ -6,7 +6,7 @@ Create Date: 2026-11-23 00:00:00
 
 The lake's catalog in the index: which partitions exist, their live files with the
 statistics the query service prunes by, and where each run is. Derived from the lake's
-manifests in the blob store (``storage/lake.py``); a rebuilt index gets it back from them.
+manifests in the blob store (``storage/lake/build.py``); a rebuilt index gets it back from them.
 """
 
 from __future__ import annotations

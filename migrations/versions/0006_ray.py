@@ -1,5 +1,5 @@
 """Ray's event exporter: stored bodies, event counts, and the merge tables of jobs, tasks,
-nodes, workers and actors (storage/ray.py)
+nodes, workers and actors (storage/ray/bridge.py)
 
 Revision ID: 0006
 Revises: 0005

@@ -6,8 +6,8 @@ Create Date: 2026-11-22 23:00:00
 
 ``run_prefix_hist``, ``prefix_days`` and ``cluster_hours`` gain ``batch_id`` in their
 primary keys: ingest appends a row per batch instead of locking, reading and rewriting a
-shared row (``storage.rollups``). Existing rows keep ``batch_id`` 0, the folded row.
-``finish_jobs`` queues the work done once a run has finished (``storage.finish``), and
+shared row (``storage.runs.rollups``). Existing rows keep ``batch_id`` 0, the folded row.
+``finish_jobs`` queues the work done once a run has finished (``storage.jobs.finish``), and
 ``runs.finished_work_at`` records when it last completed. ``prefix_hours`` (unwritten
 since 0003) is dropped.
 """
@@ -93,7 +93,7 @@ def downgrade() -> None:
     op.drop_table("finish_jobs")
     with op.batch_alter_table("runs", schema=None) as batch_op:
         batch_op.drop_column("finished_work_at")
-    # Folded rows only: appended rows must be folded (storage.rollups.fold_all) first.
+    # Folded rows only: appended rows must be folded (storage.runs.rollups.fold_all) first.
     for table, keys in _KEYS.items():
         op.execute(f"DELETE FROM {table} WHERE batch_id <> 0")
         with op.batch_alter_table(table, schema=None) as batch_op:

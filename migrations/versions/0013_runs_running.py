@@ -5,7 +5,7 @@ Revises: 0012
 Create Date: 2026-11-26 06:10:00
 
 Every finish worker (one per service process) looks once a minute for the Dask runs still
-running in sessions gone silent (``storage.finish.close_silent``). Without an index on the
+running in sessions gone silent (``storage.jobs.finish.close_silent``). Without an index on the
 status that was a scan of the whole ``runs`` table whenever fewer than a page of such runs
 existed, which is always: ~1,000,000 rows a minute per process at 10^6 runs. The index
 holds only the running runs, as few as the runs in flight.

@@ -5,7 +5,7 @@ Revises: 0013
 Create Date: 2026-11-26 15:20:00
 
 A collector with a sweeper holds an acknowledged body's task patches in memory for a moment
-before merging them (``storage.ray.TaskHold``: a task's definition and RUNNING come in one
+before merging them (``storage.ray.bridge.TaskHold``: a task's definition and RUNNING come in one
 body and its end in the next, and held together they are one row write instead of two).
 The body's manifest row says its patches are not merged yet until the flush that merges
 the last of them; if the process dies first, a sweeper merges the body again from its

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.blobs import BlobStore, blob_store_for
-from storage.config import ConfigError, Settings
-from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.idcache import IdCache
-from storage.tokens import SCOPES, Principal, ensure_tenant, verify_token
+from storage.core.blobs import BlobStore, blob_store_for
+from storage.core.config import ConfigError, Settings
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.idcache import IdCache
+from storage.core.tokens import SCOPES, Principal, ensure_tenant, verify_token
 
 logger = logging.getLogger(__name__)
 

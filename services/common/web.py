@@ -19,8 +19,8 @@ from services.common import ops
 from services.common.errors import ApiError, error_response, unavailable
 from services.common.params import only_args
 from services.common.store import Store
-from storage.config import Settings, load_settings
-from storage.tokens import Principal
+from storage.core.config import Settings, load_settings
+from storage.core.tokens import Principal
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _register_errors(app: Flask) -> None:
 
 @functools.cache
 def _schema_heads() -> tuple[str, ...]:
-    from storage.db import head_revisions
+    from storage.core.db import head_revisions
 
     return tuple(head_revisions())
 
@@ -197,7 +197,7 @@ def health_blueprint(openapi: dict[str, Any], metrics: bool = True, service: str
         try:
             # The index at this code's schema: on one never migrated (HINDSIGHT_AUTO_UPGRADE
             # off, `db upgrade` not run) every request failed while /readyz said ready.
-            from storage.db import current_revision
+            from storage.core.db import current_revision
 
             revision = current_revision(st.engine)
             heads = _schema_heads()

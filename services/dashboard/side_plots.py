@@ -19,7 +19,7 @@ MAX_PLOTTED = 6
 def streams_chart(
     series: list[tuple[str, dict[str, Any]]], t0: float | None, name: str = "streams"
 ) -> dict[str, Any] | None:
-    """``series``: (stream, aggregate from ``storage.runlogs.aggregate``) of numeric
+    """``series``: (stream, aggregate from ``storage.runs.runlogs.aggregate``) of numeric
     streams; times are drawn in seconds from ``t0`` (the run's start)."""
     figs = []
     x_range = None

@@ -30,21 +30,15 @@ from sqlalchemy import func, select
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import LOGIN_COOKIE, ApiError, db, store
 from services.dashboard import plots, side_plots, why_plots
-from storage import (
-    activity,
-    analysis,
-    flame,
-    profiles,
-    queries,
-    replay,
-    runcode,
-    runfile,
-    runlogs,
-)
-from storage import models as m
-from storage.queries import BadCursor, RunFilters
-from storage.runfacts import DEFAULT_SPAN, display_name, makespan_column
-from storage.tokens import Principal
+from storage.analysis.runfacts import DEFAULT_SPAN, display_name, makespan_column
+from storage.analysis import flame
+from storage.analysis import whole as analysis
+from storage.core import models as m
+from storage.core.tokens import Principal
+from storage.query import activity, replay
+from storage.query import runs as queries
+from storage.query.runs import BadCursor, RunFilters
+from storage.runs import profiles, runcode, runfile, runlogs
 
 bp = Blueprint(
     "dashboard",

@@ -16,8 +16,8 @@ from bokeh.models import ColumnDataSource, CustomJS, FactorRange, HoverTool, Ran
 from bokeh.plotting import figure
 
 from services.dashboard.plots import WORKER_PALETTE, colour_of, gapped, wrapping_tooltips
-from storage import flame
-from storage.profiles import Node, Profile, merge_into, prune
+from storage.analysis import flame
+from storage.runs.profiles import Node, Profile, merge_into, prune
 
 #: Frames drawn at most per flame graph (the least sampled are folded into their callers).
 MAX_FRAMES = 2500
@@ -230,7 +230,7 @@ def by_prefix(trees: dict[str, Profile]) -> Profile:
 
 
 def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | None:
-    """The difference of two profiles (``storage.flame.diff``) as a flame graph: widths
+    """The difference of two profiles (``storage.analysis.flame.diff``) as a flame graph: widths
     are run b's share of samples, red where b spends a larger share than a, blue smaller."""
     if not tree.get("b"):
         return None

@@ -11,7 +11,7 @@ from services.dashboard.views import bp as dashboard_bp
 from services.query.lake import bp as lake_bp
 from services.query.openapi import OPENAPI
 from services.query.views import bp
-from storage.config import Settings
+from storage.core.config import Settings
 
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:

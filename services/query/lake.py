@@ -27,8 +27,8 @@ from hindsight.lake import Filters
 from hindsight.schema import valid_name
 from services.common.params import MAX_PARAM, arg, bad, choice_arg, float_arg, int_arg, time_arg
 from services.common.web import ApiError, db, require, store, unavailable
-from storage import lakequery
-from storage.lakequery import PlannedFile, Sort
+from storage.lake import read as lakequery
+from storage.lake.read import PlannedFile, Sort
 
 bp = Blueprint("lake", __name__)
 

@@ -25,10 +25,14 @@ from services.common.params import (
     time_arg,
 )
 from services.common.web import ApiError, db, require, store
-from storage import activity, analysis, flame, profiles, queries, replay, runcode, runfile, runlogs
-from storage import models as m
-from storage.queries import BadCursor, RunFilters
-from storage.runfacts import display_name
+from storage.analysis.runfacts import display_name
+from storage.analysis import flame
+from storage.analysis import whole as analysis
+from storage.core import models as m
+from storage.query import activity, replay
+from storage.query import runs as queries
+from storage.query.runs import BadCursor, RunFilters
+from storage.runs import profiles, runcode, runfile, runlogs
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import zstandard
 
-from storage.blobs import open_blob_store
+from storage.core.blobs import open_blob_store
 from tests.helpers import auth, encode, example, example_bytes, post
 
 TASK_KEYS = [e["key"] for e in example()["events"] if e["kind"] == "task"]
@@ -347,8 +347,8 @@ def test_index_down_after_blob_write_is_503_and_the_retry_converges(
 
     from collector.app import create_app
     from services.query.app import create_app as query_app
-    from storage.db import make_engine, make_sessionmaker
-    from storage.tokens import create_token
+    from storage.core.db import make_engine, make_sessionmaker
+    from storage.core.tokens import create_token
     from tests.conftest import new_tenant
     from tests.helpers import TcpProxy
 
@@ -414,7 +414,7 @@ def test_readyz_says_when_the_index_was_never_migrated(tmp_path):
     """Found by an operator: with HINDSIGHT_AUTO_UPGRADE off (as compose sets it) and
     `hindsight db upgrade` not run, /readyz said ready while every request failed 503."""
     from collector.app import create_app
-    from storage.db import make_engine, upgrade
+    from storage.core.db import make_engine, upgrade
 
     url = f"sqlite:///{tmp_path / 'index.db'}"
     config = {"data_dir": str(tmp_path), "database_url": url, "auto_upgrade": False,
@@ -447,7 +447,7 @@ def test_an_index_unreachable_at_start_names_its_setting(tmp_path):
     import socket
 
     from collector.app import create_app
-    from storage.config import ConfigError
+    from storage.core.config import ConfigError
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

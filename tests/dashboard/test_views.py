@@ -404,7 +404,7 @@ def test_a_lost_runs_page_says_what_lost_means(apps, make_token):
     """Found in a browser by a fresh pair of eyes: a run closed 'lost' showed only the word."""
     import time
 
-    from storage import finish
+    from storage.jobs import finish
     from tests.query.test_runs import run_batch
 
     collector, query = apps

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from hindsight import lake as layout
-from storage import models as m
+from storage.core import models as m
 from tests.dask.conftest import hindsight_server  # noqa: F401
 from tests.helpers import auth, post
 from tests.query.test_runs import T0, run_batch
@@ -21,8 +21,8 @@ DAY = 86_400.0
 def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
     """Run the lake finisher for every run of ``tenant`` that is not running, as the finish
     queue would (the test stacks run no finish worker: they share one database)."""
-    from storage import lake
-    from storage.finish import FinishedRun
+    from storage.jobs.finish import FinishedRun
+    from storage.lake import build as lake
 
     n = 0
     with sessions() as db:
@@ -47,7 +47,7 @@ def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
 
 def make_cluster(storage: Any, tenant: str, name: str) -> tuple[int, int]:
     """(tenant id, cluster id) of a cluster made directly in the index."""
-    from storage.tokens import ensure_tenant
+    from storage.core.tokens import ensure_tenant
 
     with storage.sessions.begin() as db:
         tenant_id = ensure_tenant(db, tenant, T0)
@@ -67,9 +67,9 @@ class Storage:
 
 @pytest.fixture
 def storage(stack: dict[str, Any]) -> Iterator[Storage]:
-    from storage.blobs import blob_store_for
-    from storage.config import load_settings
-    from storage.db import make_engine, make_sessionmaker, upgrade
+    from storage.core.blobs import blob_store_for
+    from storage.core.config import load_settings
+    from storage.core.db import make_engine, make_sessionmaker, upgrade
 
     settings = load_settings(stack)
     engine = make_engine(settings.database_url)
@@ -140,7 +140,7 @@ def tenant_runs(stack, make_token, storage):
 
 
 def storage_tenant(storage: Any, token: str) -> str:
-    from storage.tokens import verify_token
+    from storage.core.tokens import verify_token
 
     with storage.sessions() as db:
         principal = verify_token(db, token)

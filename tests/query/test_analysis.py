@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from storage import sketch
-from storage.analysis import critical_path
-from storage.runfile import RunData, _schemas
+from storage.analysis.whole import critical_path, sketch
+from storage.runs.runfile import RunData, _schemas
 
 
 def run_data(

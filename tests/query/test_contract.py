@@ -110,7 +110,7 @@ def test_a_late_batch_refreshes_the_compacted_copy(apps, make_token):
 def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
     from sqlalchemy import select
 
-    from storage import models as m
+    from storage.core import models as m
 
     with sessions() as db:
         tid = db.execute(select(m.Tenant.id).where(m.Tenant.name == tenant)).scalar_one()
@@ -156,7 +156,7 @@ def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
 
 
 def test_rollups_do_not_depend_on_order_or_retries(index_url):
-    from storage.db import make_engine, make_sessionmaker, upgrade
+    from storage.core.db import make_engine, make_sessionmaker, upgrade
     from tests.conftest import new_tenant
     from tests.storage.test_index import apply, synthetic_batches
 

@@ -1,4 +1,4 @@
-"""Task patches a collector holds (storage.ray.TaskHold) and what happens when it cannot
+"""Task patches a collector holds (storage.ray.bridge.TaskHold) and what happens when it cannot
 merge them: it dies, its index connection fails, retention removes the session, a value
 is refused, the index is rebuilt. In every case users see what merging each body at once
 gives. Found by a review of the change; each test failed before its fix."""
@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DataError, OperationalError
 
-from storage import ray
-from storage.db import make_engine, make_sessionmaker
-from storage.tokens import create_token
+from storage.core.db import make_engine, make_sessionmaker
+from storage.core.tokens import create_token
+from storage.ray import bridge as ray
 from tests.conftest import new_tenant
 from tests.ray.test_ingest import IDLE, SETTLE, Ray, bodies, ray_job, workload
 
@@ -133,7 +133,7 @@ def test_a_flush_after_retention_removed_the_session_writes_nothing(pg_url, s3_u
     flush then merges nothing into ray_tasks / ray_ready (no foreign key there), where it
     left rows of a session that no longer existed, which the sweeper failed on forever."""
     from services.embedded import create_app
-    from storage import retention
+    from storage.jobs import retention
 
     stack = _stack(pg_url, s3_url, moto_endpoint)
     engine = make_engine(pg_url)
@@ -173,7 +173,7 @@ def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(
     kept: the bodies are merged again one by one from their blobs, as for a collector that
     died holding them (the task was left out whole before)."""
     from services.embedded import create_app
-    from storage.db import upgrade
+    from storage.core.db import upgrade
     from tests.test_reindex import fresh_index
 
     url = fresh_index({"database_url": pg_url}, tmp_path)

@@ -19,10 +19,10 @@ from sqlalchemy import text
 from werkzeug.serving import make_server
 
 from bench.lib_ray import RaySim, bodies
-from storage import ray
-from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.reindex import reindex
-from storage.tokens import create_token
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import create_token
+from storage.jobs.reindex import reindex
+from storage.ray import bridge as ray
 from tests.conftest import new_tenant
 from tests.dask.conftest import wait_until
 from tests.test_reindex import fresh_index
@@ -855,8 +855,8 @@ def test_concurrent_collectors_write_each_task_once(pg_url, s3_url, moto_endpoin
 def test_retention_removes_a_ray_session_and_reindex_does_not_bring_it_back(app, token):
     from sqlalchemy import update
 
-    from storage import models as m
-    from storage.retention import apply
+    from storage.core import models as m
+    from storage.jobs.retention import apply
 
     r = Ray(app, token)
     _, _, events = workload(seed=13)
@@ -898,7 +898,7 @@ def test_task_patches_a_killed_collector_held_are_merged_from_the_stored_bodies(
     pg_url, s3_url, moto_endpoint, tmp_path
 ):
     """A collector holds acknowledged bodies' task patches a moment before merging them
-    (storage.ray.TaskHold). Killed (SIGKILL) while it holds them, nothing acknowledged is
+    (storage.ray.bridge.TaskHold). Killed (SIGKILL) while it holds them, nothing acknowledged is
     lost: another collector's sweeper merges those bodies again from their stored blobs,
     and users see what a collector that merged each body at once shows."""
     from services.embedded import create_app

@@ -12,7 +12,7 @@ import pytest
 import requests
 import zstandard
 
-from storage.ray_events import parse
+from storage.ray.events import parse
 from tests.dashboard.conftest import shoot
 from tests.dashboard.test_browser import model_counts
 from tests.dask.conftest import EmbeddedServer, wait_until

@@ -35,8 +35,8 @@ def token_for(
     settings: dict[str, Any], tenant: str | None = None, scopes: str = "ingest,read"
 ) -> str:
     """A real token, stored hashed in the index the settings name."""
-    from storage.db import make_engine, make_sessionmaker, upgrade
-    from storage.tokens import create_token
+    from storage.core.db import make_engine, make_sessionmaker, upgrade
+    from storage.core.tokens import create_token
 
     engine = make_engine(settings["database_url"])
     try:

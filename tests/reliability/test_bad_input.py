@@ -252,7 +252,7 @@ def test_values_the_index_cannot_hold_are_400_before_anything_is_stored(stack, m
     resp = post(client, example(**change), token=token)
     assert resp.status_code == 400 and resp.json["error"]["code"] == "invalid_batch"
     assert any(w in resp.json["error"]["message"] for w in ("range", "above", "<=", "NUL"))
-    from storage.blobs import open_blob_store
+    from storage.core.blobs import open_blob_store
 
     blobs = open_blob_store(stack["blob_url"], endpoint_url=stack["s3_endpoint_url"])
     assert list(blobs.list("v1/")) == []
@@ -284,7 +284,7 @@ def test_deep_nesting_and_names_ending_in_a_newline_are_400(stack, make_token, b
     reads) was a 500, and a name ending in "\\n" passed the name pattern (``$`` matches
     before a final newline): 503 forever from S3, a directory with a newline on disk."""
     from collector.app import create_app
-    from storage.blobs import open_blob_store
+    from storage.core.blobs import open_blob_store
 
     token = make_token()
     client = create_app(stack).test_client()

@@ -1,5 +1,5 @@
 """A collector killed mid-statement does not leave its locks held for the rest of the
-statement: Postgres notices the client is gone (storage.db.make_engine)."""
+statement: Postgres notices the client is gone (storage.core.db.make_engine)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from sqlalchemy import text
 
-from storage.db import make_engine
+from storage.core.db import make_engine
 
 
 @pytest.mark.postgres
@@ -20,7 +20,7 @@ def test_a_killed_clients_locks_are_released_while_its_statement_would_still_run
     # A client that takes the lock, then runs a minute-long statement, and is killed -9.
     code = textwrap.dedent(f"""
         from sqlalchemy import text
-        from storage.db import make_engine
+        from storage.core.db import make_engine
         with make_engine({pg_url!r}).connect() as c:
             c.execute(text("SELECT pg_advisory_lock({key})"))
             print("locked", flush=True)

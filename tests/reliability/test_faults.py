@@ -23,7 +23,7 @@ from bench.lib_faults import (
     make_token,
     wait_until,
 )
-from storage.blobs import open_blob_store
+from storage.core.blobs import open_blob_store
 from tests.conftest import make_bucket, new_tenant
 from tests.helpers import TcpProxy
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from storage import models as m
-from storage.blobs import open_blob_store
-from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.reindex import reindex
-from storage.retention import apply
-from storage.tokens import create_token
+from storage.core import models as m
+from storage.core.blobs import open_blob_store
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import create_token
+from storage.jobs.reindex import reindex
+from storage.jobs.retention import apply
 from tests.conftest import new_tenant
 from tests.helpers import auth, post
 from tests.query.test_runs import T0, run_batch

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from sqlalchemy import inspect, select, text
 
 from hindsight.schema import valid_name
-from storage import models as m
-from storage.batches import BatchKey, blob_key, parse_blob_key
-from storage.blobs import LocalBlobStore, open_blob_store
-from storage.db import make_engine, make_sessionmaker
-from storage.tokens import hash_token, verify_token
+from storage.core import models as m
+from storage.core.batches import BatchKey, blob_key, parse_blob_key
+from storage.core.blobs import LocalBlobStore, open_blob_store
+from storage.core.db import make_engine, make_sessionmaker
+from storage.core.tokens import hash_token, verify_token
 from tests.helpers import auth, example, post
 from tests.query.test_runs import run_batch
 

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hindsight.schema import Batch, GraphEvent, RunEvent, StartStop, TaskEvent
-from storage import sketch
-from storage.aggregate import aggregate
-from storage.batches import DEFAULT_RUN
-from storage.runfacts import ACTION_COLUMNS, action_index
+from storage.analysis.runfacts import ACTION_COLUMNS, action_index
+from storage.analysis import sketch
+from storage.core.batches import DEFAULT_RUN
+from storage.ingest.aggregate import aggregate
 
 T0 = 1_800_000_000.0 - 3_600.0  # an hour before a day boundary
 

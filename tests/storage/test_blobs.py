@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from storage.blobs import open_blob_store
+from storage.core.blobs import open_blob_store
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_s3_puts_are_signed_for_an_endpoint_that_checks(monkeypatch):
     import boto3
     import requests
 
-    from storage.blobs import S3BlobStore
+    from storage.core.blobs import S3BlobStore
     from tests.dask.conftest import free_port, wait_until
 
     port = free_port()
@@ -135,7 +135,7 @@ def test_s3_puts_are_signed_for_an_endpoint_that_checks(monkeypatch):
         for proxy in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
             monkeypatch.delenv(proxy, raising=False)
         store = S3BlobStore("signed", "p", endpoint_url=url)
-        assert store._put is not None  # the lean path (storage.blobs._PathStylePut) is tested
+        assert store._put is not None  # the lean path (storage.core.blobs._PathStylePut) is tested
         assert store.put("a/b c+d~e.json", b"first", if_absent=True) is True
         assert store.put("a/b c+d~e.json", b"second", if_absent=True) is False
         assert store.get("a/b c+d~e.json") == b"first"

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from storage import finish, rollups
-from storage import models as m
+from storage.core import models as m
+from storage.jobs import finish
+from storage.runs import rollups
 from tests.conftest import STACKS, fresh_pg_database, make_bucket, new_tenant
 from tests.helpers import auth, post
 from tests.query.test_runs import T0, run_batch
@@ -113,10 +114,10 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
     assert [k.rsplit("/", 1)[1] for k in compacted(app, run["id"])] == [
         "graph.parquet",
         "metrics.parquet",
-        # storage.analysis: the run page's critical path, progress and errors
+        # storage.analysis.whole: the run page's critical path, progress and errors
         "page-v2.json.zst",
         "tasks.parquet",
-        # storage.runlogs: the run's log records, emitted values, worker events
+        # storage.runs.runlogs: the run's log records, emitted values, worker events
         "logs.parquet",
         "streams.parquet",
         "workers.parquet",
@@ -416,8 +417,8 @@ def test_a_new_version_of_a_runs_copy_replaces_the_ones_it_supersedes(tmp_path):
     """Versions are ``{batches}-{highest batch id}``: one with fewer batches, or as many
     under other ids (a rebuilt index renumbers them), goes; one with more batches is a
     newer one another process wrote, and stays."""
-    from storage.blobs import LocalBlobStore
-    from storage.runfile import prune_tags
+    from storage.core.blobs import LocalBlobStore
+    from storage.runs.runfile import prune_tags
 
     blobs = LocalBlobStore(str(tmp_path))
     base = "compact/v1/t/c/s/run"

@@ -10,12 +10,12 @@ import pytest
 from sqlalchemy.orm import Session
 
 from hindsight.schema import Batch, RunEvent, StartStop, TaskEvent, WorkerEvent
-from storage import queries
-from storage.batches import blob_key
-from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.ingest import index_batch
-from storage.queries import RunFilters
-from storage.tokens import ensure_tenant
+from storage.core.batches import blob_key
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import ensure_tenant
+from storage.ingest.writer import index_batch
+from storage.query import runs as queries
+from storage.query.runs import RunFilters
 from tests.conftest import new_tenant
 
 NOW = 1_800_000_000.0
@@ -81,7 +81,7 @@ def apply(sessions: Any, tenant: str, batches: list[Batch]) -> list[bool]:
 def snapshot(db: Session, tenant: str) -> dict[str, Any]:
     from sqlalchemy import select
 
-    from storage import models as m
+    from storage.core import models as m
 
     tid = db.execute(select(m.Tenant.id).where(m.Tenant.name == tenant)).scalar_one()
     runs, _ = queries.list_runs(db, tid, RunFilters(), 100, None)
@@ -198,8 +198,8 @@ def test_cached_ids_from_a_rebuilt_index_never_misattribute_a_batch(index_url, t
     same numeric ids now name other rows. The guarded insert must notice."""
     from sqlalchemy import select
 
-    from storage import models as m
-    from storage.idcache import IdCache
+    from storage.core import models as m
+    from storage.core.idcache import IdCache
 
     cache = IdCache()
     first = make_engine(f"sqlite:///{tmp_path / 'old.db'}")

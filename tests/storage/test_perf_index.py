@@ -46,9 +46,9 @@ def batches() -> list[Batch]:
 def snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
     from sqlalchemy import select
 
-    from storage import models as m
-    from storage.activity import run_activity
-    from storage.runcode import run_code
+    from storage.core import models as m
+    from storage.query.activity import run_activity
+    from storage.runs.runcode import run_code
 
     with sessions() as db:
         tid = db.execute(select(m.Tenant.id).where(m.Tenant.name == tenant)).scalar_one()
@@ -57,7 +57,7 @@ def snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
 
 
 def test_activity_and_code_do_not_depend_on_order_or_retries(index_url):
-    from storage.db import make_engine, make_sessionmaker, upgrade
+    from storage.core.db import make_engine, make_sessionmaker, upgrade
     from tests.conftest import new_tenant
 
     engine = make_engine(index_url)

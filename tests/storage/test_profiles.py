@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from hindsight.dask_perf import MAX_EVENT_NODES, flatten_profile, profile_event
-from storage import flame
-from storage.profiles import Profile, add_flat, merge_into, prune
+from storage.analysis import flame
+from storage.runs.profiles import Profile, add_flat, merge_into, prune
 
 
 def dask_tree(stacks: list[list[str]], *, count_leaves: bool) -> dict[str, Any]:
@@ -157,10 +157,10 @@ def test_stored_trees_share_frames_and_merge_across_runs(index_url):
     frames are stored once per tenant."""
     from sqlalchemy import func, select
 
-    from storage import models as m
-    from storage.db import make_engine, make_sessionmaker, upgrade
-    from storage.profiles import Row, across_runs, decode, store
-    from storage.tokens import ensure_tenant
+    from storage.core import models as m
+    from storage.core.db import make_engine, make_sessionmaker, upgrade
+    from storage.core.tokens import ensure_tenant
+    from storage.runs.profiles import Row, across_runs, decode, store
     from tests.conftest import new_tenant
 
     engine = make_engine(index_url)

@@ -10,9 +10,9 @@ from typing import Any
 from sqlalchemy import select
 
 from hindsight.schema import Batch, PrefixState, RunEvent, StateEvent, WorkerState
-from storage import models as m
-from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.replay import state_at
+from storage.core import models as m
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.query.replay import state_at
 from tests.conftest import new_tenant
 from tests.storage.test_index import NOW, apply
 

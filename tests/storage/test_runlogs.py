@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from storage.blobs import open_blob_store
-from storage.db import make_engine, make_sessionmaker, upgrade
-from storage.reindex import reindex
-from storage.retention import apply
-from storage.tokens import create_token
+from storage.core.blobs import open_blob_store
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import create_token
+from storage.jobs.reindex import reindex
+from storage.jobs.retention import apply
 from tests.conftest import new_tenant
 from tests.helpers import auth, example, post
 from tests.query.test_runs import T0
@@ -197,7 +197,7 @@ def test_level_filters_take_any_case_on_both_sides():
     "NOTICE", though the docs say any case."""
     import pyarrow as pa
 
-    from storage.runlogs import LogFilters, filter_logs
+    from storage.runs.runlogs import LogFilters, filter_logs
 
     levels = ["warning", "Error", "WARNING", "INFO", "warn", "notice", "NOTICE", "fatal", "debug"]
     logs = pa.table({"level": levels, "message": [str(i) for i in range(len(levels))]})

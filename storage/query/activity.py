@@ -1,0 +1,106 @@
+"""Read Dask's fine performance metrics: one run's, and rolled up across runs.
+
+``run_activity`` holds, per run, the cumulative value of each (context, prefix, activity,
+unit) as of the run's last heartbeat (see ``storage.ingest.perf_index``). A run's seconds by
+activity and a prefix's or a job's seconds by activity over time are sums over it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from storage.core import models as m
+
+FIELDS = ("context", "prefix", "activity", "unit", "value")
+#: Bucket widths of the cross-run rollup, in seconds.
+BUCKETS = {"hour": 3600, "day": 86400}
+
+
+def run_activity(db: Session, run_id: int) -> dict[str, Any]:
+    """A run's metrics, the totals by activity and unit (over contexts and prefixes), and
+    the time of its latest sample."""
+    A = m.RunActivity
+    rows = db.execute(
+        select(A.context, A.prefix, A.activity, A.unit, A.value, A.time)
+        .where(A.run_id == run_id)
+        .order_by(A.context, A.prefix, A.activity, A.unit)
+    )
+    activity = []
+    totals: dict[tuple[str, str], float] = {}
+    latest = None
+    for context, prefix, act, unit, value, t in rows:
+        activity.append(dict(zip(FIELDS, (context, prefix, act, unit, value), strict=True)))
+        totals[(act, unit)] = totals.get((act, unit), 0.0) + value
+        latest = t if latest is None or t > latest else latest
+    return {
+        "activity": activity,
+        "totals": [
+            {"activity": a, "unit": u, "value": v}
+            for (a, u), v in sorted(totals.items(), key=lambda kv: (kv[0][1], -kv[1]))
+        ],
+        "as_of": latest,
+    }
+
+
+def seconds_by_prefix(activity: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{activity: {prefix: seconds}} of a run's ``execute`` metrics (Dask's view)."""
+    out: dict[str, dict[str, float]] = {}
+    for row in activity:
+        if row["unit"] != "seconds":
+            continue
+        per = out.setdefault(row["activity"], {})
+        key = row["prefix"] if row["context"] == "execute" else f"{row['context']}"
+        per[key] = per.get(key, 0.0) + row["value"]
+    return out
+
+
+def history(
+    db: Session,
+    tenant_id: int,
+    *,
+    bucket: str,
+    prefix: str | None = None,
+    name: str | None = None,
+    cluster: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    unit: str = "seconds",
+) -> list[dict[str, Any]]:
+    """Per bucket of run start: the runs, and per activity the total and the mean per run
+    of ``unit`` (of ``prefix``'s tasks, or of every prefix), over runs named ``name``."""
+    A, R = m.RunActivity, m.Run
+    width = BUCKETS[bucket]
+    slot = func.floor(R.started_at / width)
+    runs_q = select(R.id.label("run_id"), slot.label("slot")).where(R.tenant_id == tenant_id)
+    if name is not None:
+        runs_q = runs_q.where(R.name == name)
+    if cluster is not None:
+        runs_q = runs_q.join(m.Cluster, m.Cluster.id == R.cluster_id).where(
+            m.Cluster.name == cluster
+        )
+    if since is not None:
+        runs_q = runs_q.where(R.started_at >= since)
+    if until is not None:
+        runs_q = runs_q.where(R.started_at < until)
+    runs = runs_q.subquery()
+    q = (
+        select(runs.c.slot, A.activity, func.sum(A.value), func.count(func.distinct(A.run_id)))
+        .join(A, A.run_id == runs.c.run_id)
+        .where(A.unit == unit)
+        .group_by(runs.c.slot, A.activity)
+        .order_by(runs.c.slot, A.activity)
+    )
+    if prefix is not None:
+        q = q.where(A.prefix == prefix)
+    per_slot: dict[int, dict[str, Any]] = {}
+    for s, activity, total, n in db.execute(q):
+        point = per_slot.setdefault(int(s), {"time": int(s) * width, "runs": 0, "activity": {}})
+        point["runs"] = max(point["runs"], int(n))
+        point["activity"][activity] = {"total": total}
+    for point in per_slot.values():
+        for v in point["activity"].values():
+            v["mean"] = v["total"] / point["runs"]
+    return list(per_slot.values())

@@ -1,0 +1,644 @@
+"""Statistical profiles: call trees, their storage, and the formats profilers read.
+
+Workers send one ``profile`` event per task prefix per profile cycle (1 s). Once a run
+has finished, :func:`finish` attributes its workers' events to it and stores, in
+``run_profiles``, one zstd-compressed tree per (prefix, worker), per prefix over all
+workers, and over the whole run. So a run's profile, a prefix's profile over 100 runs
+or the difference of two runs read a few small rows and never a raw batch.
+
+Attribution. Dask keys profiles by prefix, not by run, so an event (worker, prefix,
+cycle) belongs to a run when that run has a task of that prefix whose compute time on
+that worker overlaps the cycle's ``[first, last]`` window of the run on that worker.
+Two runs of one session computing the same prefix on the same worker in the same
+second both get that cycle (Dask cannot tell their samples apart either).
+
+Bounds. A stored tree keeps at most ``MAX_NODES`` nodes (``MAX_WORKER_NODES`` for
+per-worker trees): the least-sampled frames are folded into their callers, whose own
+samples grow by as much, so totals stay exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session
+
+from hindsight.schema import ProfileEvent
+from storage.core import models as m
+from storage.core.batches import decode_stored
+from storage.core.blobs import BlobStore
+
+logger = logging.getLogger(__name__)
+
+MAX_NODES = 5000
+MAX_WORKER_NODES = 1000
+#: Worker batches received this long before a run's first or after its last batch are
+#: read for its profile (agents ship a cycle within a few seconds; a spool later).
+WINDOW_SLACK_S = 60.0
+#: Runs merged at most by a cross-run profile.
+MAX_RUNS = 1000
+ZSTD_LEVEL = 3
+
+FrameKey = tuple[str, str, int]  # function name, filename, first line
+#: Version of the stored tree format: part of every row's tag, so rows of an older format
+#: are rebuilt rather than misread.
+FORMAT = "p3"  # HSP3 trees
+
+
+class Node:
+    """A frame in a call tree: samples with it on the stack, and its callees by frame id."""
+
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, Node] = {}
+
+
+@dataclass
+class Profile:
+    """A call tree. ``root.count`` is every sample. Nodes refer to frames by id, which
+    keeps merging to integer lookups: ``keys[id]`` is a frame's identity and ``lines[id]``
+    a sampled line number and its source text, for display. Trees read from the index
+    use the tenant's frame ids (``profile_frames``); trees built in memory number their
+    frames from 0."""
+
+    root: Node = field(default_factory=Node)
+    keys: dict[int, FrameKey] = field(default_factory=dict)
+    lines: dict[int, tuple[int, str]] = field(default_factory=dict)
+    ids: dict[FrameKey, int] = field(default_factory=dict)
+    interval: float = 0.01
+    _next: int = 0
+
+    @property
+    def samples(self) -> int:
+        return self.root.count
+
+    def intern(self, key: FrameKey, line: tuple[int, str]) -> int:
+        i = self.ids.get(key)
+        if i is None:
+            i = self.ids[key] = self._next
+            self._next += 1
+            self.keys[i] = key
+            self.lines[i] = line
+        return i
+
+    def size(self) -> int:
+        n, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            n += len(node.children)
+            stack.extend(node.children.values())
+        return n
+
+    def frame_ids(self) -> set[int]:
+        out: set[int] = set()
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            out.update(node.children)
+            stack.extend(node.children.values())
+        return out
+
+
+# -- building -------------------------------------------------------------------------
+def _add_nodes(p: Profile, remap: list[int] | None, parents: Any, frames: Any, counts: Any) -> None:
+    """Add pre-order nodes (already checked), frames given in ``p``'s ids via ``remap``
+    (None: they are ``p``'s ids already)."""
+    placed: list[Node] = []
+    append = placed.append
+    root = p.root
+    top = 0
+    for parent, f, c in zip(parents, frames, counts, strict=True):
+        if parent < 0:
+            up = root
+            top += c
+        else:
+            up = placed[parent]
+        fid = remap[f] if remap is not None else f
+        child = up.children.get(fid)
+        if child is None:
+            child = up.children[fid] = Node()
+        child.count += c
+        append(child)
+    root.count += top
+
+
+def add_flat(
+    p: Profile,
+    frames: list[tuple[str, str, int, int, str]],
+    nodes: list[tuple[int, int, int]],
+) -> bool:
+    """Add a flat pre-order tree (frames as (name, filename, first_line, line_number,
+    line); nodes as (parent, frame, samples)). A malformed tree (a parent that is not an
+    earlier node, a frame out of range) is skipped whole; returns whether it was added."""
+    n_frames = len(frames)
+    for i, (parent, f, c) in enumerate(nodes):
+        if not (-1 <= parent < i) or not (0 <= f < n_frames) or c < 0:
+            return False
+    remap = [p.intern((n, fn, first), (ln, line)) for n, fn, first, ln, line in frames]
+    _add_nodes(p, remap, [n[0] for n in nodes], [n[1] for n in nodes], [n[2] for n in nodes])
+    return True
+
+
+def add_event(p: Profile, ev: ProfileEvent) -> bool:
+    """Add one ``profile`` event's tree."""
+    p.interval = ev.interval
+    frames = [(f.name, f.filename, f.first_line, f.line_number, f.line) for f in ev.frames]
+    return add_flat(p, frames, ev.nodes)  # type: ignore[arg-type]
+
+
+def merge_into(dst: Profile, src: Profile) -> None:
+    """Add ``src``'s samples to ``dst``."""
+    remap = {f: dst.intern(k, src.lines[f]) for f, k in src.keys.items()}
+    dst.root.count += src.root.count
+    stack = [(dst.root, src.root)]
+    while stack:
+        d, s = stack.pop()
+        for fid, sc in s.children.items():
+            key = remap[fid]
+            dc = d.children.get(key)
+            if dc is None:
+                dc = d.children[key] = Node()
+            dc.count += sc.count
+            if sc.children:
+                stack.append((dc, sc))
+
+
+def prune(p: Profile, max_nodes: int) -> None:
+    """Keep at most ``max_nodes`` nodes: the least-sampled frames are folded into their
+    callers (a callee never has more samples than its caller, so a count threshold keeps
+    every kept node's callers)."""
+    counts: list[int] = []
+    stack = [p.root]
+    while stack:
+        node = stack.pop()
+        for c in node.children.values():
+            counts.append(c.count)
+            stack.append(c)
+    if len(counts) <= max_nodes:
+        return
+    threshold = sorted(counts, reverse=True)[max_nodes - 1]
+    budget = max_nodes - sum(1 for c in counts if c > threshold)
+    # Pre-order walk, children in order of samples: ties at the threshold are kept first
+    # come, first served until the budget is spent.
+    stack = [p.root]
+    while stack:
+        node = stack.pop()
+        kept: dict[int, Node] = {}
+        for key, c in sorted(node.children.items(), key=lambda kv: -kv[1].count):
+            if c.count > threshold or (c.count == threshold and budget > 0):
+                if c.count == threshold:
+                    budget -= 1
+                kept[key] = c
+        node.children = kept
+        stack.extend(reversed(kept.values()))
+
+
+# -- storage ----------------------------------------------------------------------------
+# A tree at rest: b"HSP3", the sampling interval (float64), the node count n (uint32), then
+# pre-order nodes as three little-endian arrays: parent index (int32, -1 for a top-level
+# frame), the tenant's frame id (int64; frames are stored once per tenant in
+# ``profile_frames``) and samples (int64); zstd-compressed. Integers only: small at rest,
+# and many trees merge as arrays without parsing anything.
+_MAGIC = b"HSP3"
+_HEAD = struct.Struct("<4sdI")
+
+
+def flatten(p: Profile) -> tuple[list[int], list[int], list[int]]:
+    """Pre-order (parents, frame ids, counts), children by samples, most first."""
+    parents: list[int] = []
+    frames: list[int] = []
+    counts: list[int] = []
+    stack: list[tuple[int, Node, int]] = [
+        (k, c, -1) for k, c in sorted(p.root.children.items(), key=lambda kv: kv[1].count)
+    ]
+    while stack:
+        fid, node, parent = stack.pop()
+        i = len(parents)
+        parents.append(parent)
+        frames.append(fid)
+        counts.append(node.count)
+        stack.extend(
+            (k, c, i) for k, c in sorted(node.children.items(), key=lambda kv: kv[1].count)
+        )
+    return parents, frames, counts
+
+
+def encode(p: Profile, global_ids: dict[int, int]) -> bytes:
+    """The tree at rest, its frames renumbered to the tenant's ids (``global_ids``)."""
+    import numpy as np
+
+    parents, frames, counts = flatten(p)
+    body = b"".join(
+        (
+            _HEAD.pack(_MAGIC, p.interval, len(parents)),
+            np.asarray(parents, dtype="<i4").tobytes(),
+            np.asarray([global_ids[f] for f in frames], dtype="<i8").tobytes(),
+            np.asarray(counts, dtype="<i8").tobytes(),
+        )
+    )
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(body)
+
+
+def _arrays(data: bytes) -> tuple[float, Any, Any, Any]:
+    import numpy as np
+
+    raw = zstandard.ZstdDecompressor().decompress(data)
+    magic, interval, n = _HEAD.unpack_from(raw)
+    if magic != _MAGIC or len(raw) != _HEAD.size + 20 * n:
+        raise ValueError("not a stored profile tree")
+    at = _HEAD.size
+    parents = np.frombuffer(raw, dtype="<i4", count=n, offset=at)
+    frames = np.frombuffer(raw, dtype="<i8", count=n, offset=at + 4 * n)
+    counts = np.frombuffer(raw, dtype="<i8", count=n, offset=at + 12 * n)
+    return interval, parents, frames, counts
+
+
+def decode_into(p: Profile, data: bytes) -> None:
+    """Add a stored tree to ``p``, in the tenant's frame ids; :func:`resolve` names the
+    frames at the end."""
+    interval, parents, frames, counts = _arrays(data)
+    p.interval = interval
+    _add_nodes(p, None, parents.tolist(), frames.tolist(), counts.tolist())
+
+
+def merge_stored(datas: Iterable[bytes]) -> Profile:
+    """Stored trees merged into one, in the tenant's frame ids. (Merging the arrays
+    level by level with numpy was measured no faster than this loop: decoding is free.)"""
+    out = Profile()
+    for data in datas:
+        decode_into(out, data)
+    return out
+
+
+def _digest(key: FrameKey) -> str:
+    return hashlib.sha1(
+        f"{key[0]}\x00{key[1]}\x00{key[2]}".encode(), usedforsecurity=False
+    ).hexdigest()
+
+
+def frame_ids(
+    db: Session, tenant_id: int, frames: dict[FrameKey, tuple[int, str]]
+) -> dict[FrameKey, int]:
+    """The tenant's ids of ``frames`` (identity -> display line), adding the new ones."""
+    F = m.ProfileFrame.__table__
+    digests = {_digest(k): k for k in frames}
+    insert = _insert(db)
+    out: dict[FrameKey, int] = {}
+    ordered = sorted(digests)  # one order for every writer: no lock cycles
+    for i in range(0, len(ordered), 1000):
+        chunk = ordered[i : i + 1000]
+        db.execute(
+            insert(F).on_conflict_do_nothing(index_elements=["tenant_id", "digest"]),
+            [
+                {
+                    "tenant_id": tenant_id,
+                    "digest": d,
+                    "name": digests[d][0],
+                    "filename": digests[d][1],
+                    "first_line": digests[d][2],
+                    "line_number": frames[digests[d]][0],
+                    "line": frames[digests[d]][1],
+                }
+                for d in chunk
+            ],
+        )
+        for fid, d in db.execute(
+            select(F.c.id, F.c.digest).where(F.c.tenant_id == tenant_id, F.c.digest.in_(chunk))
+        ):
+            out[digests[d]] = fid
+    return out
+
+
+def resolve(db: Session, tenant_id: int, p: Profile) -> Profile:
+    """Name the frames of a tree read from the index (in the tenant's frame ids)."""
+    ids = sorted(p.frame_ids())
+    F = m.ProfileFrame
+    for i in range(0, len(ids), 5000):
+        for fid, name, filename, first, line_number, line in db.execute(
+            select(F.id, F.name, F.filename, F.first_line, F.line_number, F.line).where(
+                F.tenant_id == tenant_id, F.id.in_(ids[i : i + 5000])
+            )
+        ):
+            p.keys[fid] = (name, filename, first)
+            p.lines[fid] = (line_number, line)
+            p.ids[(name, filename, first)] = fid
+    for fid in ids:  # a frame removed under us: still drawn, unnamed
+        if fid not in p.keys:
+            p.keys[fid] = ("?", "", 0)
+            p.lines[fid] = (0, "")
+    p._next = max(p.keys, default=-1) + 1
+    return p
+
+
+def decode(db: Session, tenant_id: int, data: bytes) -> Profile:
+    p = Profile()
+    decode_into(p, data)
+    return resolve(db, tenant_id, p)
+
+
+# -- a run's profile ----------------------------------------------------------------------
+@dataclass
+class RunProfiles:
+    """A run's trees by (prefix, worker), before the merged rows are derived."""
+
+    trees: dict[tuple[str, str], Profile] = field(default_factory=dict)
+    events: int = 0
+
+
+def windows(tasks: Any) -> dict[tuple[str, str], tuple[float, float]]:
+    """Per (worker, prefix): the first compute start and last compute stop of a run's
+    tasks (``tasks`` is the run's Arrow table, as ``storage.runs.runfile`` builds it)."""
+    import pyarrow.compute as pc
+
+    t = tasks.select(["worker", "prefix", "compute_start", "compute_stop"])
+    t = t.filter(pc.is_valid(t["compute_start"]))
+    if t.num_rows == 0:
+        return {}
+    g = t.group_by(["worker", "prefix"]).aggregate(
+        [("compute_start", "min"), ("compute_stop", "max")]
+    )
+    return {
+        (w or "", p or ""): (lo, hi)
+        for w, p, lo, hi in zip(
+            g["worker"].to_pylist(),
+            g["prefix"].to_pylist(),
+            g["compute_start_min"].to_pylist(),
+            g["compute_stop_max"].to_pylist(),
+            strict=True,
+        )
+    }
+
+
+def attribute(
+    windows_: dict[tuple[str, str], tuple[float, float]], events: Iterable[Any]
+) -> RunProfiles:
+    """The run's trees from ``events`` (any events; profile events whose cycle overlaps
+    the run's window for their worker and prefix are taken)."""
+    out = RunProfiles()
+    for ev in events:
+        if type(ev) is not ProfileEvent:
+            continue
+        w = windows_.get((ev.worker, ev.prefix))
+        if w is None or ev.start > w[1] or ev.stop < w[0]:
+            continue
+        key = (ev.prefix, ev.worker)
+        tree = out.trees.get(key)
+        if tree is None:
+            tree = out.trees[key] = Profile(interval=ev.interval)
+        if add_event(tree, ev):
+            out.events += 1
+    return out
+
+
+@dataclass
+class Row:
+    """One ``run_profiles`` row before it is stored: its key and its (pruned) tree."""
+
+    prefix: str
+    worker: str
+    tree: Profile
+
+
+def rows(built: RunProfiles) -> list[Row]:
+    """A run's rows: per (prefix, worker), per prefix, and the whole run, each pruned."""
+    by_prefix: dict[str, Profile] = {}
+    whole = Profile()
+    out = []
+    for (prefix, worker), tree in sorted(built.trees.items()):
+        merged = by_prefix.get(prefix)
+        if merged is None:
+            merged = by_prefix[prefix] = Profile(interval=tree.interval)
+        merge_into(merged, tree)
+        merge_into(whole, tree)
+        whole.interval = tree.interval
+        prune(tree, MAX_WORKER_NODES)
+        out.append(Row(prefix, worker, tree))
+    for prefix, tree in by_prefix.items():
+        prune(tree, MAX_NODES)
+        out.append(Row(prefix, "", tree))
+    prune(whole, MAX_NODES)
+    out.append(Row("", "", whole))
+    return out
+
+
+def _worker_batches(db: Session, run: m.Run) -> list[tuple[int, str]]:
+    """(id, blob key) of the session's worker batches received in the run's window."""
+    from storage.runs import runfile
+
+    return runfile.session_batches_around(
+        db, run, WINDOW_SLACK_S, agents=m.Agent.name.like("worker-%")
+    )
+
+
+def inputs_tag(db: Session, run: m.Run, batches: list[tuple[int, str]]) -> str:
+    """The version of what a run's profile is built from: its own batches (their count
+    and highest id) and the worker batches in its window."""
+    n, hi = db.execute(
+        select(func.count(), func.max(m.RunBatch.batch_id)).where(m.RunBatch.run_id == run.id)
+    ).one()
+    return f"{FORMAT}/{n}-{hi or 0}/{len(batches)}-{batches[-1][0] if batches else 0}"
+
+
+def build(tasks: Any, events: Iterable[Any]) -> list[Row]:
+    """A run's profile rows from its task table and candidate events."""
+    return rows(attribute(windows(tasks), events))
+
+
+def store(db: Session, run: m.Run, new_rows: list[Row], tag: str) -> None:
+    """Replace a run's stored profile (the caller owns the transaction).
+
+    Upserts, then removes rows of other builds: a finisher and a first read building the
+    same run at once both succeed (whichever commits last wins, and a stale tag is
+    rebuilt on the next read) instead of one failing on the primary key."""
+    frames: dict[FrameKey, tuple[int, str]] = {}
+    for r in new_rows:
+        for fid in r.tree.frame_ids():
+            frames.setdefault(r.tree.keys[fid], r.tree.lines[fid])
+    ids = frame_ids(db, run.tenant_id, frames)
+    values = []
+    for r in new_rows:
+        global_ids = {fid: ids[key] for fid, key in r.tree.keys.items() if key in ids}
+        values.append(
+            {
+                "run_id": run.id,
+                "prefix": r.prefix,
+                "worker": r.worker,
+                "samples": r.tree.samples,
+                "nodes": r.tree.size(),
+                "interval": r.tree.interval,
+                "tag": tag,
+                "data": encode(r.tree, global_ids),
+            }
+        )
+    P = m.RunProfile.__table__
+    if values:
+        ins = _insert(db)(P)
+        db.execute(
+            ins.on_conflict_do_update(
+                index_elements=["run_id", "prefix", "worker"],
+                set_={c: ins.excluded[c] for c in ("samples", "nodes", "interval", "tag", "data")},
+            ),
+            sorted(values, key=lambda v: (v["prefix"], v["worker"])),
+        )
+    db.execute(delete(P).where(P.c.run_id == run.id, P.c.tag != tag))
+
+
+def _insert(db: Session) -> Any:
+    if db.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert
+
+
+def finish(fr: Any) -> None:
+    """Finisher (``storage.jobs.finish``): build and store a finished run's profile.
+    Idempotent: the rows are replaced whole."""
+    batches = _worker_batches(fr.db, fr.run)
+    events = (ev for batch in fr.batches() for ev in batch.events)
+    store(fr.db, fr.run, build(fr.data().tasks, events), inputs_tag(fr.db, fr.run, batches))
+
+
+def _events(blobs: BlobStore, batches: list[tuple[int, str]]) -> Iterator[Any]:
+    for _id, key in batches:
+        try:
+            batch = decode_stored(blobs.get(key))
+        except FileNotFoundError:
+            continue  # removed by retention since the index was read
+        yield from batch.events
+
+
+def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], Any] | None:
+    """The run's stored profile rows by (prefix, worker) without their data, building
+    them first if they are missing or stale. A running run's profile is built but not
+    stored: None then, and :func:`load` builds it in memory."""
+    from storage.runs import runfile
+
+    batches = _worker_batches(db, run)
+    tag = inputs_tag(db, run, batches)
+    have = {
+        (p, w): (samples, t)
+        for p, w, samples, t in db.execute(
+            select(
+                m.RunProfile.prefix, m.RunProfile.worker, m.RunProfile.samples, m.RunProfile.tag
+            ).where(m.RunProfile.run_id == run.id)
+        )
+    }
+    marker = have.get(("", ""))
+    if marker is not None and marker[1] == tag:
+        return have
+    if run.status == "running":
+        return None
+    data = runfile.load_run(db, blobs, run)
+    new_rows = build(data.tasks, _events(blobs, batches))
+    # Derived data, written in its own transaction (as a finisher would): the caller's
+    # session stays a reader.
+    try:
+        with Session(db.get_bind()) as writer, writer.begin():
+            store(writer, run, new_rows, tag)
+    except (IntegrityError, DBAPIError):
+        # Another request stored it at the same time, or the index is busy: the rows
+        # built here are as good; they are stored next time.
+        logger.info("profile of run %s not stored (concurrent build)", run.public_id)
+    return {(r.prefix, r.worker): (r.tree.samples, tag) for r in new_rows}
+
+
+def _live(db: Session, blobs: BlobStore, run: m.Run) -> RunProfiles:
+    """A running run's trees, built in memory from what has arrived so far."""
+    from storage.runs import runfile
+
+    tasks = runfile.load_run(db, blobs, run).tasks
+    return attribute(windows(tasks), _events(blobs, _worker_batches(db, run)))
+
+
+def load(
+    db: Session, blobs: BlobStore, run: m.Run, prefix: str | None = None, worker: str | None = None
+) -> Profile:
+    """A run's profile, optionally of one prefix and/or one worker."""
+    have = ensure(db, blobs, run)
+    if have is None:
+        out = Profile()
+        for (p, w), tree in _live(db, blobs, run).trees.items():
+            if (prefix is None or p == prefix) and (worker is None or w == worker):
+                merge_into(out, tree)
+                out.interval = tree.interval
+        return out
+    P = m.RunProfile
+    if worker is None:
+        where = [P.prefix == (prefix or ""), P.worker == ""]
+    elif prefix is not None:
+        where = [P.prefix == prefix, P.worker == worker]
+    else:
+        where = [P.prefix != "", P.worker == worker]
+    found = db.execute(select(P.data).where(P.run_id == run.id, *where)).scalars()
+    return resolve(db, run.tenant_id, merge_stored(found))
+
+
+@dataclass
+class Merged:
+    """A profile merged over runs: the tree, how many runs it holds, and whether more
+    runs matched than were merged (the newest ``limit`` are)."""
+
+    profile: Profile
+    runs: int
+    truncated: bool
+
+
+def across_runs(
+    db: Session,
+    tenant_id: int,
+    *,
+    prefix: str | None = None,
+    name: str | None = None,
+    cluster: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int = MAX_RUNS,
+) -> Merged:
+    """The merged profile of ``prefix`` (or of whole runs) over the runs started in
+    ``[since, until)``, optionally only those named ``name`` or of ``cluster``: one stored
+    tree per run, newest runs first."""
+    P, R = m.RunProfile, m.Run
+    q = (
+        select(P.data)
+        .join(R, R.id == P.run_id)
+        .where(R.tenant_id == tenant_id, P.prefix == (prefix or ""), P.worker == "")
+    )
+    if name is not None:
+        q = q.where(R.name == name)
+    if cluster is not None:
+        q = q.join(m.Cluster, m.Cluster.id == R.cluster_id).where(m.Cluster.name == cluster)
+    if since is not None:
+        q = q.where(R.started_at >= since)
+    if until is not None:
+        q = q.where(R.started_at < until)
+    found = db.execute(q.order_by(R.started_at.desc(), R.id.desc()).limit(limit + 1)).all()
+    out = merge_stored(data for (data,) in found[:limit])
+    return Merged(resolve(db, tenant_id, out), min(len(found), limit), len(found) > limit)
+
+
+def load_prefixes(db: Session, blobs: BlobStore, run: m.Run) -> dict[str, Profile]:
+    """A run's profile per task prefix (over all its workers)."""
+    have = ensure(db, blobs, run)
+    out: dict[str, Profile] = {}
+    if have is None:
+        for (prefix, _worker), tree in _live(db, blobs, run).trees.items():
+            merged = out.setdefault(prefix, Profile(interval=tree.interval))
+            merge_into(merged, tree)
+        return out
+    P = m.RunProfile
+    for prefix, data in db.execute(
+        select(P.prefix, P.data).where(P.run_id == run.id, P.prefix != "", P.worker == "")
+    ):
+        out[prefix] = decode(db, run.tenant_id, data)
+    return out

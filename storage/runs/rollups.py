@@ -1,0 +1,191 @@
+"""Folding the appended rollup rows: off the ingest path, exactly once.
+
+Ingest appends a row per batch to ``run_prefix_hist``, ``prefix_days`` and
+``cluster_hours`` (``batch_id`` > 0) so that concurrent batches never read, lock or rewrite
+a shared row. Readers sum whatever rows there are, so folding changes no answer: it only
+keeps the rows few. A fold deletes the appended rows *with* ``RETURNING`` and adds what
+it deleted into the row with ``batch_id`` 0, in one transaction: a row is folded by the
+transaction that deleted it, so two folds can never count it twice, and a crash rolls the
+deletion back. Folds of one run (one cluster) are serialised on the run's (cluster's)
+row with ``FOR NO KEY UPDATE``, which ingest's foreign-key checks do not wait for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Table, delete, select
+from sqlalchemy.orm import Session
+
+from storage.core import models as m
+from storage.core.statements import dialect_functions
+
+if TYPE_CHECKING:
+    from storage.jobs.finish import FinishedRun
+
+
+def _merge(into: dict[str, int], buckets: dict[str, int] | None) -> None:
+    for b, n in (buckets or {}).items():
+        into[b] = into.get(b, 0) + n
+
+
+def _lock(db: Session, model: Any, row_id: int) -> None:
+    db.execute(select(model.id).where(model.id == row_id).with_for_update(key_share=True))
+
+
+def fold_run(db: Session, run_id: int) -> int:
+    """Fold the run's appended histogram rows; returns how many were folded."""
+    _lock(db, m.Run, run_id)
+    H = m.RunPrefixHist.__table__
+    deleted = db.execute(
+        delete(H)
+        .where(H.c.run_id == run_id, H.c.batch_id != 0)
+        .returning(H.c.prefix, H.c.action, H.c.buckets)
+    ).all()
+    if not deleted:
+        return 0
+    merged: dict[tuple[str, str], dict[str, int]] = {}
+    for prefix, action, buckets in deleted:
+        _merge(merged.setdefault((prefix, action), {}), buckets)
+    for prefix, action, buckets in db.execute(
+        select(H.c.prefix, H.c.action, H.c.buckets).where(H.c.run_id == run_id, H.c.batch_id == 0)
+    ):
+        if (prefix, action) in merged:
+            _merge(merged[(prefix, action)], buckets)
+    _put(
+        db,
+        H,
+        ["run_id", "prefix", "action", "batch_id"],
+        [
+            {"run_id": run_id, "prefix": p, "action": a, "batch_id": 0, "buckets": b}
+            for (p, a), b in sorted(merged.items())
+        ],
+        ("buckets",),
+    )
+    return len(deleted)
+
+
+def fold_cluster(db: Session, cluster_id: int) -> int:
+    """Fold the cluster's appended day and hour rows; returns how many were folded."""
+    _lock(db, m.Cluster, cluster_id)
+    D = m.PrefixDay.__table__
+    days = db.execute(
+        delete(D)
+        .where(D.c.cluster_id == cluster_id, D.c.batch_id != 0)
+        .returning(D.c.prefix, D.c.action, D.c.day, D.c.count, D.c.total, D.c.max, D.c.buckets)
+    ).all()
+    merged_days: dict[tuple[str, str, int], list[Any]] = {}
+    for prefix, action, day, count, total, hi, buckets in days:
+        _add_day(
+            merged_days.setdefault((prefix, action, day), [0, 0.0, None, {}]),
+            count,
+            total,
+            hi,
+            buckets,
+        )
+    if merged_days:
+        keys = sorted(merged_days)
+        for prefix, action, day, count, total, hi, buckets in db.execute(
+            select(
+                D.c.prefix, D.c.action, D.c.day, D.c.count, D.c.total, D.c.max, D.c.buckets
+            ).where(
+                D.c.cluster_id == cluster_id,
+                D.c.batch_id == 0,
+                D.c.prefix.in_(sorted({k[0] for k in keys})),
+                D.c.day.in_(sorted({k[2] for k in keys})),
+            )
+        ):
+            if (prefix, action, day) in merged_days:
+                _add_day(merged_days[(prefix, action, day)], count, total, hi, buckets)
+        _put(
+            db,
+            D,
+            ["cluster_id", "prefix", "action", "day", "batch_id"],
+            [
+                {
+                    "cluster_id": cluster_id,
+                    "prefix": p,
+                    "action": a,
+                    "day": d,
+                    "batch_id": 0,
+                    "count": v[0],
+                    "total": v[1],
+                    "max": v[2],
+                    "buckets": v[3],
+                }
+                for (p, a, d), v in ((k, merged_days[k]) for k in keys)
+            ],
+            ("count", "total", "max", "buckets"),
+        )
+    return len(days) + _fold_hours(db, cluster_id)
+
+
+def _add_day(into: list[Any], count: int, total: float, hi: float, buckets: Any) -> None:
+    into[0] += count
+    into[1] += total
+    into[2] = hi if into[2] is None else max(into[2], hi)
+    _merge(into[3], buckets)
+
+
+def _fold_hours(db: Session, cluster_id: int) -> int:
+    CH = m.ClusterHour.__table__
+    sums = ("tasks", "errors", "compute", "transfer", "disk", "nbytes")
+    deleted = db.execute(
+        delete(CH)
+        .where(CH.c.cluster_id == cluster_id, CH.c.batch_id != 0)
+        .returning(CH.c.hour, *(CH.c[c] for c in sums))
+    ).all()
+    merged: dict[int, list[Any]] = {}
+    for hour, *values in deleted:
+        into = merged.setdefault(hour, [0] * len(sums))
+        for i, v in enumerate(values):
+            into[i] += v
+    if not merged:
+        return 0
+    insert, _, _ = dialect_functions(db.get_bind().dialect.name)
+    ins = insert(CH)
+    db.execute(
+        ins.on_conflict_do_update(
+            index_elements=["cluster_id", "hour", "batch_id"],
+            set_={c: CH.c[c] + ins.excluded[c] for c in sums},
+        ),
+        [
+            {"cluster_id": cluster_id, "hour": h, "batch_id": 0, **dict(zip(sums, v, strict=True))}
+            for h, v in sorted(merged.items())
+        ],
+    )
+    return len(deleted)
+
+
+def _put(
+    db: Session, table: Table, keys: list[str], rows: list[dict[str, Any]], columns: Iterable[str]
+) -> None:
+    """Insert the folded rows, or replace their values (the caller merged the old ones in)."""
+    if not rows:
+        return
+    insert, _, _ = dialect_functions(db.get_bind().dialect.name)
+    ins = insert(table)
+    db.execute(
+        ins.on_conflict_do_update(index_elements=keys, set_={c: ins.excluded[c] for c in columns}),
+        rows,
+    )
+
+
+def clusters_to_fold(db: Session, limit: int = 100) -> list[int]:
+    """Clusters with appended day or hour rows."""
+    D, CH = m.PrefixDay, m.ClusterHour
+    ids = set(
+        db.execute(select(D.cluster_id).where(D.batch_id != 0).distinct().limit(limit)).scalars()
+    )
+    ids |= set(
+        db.execute(select(CH.cluster_id).where(CH.batch_id != 0).distinct().limit(limit)).scalars()
+    )
+    return sorted(ids)[:limit]
+
+
+def finish(fr: FinishedRun) -> None:
+    """Finisher: fold the run's rows and its cluster's. The cluster's row is locked before
+    the run's, in the order ingest takes them."""
+    fold_cluster(fr.db, fr.run.cluster_id)
+    fold_run(fr.db, fr.run.id)
