@@ -73,7 +73,7 @@ schema: install
 
 ## bench: every benchmark (minutes each; prints figures and a JSON line per bench)
 bench: install
-	@for b in bench/[a-z]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in bench/[a-z]*.py; do name=$$(basename $$b .py); case $$name in lib_*) continue;; esac; echo "== $$name"; $(BIN)/python -m bench.$$name || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

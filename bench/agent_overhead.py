@@ -22,7 +22,7 @@ batches).  The process RSS is reported for context only: it is dominated by Dask
 per-task state, and a with/without RSS difference on one process is allocator noise.
 
 ``distributed.scheduler.worker-saturation`` is set to ``inf`` to make a run cost
-~1 ms of scheduler time per task instead of ~2.5 ms here (dask-internals.md 7.2):
+~1 ms of scheduler time per task instead of ~2.5 ms (dask-internals.md 7.2):
 that halves the bench's runtime and makes the agent's *relative* cost larger, so the
 figures are conservative.
 
@@ -33,32 +33,38 @@ tenant's ``profile_frames``) and on the wire (its share of the compressed worker
 by the JSON size of the profile events in each) are reported, with the seconds of task
 time they cover.
 
-Usage: ``.venv/bin/python bench/agent_overhead.py [--pairs 5] [--tasks 20000]
+Usage: ``.venv/bin/python -m bench.agent_overhead [--pairs 5] [--tasks 20000]
 [--memory-tasks 200000] [--profile-tasks 40]``.  Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
+import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import dask
+import dask.array as da
+import requests
+import zstandard
+from distributed import Client, LocalCluster, span
 
-import dask  # noqa: E402
-import dask.array as da  # noqa: E402
-import requests  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from bench.lib_results import report
+from hindsight.dask import _task_event
+from hindsight.schema import ProfileEvent, decode_batch, encode_batch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TARGETS = {"wall_ratio": 1.03, "scheduler_cpu_ratio": 1.05}
 
@@ -81,19 +87,29 @@ def rss_bytes() -> int:
 
 class Server:
     def __init__(self, data_dir: str) -> None:
-        import socket
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(data_dir, "serve.log"), "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hindsight.cli", "serve", "--data-dir", data_dir,
-             "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "hindsight.cli",
+                "serve",
+                "--data-dir",
+                data_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
             env={**os.environ, "HINDSIGHT_AUTH": "disabled"},
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -134,7 +150,7 @@ class Toggle:
     def _on_loop(self, fn: Any) -> None:
         """Run ``fn`` on the scheduler's event loop and wait for it: a PeriodicCallback
         started from this thread would be bound to this thread's (idle) loop and never
-        fire, which silently left the "with" runs without samples."""
+        fire, and the "with" runs would go without samples."""
         done = threading.Event()
 
         def run() -> None:
@@ -231,18 +247,26 @@ def memory_run(
 
 def item_bytes() -> int:
     """Bytes one buffered task record holds (tracemalloc over 10,000 typical items)."""
-    import tracemalloc
-
-    from hindsight.dask import _task_event
-
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     items = [
-        (_task_event, f"inc-{i:032x}", "inc", "inc", "run-id", "memory", "tcp://127.0.0.1:40000",
-         140000000000000 + i, 28, "int",
-         ({"action": "compute", "start": 1.7e9 + i, "stop": 1.7e9 + i + 0.001},), None, None)
+        (
+            _task_event,
+            f"inc-{i:032x}",
+            "inc",
+            "inc",
+            "run-id",
+            "memory",
+            "tcp://127.0.0.1:40000",
+            140000000000000 + i,
+            28,
+            "int",
+            ({"action": "compute", "start": 1.7e9 + i, "stop": 1.7e9 + i + 0.001},),
+            None,
+            None,
+        )
         for i in range(10_000)
-    ]  # fmt: skip
+    ]
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     size = sum(s.size_diff for s in after.compare_to(before, "filename"))
@@ -265,13 +289,6 @@ def profile_bytes(
     client: Client, cluster: LocalCluster, server: Server, data_dir: str, tasks: int
 ) -> dict[str, Any]:
     """Record one run of pandas work; its profile's bytes at rest and on the wire."""
-    import sqlite3
-
-    import zstandard
-    from distributed import span
-
-    from hindsight.schema import ProfileEvent, decode_batch, encode_batch
-
     wait_idle(client, cluster)
     with span("bench-profile"):
         client.gather(client.map(groupby_work, range(tasks), pure=False))
@@ -326,10 +343,12 @@ def profile_bytes(
         wire += len(body) * len(encode_batch(batch)) / total
         profile_events += len(mine)
     task_seconds = prof["samples"] * prof["interval"]
-    log(f"  {tasks} tasks, {prof['samples']:,} samples ({task_seconds:.1f} s of task threads): "
+    log(
+        f"  {tasks} tasks, {prof['samples']:,} samples ({task_seconds:.1f} s of task threads): "
         f"{at_rest:,} bytes in {rows} rows at rest (+ frames {frame_bytes:,} bytes for {frames} "
         f"code locations, shared by {stored_runs} runs), ~{wire:,.0f} bytes on the wire in "
-        f"{profile_events} events")  # fmt: skip
+        f"{profile_events} events"
+    )
     return {
         "profile_samples": prof["samples"],
         "profile_task_seconds": round(task_seconds, 1),
@@ -364,14 +383,17 @@ def main() -> None:
     figures: dict[str, Any] = {}
     try:
         with dask.config.set(config):
-            with LocalCluster(
-                n_workers=2,
-                threads_per_worker=1,
-                processes=True,
-                dashboard_address=":0",
-                worker_dashboard_address=":0",
-                scheduler_kwargs={"preload": ["hindsight.dask"]},
-            ) as cluster, Client(cluster) as client:  # fmt: skip
+            with (
+                LocalCluster(
+                    n_workers=2,
+                    threads_per_worker=1,
+                    processes=True,
+                    dashboard_address=":0",
+                    worker_dashboard_address=":0",
+                    scheduler_kwargs={"preload": ["hindsight.dask"]},
+                ) as cluster,
+                Client(cluster) as client,
+            ):
                 toggle = Toggle(cluster, client)
                 log("warm-up")
                 for name in ("map", "array"):
@@ -396,8 +418,10 @@ def main() -> None:
                             result["with"][1] / result["without"][1]
                         )
                         log(
-                            f"pair {pair + 1}/{args.pairs} {name}: wall with {result['with'][0]:.1f}s "
-                            f"without {result['without'][0]:.1f}s; cpu with {result['with'][1]:.1f}s "
+                            f"pair {pair + 1}/{args.pairs} {name}: wall with "
+                            f"{result['with'][0]:.1f}s "
+                            f"without {result['without'][0]:.1f}s; cpu with "
+                            f"{result['with'][1]:.1f}s "
                             f"without {result['without'][1]:.1f}s"
                         )
                 all_wall = [r for s in samples.values() for r in s["wall_pair_ratio"]]
@@ -414,7 +438,8 @@ def main() -> None:
                     log(f"memory: {args.memory_tasks} tasks with the agent")
                     with_ = memory_run(client, cluster, toggle, args.memory_tasks, True)
                     log(
-                        f"  wall {with_['wall']:.1f}s, peak buffer {with_['buffer_events']} events, "
+                        f"  wall {with_['wall']:.1f}s, peak buffer {with_['buffer_events']} "
+                        f"events, "
                         f"process RSS growth {with_['rss_growth'] / 2**20:.1f} MiB"
                     )
                     per_item = item_bytes()
@@ -447,9 +472,7 @@ def main() -> None:
         figures["wall_ratio"] <= TARGETS["wall_ratio"]
         and figures["scheduler_cpu_ratio"] <= TARGETS["scheduler_cpu_ratio"]
     )
-    print(
-        json.dumps({"bench": "agent_overhead", "figures": figures, "targets": TARGETS, "met": met})
-    )
+    report("agent_overhead", figures, TARGETS, met)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ detail, timed as ``finish_work_s``), then times the first view and a second one,
 the hover's task keys are in (``run_page_first_keys_s``: the page requests them while it
 builds its figures and sets them once the stream is painted).
 
-    .venv/bin/python bench/dashboard.py [--tasks 100000]
+    .venv/bin/python -m bench.dashboard [--tasks 100000]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -25,21 +24,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import msgspec
 import requests
+from playwright.sync_api import sync_playwright
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.lib_workload import batch, task_events  # noqa: E402
-from hindsight.sender import Sender  # noqa: E402
+from bench.lib_results import report
+from bench.lib_workload import batch, task_events
+from hindsight.sender import Sender
 
 TARGETS = {"run_page_interactive_s": 2.0}
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def free_port() -> int:
@@ -56,10 +60,20 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "hindsight.cli", "serve", "--data-dir", data_dir, "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "hindsight.cli",
+            "serve",
+            "--data-dir",
+            data_dir,
+            "--port",
+            str(port),
+        ],
         env={**os.environ, "HINDSIGHT_AUTH": "disabled", "HINDSIGHT_LOG_LEVEL": "WARNING"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -84,19 +98,36 @@ def main() -> int:
                 n = min(per, args.tasks - seq * per)
                 events = task_events(n, first=seq * per, run="run-big", t0=t0 + seq * 2.0, rng=rng)
                 if seq == 0:
-                    events.insert(0, {"kind": "run", "event": "started", "id": "run-big",
-                                      "name": "dashboard-bench", "time": t0})  # fmt: skip
+                    events.insert(
+                        0,
+                        {
+                            "kind": "run",
+                            "event": "started",
+                            "id": "run-big",
+                            "name": "dashboard-bench",
+                            "time": t0,
+                        },
+                    )
                 if seq == n_batches - 1:
                     events.append(
                         {"kind": "run", "event": "finished", "id": "run-big", "time": t0 + duration}
                     )
                 for w in range(16):
                     for k in range(2):
-                        events.append({"kind": "metric", "worker": f"tcp://10.0.{w // 8}.{w % 8 + 10}:{40000 + w}",
-                                       "time": t0 + seq * 2.0 + k, "values": {
-                                           "memory.managed": rng.random() * 4e9, "memory.unmanaged": 3e8 + rng.random() * 1e8,
-                                           "memory.spilled": 0.0, "cpu": rng.random() * 100,
-                                           "tasks.processing": rng.randrange(8)}})  # fmt: skip
+                        events.append(
+                            {
+                                "kind": "metric",
+                                "worker": f"tcp://10.0.{w // 8}.{w % 8 + 10}:{40000 + w}",
+                                "time": t0 + seq * 2.0 + k,
+                                "values": {
+                                    "memory.managed": rng.random() * 4e9,
+                                    "memory.unmanaged": 3e8 + rng.random() * 1e8,
+                                    "memory.spilled": 0.0,
+                                    "cpu": rng.random() * 100,
+                                    "tasks.processing": rng.randrange(8),
+                                },
+                            }
+                        )
                 body = enc.encode(batch("bench", "Scheduler-dash", "scheduler-0", seq, events))
                 resp = s.send(body, encoding="zstd")
                 assert resp.status == 202, resp.body
@@ -112,8 +143,6 @@ def main() -> int:
             time.sleep(0.2)
         finish_s = time.perf_counter() - posted
         print(f"  finished-run work done {finish_s:.1f} s after the last batch")
-
-        from playwright.sync_api import sync_playwright
 
         figures: dict[str, float] = {}
         with sync_playwright() as p:
@@ -139,12 +168,17 @@ def main() -> int:
                 )
                 nav = page.evaluate(
                     "() => { const n = performance.getEntriesByType('navigation')[0];"
-                    " return {response: Math.round(n.responseEnd), domi: Math.round(n.domInteractive), dcls: Math.round(n.domContentLoadedEventStart), dom: Math.round(n.domContentLoadedEventEnd), loads: Math.round(n.loadEventStart),"
+                    " return {response: Math.round(n.responseEnd),"
+                    " domi: Math.round(n.domInteractive),"
+                    " dcls: Math.round(n.domContentLoadedEventStart),"
+                    " dom: Math.round(n.domContentLoadedEventEnd),"
+                    " loads: Math.round(n.loadEventStart),"
                     " load: Math.round(n.loadEventEnd), now: Math.round(performance.now())}; }"
                 )
                 assert not errors, errors
                 print(
-                    f"  {label}: interactive after {elapsed:.2f} s, the hover's keys after {keys_s:.2f} s"
+                    f"  {label}: interactive after {elapsed:.2f} s, the "
+                    f"hover's keys after {keys_s:.2f} s"
                     f" ({glyphs:,} task-stream glyphs);"
                     f" page ms: {nav | marks}"
                 )
@@ -156,9 +190,7 @@ def main() -> int:
         figures["finish_work_s"] = round(finish_s, 1)
         figures["tasks"] = args.tasks
         met = figures["run_page_interactive_s"] <= TARGETS["run_page_interactive_s"]
-        print(
-            json.dumps({"bench": "dashboard", "figures": figures, "targets": TARGETS, "met": met})
-        )
+        report("dashboard", figures, TARGETS, met)
         return 0
     finally:
         server.terminate()

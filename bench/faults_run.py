@@ -8,28 +8,25 @@ Scenarios:
 - ``pg-restart``: ``pg_ctlcluster ... restart`` of the local Postgres once a third of the
   events are in (disturbs anything else using that server: run it alone).
 
-    .venv/bin/python bench/faults_run.py [kill|s3|pg-restart ...] [--agents 4] [--events 250000]
+    .venv/bin/python -m bench.faults_run [kill|s3|pg-restart ...] [--agents 4] [--events 250000]
 
-Prints one figure line per scenario and a JSON line; exits non-zero if the audit fails.
+Prints one figure line per scenario, then one JSON line with every scenario's audit (its
+``problems`` must be empty); exits non-zero if an audit fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.lib_faults import (  # noqa: E402
+from bench.lib_faults import (
     FlakyS3Proxy,
     Gunicorn,
     Load,
@@ -42,7 +39,9 @@ from bench.lib_faults import (  # noqa: E402
     moto_server,
     wait_until,
 )
+from bench.lib_results import report
 
+TARGETS = {"problems": 0}
 ADMIN_URL = os.environ.get(
     "TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 )
@@ -50,22 +49,34 @@ ADMIN_URL = os.environ.get(
 
 def restart_postgres() -> None:
     versions = sorted(os.listdir("/etc/postgresql"))
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart"],
-                   check=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart"],
+        check=True,
+        timeout=120,
+    )
 
 
 def run_scenario(scenario: str, agents: int = 4, events_each: int = 250_000) -> dict[str, Any]:
     """Run one scenario end to end; the audit's result with the run's figures."""
-    from storage.blobs import open_blob_store
+    from storage.core.blobs import open_blob_store
 
     tenant = f"faults-{scenario}"
-    with moto_server() as s3, fresh_database(ADMIN_URL) as db_url, tempfile.TemporaryDirectory() as tmp:  # fmt: skip
+    with (
+        moto_server() as s3,
+        fresh_database(ADMIN_URL) as db_url,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         blob_url = f"s3://{make_bucket(s3)}/h"
         proxy = FlakyS3Proxy(s3, fail_rate=0.7, seed=1) if scenario == "s3" else None
         server = Gunicorn(collector_env(db_url, blob_url, proxy.url if proxy else s3))
         token = make_token(db_url, tenant)
-        load = Load(server.url, token, agents=agents, events_each=events_each,
-                    spool_dir=str(Path(tmp) / "spool"))  # fmt: skip
+        load = Load(
+            server.url,
+            token,
+            agents=agents,
+            events_each=events_each,
+            spool_dir=str(Path(tmp) / "spool"),
+        )
         sent: dict[str, Any] = {}
         runner = threading.Thread(target=lambda: sent.update(load.run(timeout=1800)))
         faults: dict[str, Any] = {}
@@ -80,8 +91,11 @@ def run_scenario(scenario: str, agents: int = 4, events_each: int = 250_000) -> 
                 rng, kills = random.Random(6), []
                 while runner.is_alive():
                     runner.join(rng.uniform(1.0, 3.0))
-                    wait_until(lambda: len(server.workers()) >= 2 or not runner.is_alive(), 60,
-                               "gunicorn replaced its worker")  # fmt: skip
+                    wait_until(
+                        lambda: len(server.workers()) >= 2 or not runner.is_alive(),
+                        60,
+                        "gunicorn replaced its worker",
+                    )
                     peak_rss = max(peak_rss, server.rss())
                     if runner.is_alive() and (pid := server.kill_worker(rng)):
                         kills.append(pid)
@@ -104,9 +118,13 @@ def run_scenario(scenario: str, agents: int = 4, events_each: int = 250_000) -> 
                 proxy.close()
                 faults["s3_requests"] = dict(proxy.counts)
         result = audit(db_url, open_blob_store(blob_url, endpoint_url=s3), tenant, sent)
-    result.update(scenario=scenario, seconds=round(elapsed, 1),
-                  events_per_s=round(result["events"] / elapsed),
-                  collector_peak_rss_mb=round(peak_rss / 2**20, 1), **faults)  # fmt: skip
+    result.update(
+        scenario=scenario,
+        seconds=round(elapsed, 1),
+        events_per_s=round(result["events"] / elapsed),
+        collector_peak_rss_mb=round(peak_rss / 2**20, 1),
+        **faults,
+    )
     return result
 
 
@@ -116,20 +134,23 @@ def main() -> int:
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--events", type=int, default=250_000, help="events per agent")
     args = ap.parse_args()
-    ok = True
+    results = {}
     for scenario in args.scenarios:
         print(f"== {scenario}: {args.agents} agents x {args.events:,} events", flush=True)
         result = run_scenario(scenario, args.agents, args.events)
         status = "OK" if not result["problems"] else "FAILED"
-        print(f"{status}: {result['events']:,} events in {result['batches']} batches, "
-              f"{result['seconds']} s ({result['events_per_s']:,} events/s), "
-              f"{result['retries']} agent retries; every acknowledged batch stored and "
-              f"indexed exactly once: {not result['problems']}")  # fmt: skip
+        print(
+            f"{status}: {result['events']:,} events in {result['batches']} batches, "
+            f"{result['seconds']} s ({result['events_per_s']:,} events/s), "
+            f"{result['retries']} agent retries; every acknowledged batch stored and "
+            f"indexed exactly once: {not result['problems']}"
+        )
         for p in result["problems"][:20]:
             print("  ", p)
-        print(json.dumps(result))
-        ok = ok and not result["problems"]
-    return 0 if ok else 1
+        results[scenario] = result
+    met = not any(r["problems"] for r in results.values())
+    report("faults_run", results, TARGETS, met)
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

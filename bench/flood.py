@@ -3,31 +3,26 @@ seconds. The collector must answer 429 (per-tenant rate limit) or 503 (in-flight
 instead of failing, and its memory must stay bounded (no growth over the run).
 
 The real collector under gunicorn (2 gthread workers), Postgres (a fresh database) and
-moto's S3 server, all on this machine's cores with the senders.
+moto's S3 server, all on one machine with the senders.
 
-    .venv/bin/python bench/flood.py [--duration 300] [--measure 15]
+    .venv/bin/python -m bench.flood [--duration 300] [--measure 15]
 
-Prints the figures and a JSON line; exits non-zero if memory grew or a request failed
-with anything but 202/429/503.
+Prints the figures and a JSON line; exits non-zero if memory grew (the last minute's RSS
+over 1.25 x the first's) or a request failed with anything but 202/429/503.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.ingest import EVENTS_PER_BATCH, Frames  # noqa: E402
-from bench.lib_faults import (  # noqa: E402
+from bench.ingest import EVENTS_PER_BATCH, Frames
+from bench.lib_faults import (
     Gunicorn,
     collector_env,
     fresh_database,
@@ -35,15 +30,28 @@ from bench.lib_faults import (  # noqa: E402
     make_token,
     moto_server,
 )
-from hindsight.sender import Sender  # noqa: E402
+from bench.lib_results import report
+from hindsight.sender import Sender
 
+TARGETS = {
+    "rss_last_minute_mb": "<= 1.25 x rss_first_minute_mb",
+    "answers": "202, 429 or 503 only",
+}
 ADMIN_URL = os.environ.get(
     "TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 )
 
 
-def drive(url: str, token: str, frames: Frames, *, senders: int, seconds: float,
-          rate: float | None, prefix: str) -> tuple[Counter[Any], list[float]]:  # fmt: skip
+def drive(
+    url: str,
+    token: str,
+    frames: Frames,
+    *,
+    senders: int,
+    seconds: float,
+    rate: float | None,
+    prefix: str,
+) -> tuple[Counter[Any], list[float]]:
     """Send for ``seconds``: as fast as ``senders`` can (``rate`` None) or paced at ``rate``
     requests/s over all senders. Returns answers by status and the 202 latencies."""
     statuses: Counter[Any] = Counter()
@@ -113,22 +121,33 @@ def main() -> int:
 
         server = Gunicorn(env)
         try:
-            statuses, _ = drive(server.url, token, frames, senders=3, seconds=args.measure,
-                                rate=None, prefix="measure")  # fmt: skip
+            statuses, _ = drive(
+                server.url,
+                token,
+                frames,
+                senders=3,
+                seconds=args.measure,
+                rate=None,
+                prefix="measure",
+            )
         finally:
             server.stop()
         capacity_rps = statuses[202] / args.measure
         capacity = capacity_rps * EVENTS_PER_BATCH
         print(
-            f"capacity: {capacity:,.0f} events/s ({capacity_rps:.1f} batches/s of {EVENTS_PER_BATCH})"
+            f"capacity: {capacity:,.0f} events/s ({capacity_rps:.1f} batches/s of "
+            f"{EVENTS_PER_BATCH})"
         )
 
         # The per-tenant limit below the measured capacity (what an operator sets so that
         # excess load is answered 429 at once instead of queueing), split over 2 workers.
         limit = capacity * args.limit_fraction
         print(f"rate limit: {limit:,.0f} events/s for the tenant ({limit / 2:,.0f} per worker)")
-        limited = {**env, "HINDSIGHT_RATE_LIMIT_EVENTS": str(int(limit / 2)),
-                   "HINDSIGHT_RATE_LIMIT_BURST": str(EVENTS_PER_BATCH * 2)}  # fmt: skip
+        limited = {
+            **env,
+            "HINDSIGHT_RATE_LIMIT_EVENTS": str(int(limit / 2)),
+            "HINDSIGHT_RATE_LIMIT_BURST": str(EVENTS_PER_BATCH * 2),
+        }
         server = Gunicorn(limited)
         rss: list[tuple[float, int]] = []
         done = threading.Event()
@@ -144,8 +163,15 @@ def main() -> int:
                 f"flooding at {2 * capacity_rps:.1f} batches/s for {args.duration:.0f} s ...",
                 flush=True,
             )
-            statuses, lat = drive(server.url, token, frames, senders=args.senders,
-                                  seconds=args.duration, rate=2 * capacity_rps, prefix="flood")  # fmt: skip
+            statuses, lat = drive(
+                server.url,
+                token,
+                frames,
+                senders=args.senders,
+                seconds=args.duration,
+                rate=2 * capacity_rps,
+                prefix="flood",
+            )
         finally:
             done.set()
             sampler.join(5)
@@ -175,9 +201,11 @@ def main() -> int:
     bounded = figures["rss_last_minute_mb"] <= 1.25 * figures["rss_first_minute_mb"]
     for k, v in figures.items():
         print(f"  {k}: {v}")
-    print(f"memory bounded (last minute <= 1.25 x first): {bounded}; "
-          f"answers other than 202/429/503: {failed or 'none'}")  # fmt: skip
-    print(json.dumps(figures))
+    print(
+        f"memory bounded (last minute <= 1.25 x first): {bounded}; "
+        f"answers other than 202/429/503: {failed or 'none'}"
+    )
+    report("flood", figures, TARGETS, bounded and not failed)
     return 0 if bounded and not failed else 1
 
 

@@ -3,17 +3,17 @@ server, driven by concurrent senders for DURATION seconds.
 
 Reports events/s accepted, ack latency p50/p99, bytes at rest per task event, collector
 RSS, and - measured in the same run - the single-core decode-and-validate rate of the same
-batches with the ratio. Everything runs on this machine's 2 cores: the senders, moto's
+batches with the ratio. Everything runs on one machine: the senders, moto's
 server and Postgres share them with the collector.
 
-    .venv/bin/python bench/ingest.py [--duration 30] [--senders 3]
+    .venv/bin/python -m bench.ingest [--duration 30] [--senders 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -31,18 +31,18 @@ import zstandard
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from bench.lib_proc import rss_bytes
+from bench.lib_results import report
+from bench.lib_workload import task_events
+from collector.body import decompress
+from hindsight.schema import decode_batch
+from hindsight.sender import ZSTD_LEVEL as AGENT_ZSTD_LEVEL
+from hindsight.sender import Sender
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import create_token
+from storage.ingest.aggregate import aggregate
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.lib_proc import rss_bytes  # noqa: E402
-from bench.lib_workload import task_events  # noqa: E402
-from hindsight.schema import decode_batch  # noqa: E402
-from hindsight.sender import ZSTD_LEVEL as AGENT_ZSTD_LEVEL  # noqa: E402
-from hindsight.sender import Sender  # noqa: E402
-from storage.aggregate import aggregate  # noqa: E402
-from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from storage.tokens import create_token  # noqa: E402
-
 EVENTS_PER_BATCH = 5000
 
 TARGETS = {"events_per_s": 300_000, "ack_p99_ms": 100, "bytes_per_event": 25}
@@ -97,11 +97,12 @@ def cpu_by_pid(pids: dict[str, list[int]]) -> dict[str, dict[int, float]]:
     return {k: {p: cpu_seconds([p]) for p in v} for k, v in pids.items()}
 
 
-def cpu_share(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]],
-              seconds: float) -> dict[str, float]:  # fmt: skip
+def cpu_share(
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], seconds: float
+) -> dict[str, float]:
     """Cores each component used between two :func:`cpu_by_pid` snapshots. Processes that
     started in between (Postgres backends of connections a pool opened under load) count
-    from zero: taken at the start alone, Postgres showed 0.1 of a core where top showed 0.9."""
+    from zero: the pids of the start alone would miss most of Postgres's work."""
     return {
         k: round(sum(t - before.get(k, {}).get(p, 0.0) for p, t in v.items()) / seconds, 2)
         for k, v in after.items()
@@ -123,8 +124,12 @@ def component_pids(gunicorn: int, moto: int) -> dict[str, list[int]]:
                     postgres.append(int(d.name))
             except OSError:
                 pass
-    return {"collector": [gunicorn, *children(gunicorn)], "moto_s3": [moto], "postgres": postgres,
-            "senders": [os.getpid()]}  # fmt: skip
+    return {
+        "collector": [gunicorn, *children(gunicorn)],
+        "moto_s3": [moto],
+        "postgres": postgres,
+        "senders": [os.getpid()],
+    }
 
 
 class Frames:
@@ -134,8 +139,6 @@ class Frames:
     batch costs microseconds instead of the ~40 ms it takes to generate and compress."""
 
     def __init__(self, pool: int, seed: int = 0) -> None:
-        import random
-
         rng = random.Random(seed)
         enc = msgspec.json.Encoder()
         self.cctx = zstandard.ZstdCompressor(level=AGENT_ZSTD_LEVEL)
@@ -149,7 +152,7 @@ class Frames:
                         t0=1.8e9 + i * 2,
                         rng=rng,
                     )
-                )  # fmt: skip
+                )
             )
             for i in range(pool)
         ]
@@ -164,9 +167,8 @@ class Frames:
         return self.compressor().compress(head) + self.events[seq % len(self.events)] + self.tail
 
     def compressor(self) -> zstandard.ZstdCompressor:
-        """This thread's compressor: a ZstdCompressor is not thread-safe, and the senders'
-        threads shared one until a rare corrupt header frame was answered 400 (one in
-        ~1,300-2,000 batches, in two sessions' runs)."""
+        """This thread's compressor: a ZstdCompressor is not thread-safe, and one shared by
+        the senders' threads writes a rare corrupt header frame (answered 400)."""
         cctx = getattr(self.local, "cctx", None)
         if cctx is None:
             cctx = self.local.cctx = zstandard.ZstdCompressor(level=AGENT_ZSTD_LEVEL)
@@ -175,8 +177,6 @@ class Frames:
 
 def decode_limit(frames: Frames, rounds: int = 3) -> tuple[float, float]:
     """Single-core events/s of decompress + decode-and-validate, and with the index summary."""
-    from collector.body import decompress
-
     bodies = [frames.body("probe", i) for i in range(len(frames.events))]
     best = best_sum = 0.0
     for _ in range(rounds):
@@ -222,16 +222,28 @@ def main() -> int:
         frames = Frames(pool=24)
         limit, limit_with_summary = decode_limit(frames)
         print(
-            f"single-core decode+validate: {limit:,.0f} events/s ({limit_with_summary:,.0f} with the index summary)"
+            f"single-core decode+validate: {limit:,.0f} events/s ({limit_with_summary:,.0f} with "
+            f"the index summary)"
         )
 
         moto_port = free_port()
-        procs.append(subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(moto_port)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         s3_url = f"http://127.0.0.1:{moto_port}"
         wait_ready(s3_url + "/moto-api/", procs[-1])
-        boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1",
-                     aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench")  # fmt: skip
+        boto3.client(
+            "s3",
+            endpoint_url=s3_url,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+        ).create_bucket(Bucket="bench")
 
         with admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{dbname}"'))
@@ -242,15 +254,35 @@ def main() -> int:
             token = create_token(s, "bench", "ingest,read")
 
         port = free_port()
-        genv = {**env, "HINDSIGHT_DATABASE_URL": db_url, "HINDSIGHT_BLOB_URL": "s3://bench/hindsight",
-                "HINDSIGHT_S3_ENDPOINT_URL": s3_url, "HINDSIGHT_AUTH": "required",
-                "HINDSIGHT_AUTO_UPGRADE": "false", "HINDSIGHT_LOG_LEVEL": "WARNING"}  # fmt: skip
+        genv = {
+            **env,
+            "HINDSIGHT_DATABASE_URL": db_url,
+            "HINDSIGHT_BLOB_URL": "s3://bench/hindsight",
+            "HINDSIGHT_S3_ENDPOINT_URL": s3_url,
+            "HINDSIGHT_AUTH": "required",
+            "HINDSIGHT_AUTO_UPGRADE": "false",
+            "HINDSIGHT_LOG_LEVEL": "WARNING",
+        }
         gunicorn = subprocess.Popen(
-            [str(BIN / "gunicorn"), "--config", "python:services.gunicorn_conf", "--workers", str(args.workers), "--worker-class", args.worker_class,
-             "--threads", str(args.threads), "--bind", f"127.0.0.1:{port}", "--log-level", "warning",
-             "collector.app:create_app()"],
-            env=genv, cwd=ROOT,
-        )  # fmt: skip
+            [
+                str(BIN / "gunicorn"),
+                "--config",
+                "python:services.gunicorn_conf",
+                "--workers",
+                str(args.workers),
+                "--worker-class",
+                args.worker_class,
+                "--threads",
+                str(args.threads),
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--log-level",
+                "warning",
+                "collector.app:create_app()",
+            ],
+            env=genv,
+            cwd=ROOT,
+        )
         procs.append(gunicorn)
         url = f"http://127.0.0.1:{port}"
         wait_ready(url + "/readyz", gunicorn)
@@ -312,8 +344,13 @@ def main() -> int:
         )
 
         # bytes at rest: every stored object over every event stored
-        s3 = boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1",
-                          aws_access_key_id="bench", aws_secret_access_key="bench")  # fmt: skip
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=s3_url,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+        )
         stored_bytes = stored_objects = 0
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket="bench"):
             for obj in page.get("Contents", []):
@@ -344,8 +381,10 @@ def main() -> int:
             stored_objects,
             indexed[1],
         )  # every stored batch indexed once
-        print(f"accepted {accepted[0]:,} events in {elapsed:.1f} s over {len(lat)} batches; "
-              f"{stored_objects} objects, {stored_bytes:,} bytes stored")  # fmt: skip
+        print(
+            f"accepted {accepted[0]:,} events in {elapsed:.1f} s over {len(lat)} batches; "
+            f"{stored_objects} objects, {stored_bytes:,} bytes stored"
+        )
         for k, v in figures.items():
             print(f"  {k:30s} {v}")
         met = (
@@ -353,7 +392,7 @@ def main() -> int:
             and figures["ack_p99_ms"] <= TARGETS["ack_p99_ms"]
             and figures["bytes_per_event"] <= TARGETS["bytes_per_event"]
         )
-        print(json.dumps({"bench": "ingest", "figures": figures, "targets": TARGETS, "met": met}))
+        report("ingest", figures, TARGETS, met, gauge=limit)
         return 0
     finally:
         for p in reversed(procs):

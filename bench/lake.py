@@ -3,7 +3,7 @@ through the query service and scanned with Dask.
 
 The lake is built by the documented bulk path: for each (cluster, day), the day's runs
 (Dask-shaped task records, metric samples, emitted values and run summaries, generated
-here) are committed together with the lake's own commit code (``storage.lakewrite.commit``)
+here) are committed together with the lake's own commit code (``storage.lake.write.commit``)
 into a day that is over. That produces the files the finisher produces for the same runs
 once their day is sealed — one file per table per (cluster, day) — with the same manifests
 and the same index catalog (runs, sessions and clusters are in the index as well).
@@ -28,7 +28,7 @@ Figures:
   both again with 50 files a partition (``Client.lake(files_per_partition=50)``);
 - ``bytes_per_task_record`` (tasks files) and ``lake_bytes_per_task_record`` (every table).
 
-    .venv/bin/python bench/lake.py [--tasks 20000000] [--clusters 50] [--days 90] [--keep]
+    .venv/bin/python -m bench.lake [--tasks 20000000] [--clusters 50] [--days 90] [--keep]
 """
 
 from __future__ import annotations
@@ -47,18 +47,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import dask
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import requests
+from distributed import Client, LocalCluster
+from sqlalchemy import insert, select
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.lib_faults import Gunicorn, fresh_database  # noqa: E402
-from hindsight import lake as layout  # noqa: E402
+import hindsight
+from bench.lib_faults import Gunicorn, fresh_database
+from bench.lib_results import report
+from hindsight import lake as layout
 
 TARGETS = {"lake_top100_ms": 1500}
 TENANT = "bench"
 DAY = 86_400.0
-T0 = 1_772_323_200.0  # 2026-03-01 00:00 UTC: 90 days that are all over
+T0 = 1_772_323_200.0  # a UTC midnight in the past: 90 days that are all over
 PREFIXES = {
     # prefix -> (typename, result bytes, log-mean seconds of compute)
     "read_parquet": ("pandas.core.frame.DataFrame", 40_000_000, -1.0),
@@ -113,8 +119,6 @@ def run_tables(
     workers: list[str],
 ) -> dict[str, Any]:
     """One run's lake rows: ``n`` tasks over ``prefixes`` starting at ``t0``."""
-    import pyarrow as pa
-
     p_idx = rng.integers(len(prefixes), size=n)
     pref = np.array(prefixes, dtype=object)[p_idx]
     tokens = {p: uuid.UUID(bytes=rng.bytes(16)).hex for p in prefixes}
@@ -244,15 +248,13 @@ def run_tables(
 
 
 def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The lake, through ``storage.lakewrite.commit`` one (cluster, day) at a time."""
-    from sqlalchemy import insert
-
-    from storage import lakewrite
-    from storage import models as m
-    from storage.batches import run_public_id
-    from storage.blobs import LocalBlobStore
-    from storage.db import make_engine, make_sessionmaker
-    from storage.tokens import create_token, ensure_tenant
+    """The lake, through ``storage.lake.write.commit`` one (cluster, day) at a time."""
+    from storage.core import models as m
+    from storage.core.batches import run_public_id
+    from storage.core.blobs import LocalBlobStore
+    from storage.core.db import make_engine, make_sessionmaker
+    from storage.core.tokens import create_token, ensure_tenant
+    from storage.lake import write as lakewrite
 
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
@@ -371,13 +373,11 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
 
 def top100_phases(db_url: str, blob_dir: Path, since: float, until: float) -> dict[str, float]:
     """The top-100 query's plan and scan, timed in this process (median of 5)."""
-    from sqlalchemy import select
-
-    from storage import lakequery
-    from storage import models as m
-    from storage.blobs import LocalBlobStore
-    from storage.db import make_engine, make_sessionmaker
-    from storage.lakequery import Sort
+    from storage.core import models as m
+    from storage.core.blobs import LocalBlobStore
+    from storage.core.db import make_engine, make_sessionmaker
+    from storage.lake import read as lakequery
+    from storage.lake.read import Sort
 
     engine = make_engine(db_url)
     blobs = LocalBlobStore(blob_dir)
@@ -422,14 +422,6 @@ def main() -> int:
         ),
     )
     args = ap.parse_args()
-
-    import dask
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-    import requests
-    from distributed import Client, LocalCluster
-
-    import hindsight
 
     tmp = Path(tempfile.mkdtemp(prefix="hs-bench-lake-"))
     free = shutil.disk_usage(tmp).free
@@ -524,9 +516,11 @@ def main() -> int:
                     r["duration"] for r in body["rows"]
                 ), "top-100 differs"
                 log(
-                    f"top-100 over 30 days: median {figures['lake_top100_ms']} ms (first {first_ms:.0f} ms), "
+                    f"top-100 over 30 days: median {figures['lake_top100_ms']} ms (first "
+                    f"{first_ms:.0f} ms), "
                     f"{body['scan']['files_opened']} of {body['scan']['files']} files opened; "
-                    f"brute force over {len(paths)} files {figures['lake_top100_pyarrow_all_files_ms']} ms"
+                    f"brute force over {len(paths)} files "
+                    f"{figures['lake_top100_pyarrow_all_files_ms']} ms"
                 )
 
                 # ---- a full filtered scan: pyarrow in one process, then Dask on 2 workers
@@ -550,7 +544,8 @@ def main() -> int:
                 del table
                 figures["pyarrow_scan_rows_per_s"] = round(rows_scanned / pa_s)
                 log(
-                    f"pyarrow, one process: {rows_scanned:,} rows in {len(paths)} files, {pa_s:.1f} s"
+                    f"pyarrow, one process: {rows_scanned:,} rows in {len(paths)} files, "
+                    f"{pa_s:.1f} s"
                 )
                 with (
                     LocalCluster(
@@ -591,7 +586,8 @@ def main() -> int:
                         )
                         log(
                             f"Dask, 2 workers ({'direct' if direct else 'via the service'}, "
-                            f"{per} file(s) a partition): {ddf.npartitions} partitions, {dask_s:.1f} s"
+                            f"{per} file(s) a partition): {ddf.npartitions} partitions, "
+                            f"{dask_s:.1f} s"
                         )
                 for name in ("", "_50_files_per_partition"):
                     figures[f"lake_scan_ratio{name}"] = round(
@@ -606,7 +602,7 @@ def main() -> int:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     met = figures.get("lake_top100_ms", float("inf")) <= TARGETS["lake_top100_ms"]
-    print(json.dumps({"bench": "lake", "figures": figures, "targets": TARGETS, "met": met}))
+    report("lake", figures, TARGETS, met)
     return 0
 
 

@@ -26,17 +26,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import boto3
+import requests
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
-from bench.lib_proc import rss_bytes  # noqa: E402
+from bench.lib_proc import rss_bytes
+from bench.lib_workload import task_events
+from hindsight.agent import Agent
+from hindsight.config import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BIN = Path(sys.executable).parent
 logger = logging.getLogger(__name__)
 
 S3_ERRORS = {
-    500: b"<?xml version='1.0'?><Error><Code>InternalError</Code><Message>injected</Message></Error>",
+    500: b"<?xml version='1.0'?><Error><Code>InternalError</Code>"
+    b"<Message>injected</Message></Error>",
     503: b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>injected</Message></Error>",
 }
 
@@ -106,8 +113,9 @@ class FlakyS3Proxy:
         self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="flaky-s3")  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, daemon=True, name="flaky-s3"
+        )
         self._thread.start()
 
     def _draw(self) -> str:
@@ -116,7 +124,9 @@ class FlakyS3Proxy:
             self.counts[fault] += 1
             return fault
 
-    def _forward(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:  # fmt: skip
+    def _forward(
+        self, method: str, path: str, headers: Any, body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
         conn = http.client.HTTPConnection(*self.target, timeout=30)
         try:
             fwd = {k: v for k, v in headers.items() if k.lower() not in ("connection",)}
@@ -149,16 +159,17 @@ def wait_until(
 
 
 def http_ok(url: str) -> bool:
-    import requests
-
     try:
         return requests.get(url, timeout=5).status_code == 200
     except requests.RequestException:
         return False
 
 
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "faults", "AWS_SECRET_ACCESS_KEY": "faults",
-           "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "faults",
+    "AWS_SECRET_ACCESS_KEY": "faults",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @contextmanager
@@ -167,9 +178,12 @@ def moto_server() -> Iterator[str]:
     for k, v in AWS_ENV.items():  # this process's own S3 clients (the audit) need them too
         os.environ.setdefault(k, v)
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            env={**os.environ, **AWS_ENV}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **AWS_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: http_ok(url + "/moto-api/"), 60, "moto_server up")
@@ -180,21 +194,21 @@ def moto_server() -> Iterator[str]:
 
 
 def make_bucket(endpoint: str) -> str:
-    import boto3
-
     name = f"faults-{secrets.token_hex(4)}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                 aws_access_key_id="faults", aws_secret_access_key="faults").create_bucket(Bucket=name)  # fmt: skip
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="faults",
+        aws_secret_access_key="faults",
+    ).create_bucket(Bucket=name)
     return name
 
 
 @contextmanager
 def fresh_database(admin_url: str) -> Iterator[str]:
     """A new Postgres database migrated to head; dropped afterwards."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    from storage.db import upgrade
+    from storage.core.db import upgrade
 
     # pool_pre_ping: the pg-restart scenario breaks this pooled connection mid-run.
     admin = create_engine(make_url(admin_url), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
@@ -214,8 +228,8 @@ def fresh_database(admin_url: str) -> Iterator[str]:
 
 
 def make_token(db_url: str, tenant: str) -> str:
-    from storage.db import make_engine, make_sessionmaker
-    from storage.tokens import create_token
+    from storage.core.db import make_engine, make_sessionmaker
+    from storage.core.tokens import create_token
 
     engine = make_engine(db_url)
     try:
@@ -242,12 +256,30 @@ class Gunicorn:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [str(BIN / "gunicorn"), "--config", "python:services.gunicorn_conf",
-             "--workers", str(workers), "--worker-class", "gthread", "--threads", str(threads),
-             "--bind", f"127.0.0.1:{self.port}", "--log-level", "warning", "--graceful-timeout", "5",
-             *args, app],
-            env={**os.environ, **AWS_ENV, **env}, cwd=ROOT, stdout=log, stderr=log,
-        )  # fmt: skip
+            [
+                str(BIN / "gunicorn"),
+                "--config",
+                "python:services.gunicorn_conf",
+                "--workers",
+                str(workers),
+                "--worker-class",
+                "gthread",
+                "--threads",
+                str(threads),
+                "--bind",
+                f"127.0.0.1:{self.port}",
+                "--log-level",
+                "warning",
+                "--graceful-timeout",
+                "5",
+                *args,
+                app,
+            ],
+            env={**os.environ, **AWS_ENV, **env},
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
         wait_until(lambda: http_ok(self.url + "/readyz"), 60, f"{app} ready")
 
     def workers(self) -> list[int]:
@@ -297,8 +329,6 @@ def collector_env(db_url: str, blob_url: str, s3_endpoint: str, **extra: str) ->
 
 def event_pool(n: int = 5000, seed: int = 0) -> list[dict[str, Any]]:
     """Dask-shaped task events to add (reused: each batch encodes its own copy)."""
-    from bench.lib_workload import task_events
-
     return task_events(n, first=0, run="run-0", t0=1.8e9, rng=random.Random(seed))
 
 
@@ -317,27 +347,36 @@ class Load:
 
     def run(self, timeout: float) -> dict[str, Any]:
         """Add everything, close every agent (final batch), return what each acknowledged."""
-        from hindsight.agent import Agent
-        from hindsight.config import Settings
-
         pool = event_pool(self.flush_events)
-        settings = Settings(url=self.url, token=self.token, cluster=self.cluster,
-                            spool_dir=self.spool_dir, flush_events=self.flush_events,
-                            flush_interval=0.5, buffer_events=4 * self.flush_events,
-                            close_timeout=timeout, request_timeout=10.0)  # fmt: skip
+        settings = Settings(
+            url=self.url,
+            token=self.token,
+            cluster=self.cluster,
+            spool_dir=self.spool_dir,
+            flush_events=self.flush_events,
+            flush_interval=0.5,
+            buffer_events=4 * self.flush_events,
+            close_timeout=timeout,
+            request_timeout=10.0,
+        )
 
         def produce(agent: Any) -> None:
             added = 0
             while added < self.events_each:
                 # Keep the buffer from overflowing: wait (bounded) while the agent is behind.
-                wait_until(lambda: agent.pending() < 2 * self.flush_events, timeout,
-                           f"agent {agent.name} draining", step=0.01)  # fmt: skip
+                wait_until(
+                    lambda: agent.pending() < 2 * self.flush_events,
+                    timeout,
+                    f"agent {agent.name} draining",
+                    step=0.01,
+                )
                 for ev in pool[: min(len(pool), self.events_each - added)]:
                     agent.add(ev)
                     added += 1
 
-        self.made = [Agent(settings, session="faults-session", name=f"agent{i}")
-                     for i in range(self.agents)]  # fmt: skip
+        self.made = [
+            Agent(settings, session="faults-session", name=f"agent{i}") for i in range(self.agents)
+        ]
         threads = [threading.Thread(target=produce, args=(a,)) for a in self.made]
         for t in threads:
             t.start()
@@ -366,10 +405,8 @@ def audit(db_url: str, blobs: Any, tenant: str, sent: dict[str, Any]) -> dict[st
     Exactly once: one blob per (agent, seq), one manifest row per blob, the index's per-agent
     counters equal to what the agent sent, and every sequence complete (0..final, no gaps).
     """
-    from sqlalchemy import text
-
-    from storage.batches import decode_stored, parse_blob_key
-    from storage.db import make_engine
+    from storage.core.batches import decode_stored, parse_blob_key
+    from storage.core.db import make_engine
 
     blob_events: Counter[str] = Counter()
     blob_batches: Counter[str] = Counter()
@@ -384,13 +421,17 @@ def audit(db_url: str, blobs: Any, tenant: str, sent: dict[str, Any]) -> dict[st
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
-            rows = conn.execute(text(
-                "SELECT a.name, a.batches, a.events, a.max_seq, a.final_seq, "
-                "(SELECT count(*) FROM batches b WHERE b.agent_id = a.id), "
-                "(SELECT coalesce(sum(b.events), 0) FROM batches b WHERE b.agent_id = a.id) "
-                "FROM agents a JOIN sessions s ON s.id = a.session_id "
-                "JOIN clusters c ON c.id = s.cluster_id JOIN tenants t ON t.id = c.tenant_id "
-                "WHERE t.name = :tenant"), {"tenant": tenant}).all()  # fmt: skip
+            rows = conn.execute(
+                text(
+                    "SELECT a.name, a.batches, a.events, a.max_seq, a.final_seq, "
+                    "(SELECT count(*) FROM batches b WHERE b.agent_id = a.id), "
+                    "(SELECT coalesce(sum(b.events), 0) FROM batches b WHERE b.agent_id = a.id) "
+                    "FROM agents a JOIN sessions s ON s.id = a.session_id "
+                    "JOIN clusters c ON c.id = s.cluster_id JOIN tenants t ON t.id = c.tenant_id "
+                    "WHERE t.name = :tenant"
+                ),
+                {"tenant": tenant},
+            ).all()
     finally:
         engine.dispose()
     index = {r[0]: r[1:] for r in rows}

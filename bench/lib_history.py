@@ -36,11 +36,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
+import zstandard
+from psycopg2.extras import execute_values
+from sqlalchemy import inspect, text
 
 from bench.lib_workload import NAMES, PREFIXES
+from hindsight.schema import decode_batch
 
 DAY = 86_400
-T0 = 20_600 * DAY  # 2026-05-27T00:00Z: day numbers and hours are whole
+T0 = 20_600 * DAY  # a UTC midnight: day numbers and hours are whole
 GROUPS = 40
 CLUSTERS = 4
 RUNS_PER_CLUSTER = 25
@@ -50,9 +55,14 @@ TENANTS = ("acme", "globex", "initech", "umbrella")
 JOBS = 20
 Q = 1024.0  # times are multiples of 1/Q s
 
-ACTIVITIES = [("execute", "thread-cpu", "seconds"), ("execute", "thread-noncpu", "seconds"),
-              ("execute", "deserialize", "seconds"), ("execute", "memory-read", "bytes"),
-              ("gather-dep", "network", "seconds"), ("gather-dep", "decompress", "seconds")]  # fmt: skip
+ACTIVITIES = [
+    ("execute", "thread-cpu", "seconds"),
+    ("execute", "thread-noncpu", "seconds"),
+    ("execute", "deserialize", "seconds"),
+    ("execute", "memory-read", "bytes"),
+    ("gather-dep", "network", "seconds"),
+    ("gather-dep", "decompress", "seconds"),
+]
 
 
 def tenant_of(group: int) -> str:
@@ -116,9 +126,16 @@ def _code_base(rng: random.Random) -> dict[str, tuple[list[dict[str, Any]], list
     out = {}
     for p in NAMES:
         n = rng.randint(40, 120)
-        frames = [{"name": f"{p.replace('-', '_')}_fn{i}", "filename": f"/opt/venv/lib/python3.11/site-packages/"
-                   f"lib{i % 9}/mod{i % 31}.py", "first_line": 10 + i, "line_number": 12 + i,
-                   "line": f"out = step_{i}(part, **kwargs)"} for i in range(n)]  # fmt: skip
+        frames = [
+            {
+                "name": f"{p.replace('-', '_')}_fn{i}",
+                "filename": f"/opt/venv/lib/python3.11/site-packages/lib{i % 9}/mod{i % 31}.py",
+                "first_line": 10 + i,
+                "line_number": 12 + i,
+                "line": f"out = step_{i}(part, **kwargs)",
+            }
+            for i in range(n)
+        ]
         parents = [-1] + [rng.randrange(i) for i in range(1, n)]
         out[p] = (frames, parents)
     return out
@@ -167,19 +184,44 @@ def template(seed: int = 11) -> list[tuple[int, str, float, list[dict[str, Any]]
         flushed: list[tuple[float, str, list[Any]]] = []
         sched = _Agent(flushed, "scheduler")
         day_t = T0 + 300 + 60 * k
-        sched.flush(_q(day_t), [
-            {"kind": "session", "time": _q(day_t), "address": "tcp://10.0.0.2:8786",
-             "versions": {"python": "3.11.2", "dask": "2024.12.1", "distributed": "2024.12.1", "hindsight": "0.1"},
-             "config": {"distributed.scheduler.work-stealing": True}},
-            *({"kind": "worker", "event": "joined", "address": w, "time": _q(day_t + 1), "name": f"w{i}",
-               "nthreads": 4, "memory_limit": 16 * 2**30} for i, w in enumerate(workers)),
-        ])  # fmt: skip
+        sched.flush(
+            _q(day_t),
+            [
+                {
+                    "kind": "session",
+                    "time": _q(day_t),
+                    "address": "tcp://10.0.0.2:8786",
+                    "versions": {
+                        "python": "3.11.2",
+                        "dask": "2024.12.1",
+                        "distributed": "2024.12.1",
+                        "hindsight": "0.1",
+                    },
+                    "config": {"distributed.scheduler.work-stealing": True},
+                },
+                *(
+                    {
+                        "kind": "worker",
+                        "event": "joined",
+                        "address": w,
+                        "time": _q(day_t + 1),
+                        "name": f"w{i}",
+                        "nthreads": 4,
+                        "memory_limit": 16 * 2**30,
+                    }
+                    for i, w in enumerate(workers)
+                ),
+            ],
+        )
         for i in range(RUNS_PER_CLUSTER):
             rk = run_key(0, k, i)
             st = _q(T0 + 900 + i * (DAY - 3600) / RUNS_PER_CLUSTER + rng.random() * 600 + 60 * k)
             short = rng.random() < 0.7  # interactive computes of a few seconds, and jobs
-            makespan = math.exp(rng.uniform(math.log(0.5), math.log(5)) if short else
-                                rng.uniform(math.log(5), math.log(120)))  # fmt: skip
+            makespan = math.exp(
+                rng.uniform(math.log(0.5), math.log(5))
+                if short
+                else rng.uniform(math.log(5), math.log(120))
+            )
             end = _q(st + makespan)
             job = rng.randrange(JOBS)
             prefixes = jobs[job]
@@ -195,13 +237,27 @@ def template(seed: int = 11) -> list[tuple[int, str, float, list[dict[str, Any]]
                 ss: list[dict[str, Any]] = [{"action": "compute", "start": start, "stop": stop}]
                 if rng.random() < 0.3:
                     ts = _q(start - rng.random() * 0.02)
-                    ss.insert(0, {"action": "transfer", "start": _q(ts - rng.random() * 0.05), "stop": ts,
-                                  "source": rng.choice(workers)})  # fmt: skip
+                    ss.insert(
+                        0,
+                        {
+                            "action": "transfer",
+                            "start": _q(ts - rng.random() * 0.05),
+                            "stop": ts,
+                            "source": rng.choice(workers),
+                        },
+                    )
                 failed = erred and n == n_tasks - 1
-                ev = {"kind": "task", "key": f"('{p}-{tokens[p]}', {n})", "prefix": p,
-                      "group": f"{p}-{tokens[p]}", "run": rk, "worker": rng.choice(workers),
-                      "thread": rng.choice(threads), "status": "erred" if failed else "memory",
-                      "startstops": ss}  # fmt: skip
+                ev = {
+                    "kind": "task",
+                    "key": f"('{p}-{tokens[p]}', {n})",
+                    "prefix": p,
+                    "group": f"{p}-{tokens[p]}",
+                    "run": rk,
+                    "worker": rng.choice(workers),
+                    "thread": rng.choice(threads),
+                    "status": "erred" if failed else "memory",
+                    "startstops": ss,
+                }
                 if failed:
                     ev["exception"] = "ValueError('bad partition')"
                     ev["traceback"] = '  File "job.py", line 12, in part\n    raise ValueError'
@@ -210,43 +266,125 @@ def template(seed: int = 11) -> list[tuple[int, str, float, list[dict[str, Any]]
                     ev["typename"] = typename
                 by_second.setdefault(int(stop - T0), []).append(ev)
             first = int(st - T0)
-            by_second.setdefault(first, []).insert(0, {
-                "kind": "run", "event": "started", "id": rk, "name": f"job-{job:02d}", "time": st,
-                "span": [rk], "client": "Client-6f1c"})  # fmt: skip
-            by_second[first].append({"kind": "code", "run": rk, "time": st, "frames": [
-                {"code": f"df = dd.read_parquet(path)\nresult = job_{job:02d}(df).compute()\n",
-                 "filename": f"/home/user/jobs/job_{job:02d}.py", "lineno_frame": 40 + job,
-                 "lineno_relative": 1}]})  # fmt: skip
+            by_second.setdefault(first, []).insert(
+                0,
+                {
+                    "kind": "run",
+                    "event": "started",
+                    "id": rk,
+                    "name": f"job-{job:02d}",
+                    "time": st,
+                    "span": [rk],
+                    "client": "Client-6f1c",
+                },
+            )
+            by_second[first].append(
+                {
+                    "kind": "code",
+                    "run": rk,
+                    "time": st,
+                    "frames": [
+                        {
+                            "code": "df = dd.read_parquet(path)\n"
+                            f"result = job_{job:02d}(df).compute()\n",
+                            "filename": f"/home/user/jobs/job_{job:02d}.py",
+                            "lineno_frame": 40 + job,
+                            "lineno_relative": 1,
+                        }
+                    ],
+                }
+            )
             last = int(end - T0) + 1
             if rng.random() >= 0.01:
-                by_second.setdefault(last, []).append({"kind": "run", "event": "erred" if erred else "finished",
-                                                       "id": rk, "time": _q(end + 0.25)})  # fmt: skip
-            by_second.setdefault(last + 1, []).append({"kind": "activity", "run": rk, "time": _q(end + 1), "metrics": [
-                {"context": c, "prefix": p, "activity": a, "unit": u,
-                 "value": round(rng.uniform(0.1, 50) * (2**20 if u == "bytes" else 1), 3)}
-                for p in prefixes for c, a, u in ACTIVITIES]})  # fmt: skip
+                by_second.setdefault(last, []).append(
+                    {
+                        "kind": "run",
+                        "event": "erred" if erred else "finished",
+                        "id": rk,
+                        "time": _q(end + 0.25),
+                    }
+                )
+            by_second.setdefault(last + 1, []).append(
+                {
+                    "kind": "activity",
+                    "run": rk,
+                    "time": _q(end + 1),
+                    "metrics": [
+                        {
+                            "context": c,
+                            "prefix": p,
+                            "activity": a,
+                            "unit": u,
+                            "value": round(
+                                rng.uniform(0.1, 50) * (2**20 if u == "bytes" else 1), 3
+                            ),
+                        }
+                        for p in prefixes
+                        for c, a, u in ACTIVITIES
+                    ],
+                }
+            )
             for s in range(first, last + 2):
-                metrics = [{"kind": "metric", "worker": w, "time": _q(T0 + s + 0.5),
-                            "values": {"memory": float(rng.randint(2**28, 2**32)), "cpu": round(rng.uniform(0, 400), 1),
-                                       "processing": float(rng.randint(0, 16)), "spilled_bytes": 0.0,
-                                       "transfer_incoming": 0.0, "event_loop_interval": 0.02}}
-                           for w in ["scheduler", *workers]]  # fmt: skip
+                metrics = [
+                    {
+                        "kind": "metric",
+                        "worker": w,
+                        "time": _q(T0 + s + 0.5),
+                        "values": {
+                            "memory": float(rng.randint(2**28, 2**32)),
+                            "cpu": round(rng.uniform(0, 400), 1),
+                            "processing": float(rng.randint(0, 16)),
+                            "spilled_bytes": 0.0,
+                            "transfer_incoming": 0.0,
+                            "event_loop_interval": 0.02,
+                        },
+                    }
+                    for w in ["scheduler", *workers]
+                ]
                 if s <= last:  # a replay sample a second while the run lasts, and at its end
                     done = min(1.0, (s - first + 1) / max(1, last - first))
-                    metrics.append({"kind": "state", "run": rk, "time": _q(T0 + s + 0.5), "prefixes": [
-                        {"prefix": p, "waiting": int(n_tasks / len(prefixes) * (1 - done)),
-                         "processing": 0 if done == 1 else rng.randint(1, 16),
-                         "memory": int(n_tasks / len(prefixes) * done)} for p in prefixes],
-                        "workers": [{"worker": w, "managed": rng.randint(2**26, 2**32), "unmanaged": rng.randint(2**27, 2**29),
-                                     "limit": 16 * 2**30, "processing": rng.randint(0, 4)} for w in workers]})  # fmt: skip
+                    metrics.append(
+                        {
+                            "kind": "state",
+                            "run": rk,
+                            "time": _q(T0 + s + 0.5),
+                            "prefixes": [
+                                {
+                                    "prefix": p,
+                                    "waiting": int(n_tasks / len(prefixes) * (1 - done)),
+                                    "processing": 0 if done == 1 else rng.randint(1, 16),
+                                    "memory": int(n_tasks / len(prefixes) * done),
+                                }
+                                for p in prefixes
+                            ],
+                            "workers": [
+                                {
+                                    "worker": w,
+                                    "managed": rng.randint(2**26, 2**32),
+                                    "unmanaged": rng.randint(2**27, 2**29),
+                                    "limit": 16 * 2**30,
+                                    "processing": rng.randint(0, 4),
+                                }
+                                for w in workers
+                            ],
+                        }
+                    )
                 sched.flush(_q(T0 + s + 1), by_second.get(s, []) + metrics)
             for wi, w in enumerate(workers):
                 agent = _Agent(flushed, f"worker-{wi}")
                 for c in range(first, last, 5):
-                    cycle = [{"kind": "profile", "worker": w, "prefix": p, "start": _q(T0 + c),
-                              "stop": _q(T0 + min(c + 5, last)), "interval": 0.01,
-                              **dict(zip(("frames", "nodes"), _tree(rng, code[p], 400), strict=True))}
-                             for p in prefixes]  # fmt: skip
+                    cycle = [
+                        {
+                            "kind": "profile",
+                            "worker": w,
+                            "prefix": p,
+                            "start": _q(T0 + c),
+                            "stop": _q(T0 + min(c + 5, last)),
+                            "interval": 0.01,
+                            **dict(zip(("frames", "nodes"), _tree(rng, code[p], 400), strict=True)),
+                        }
+                        for p in prefixes
+                    ]
                     agent.flush(_q(T0 + c + 5), cycle)
         for t, agent, events in sorted(flushed, key=lambda f: f[0]):
             out.append((k, agent, t, events))
@@ -283,22 +421,32 @@ def unit_batches(
     seqs.clear()
     for k, agent, t, events in tmpl:
         seq = seqs[(k, agent)] = seqs.get((k, agent), -1) + 1
-        body = {"schema": 1, "cluster": cluster_name(group, k), "session": session_name(day), "agent": agent,
-                "seq": seq, "sent_at": t + by, "final": seq == last[(k, agent)],
-                "events": [_shift(e, by, day) for e in events]}  # fmt: skip
+        body = {
+            "schema": 1,
+            "cluster": cluster_name(group, k),
+            "session": session_name(day),
+            "agent": agent,
+            "seq": seq,
+            "sent_at": t + by,
+            "final": seq == last[(k, agent)],
+            "events": [_shift(e, by, day) for e in events],
+        }
         yield Sent(tenant, body["cluster"], body["session"], agent, seq, body), t + by + 0.25
 
 
-def ingest_units(sessions: Any, blobs: Any, tenant_ids: dict[str, int], units: list[int],
-                 tmpl: list[tuple[int, str, float, list[dict[str, Any]]]], log: Any = print) -> None:  # fmt: skip
+def ingest_units(
+    sessions: Any,
+    blobs: Any,
+    tenant_ids: dict[str, int],
+    units: list[int],
+    tmpl: list[tuple[int, str, float, list[dict[str, Any]]]],
+    log: Any = print,
+) -> None:
     """Units through the real path: each batch compressed and stored in the blob store,
-    indexed by ``storage.ingest.index_batch`` at its receive time, then every finished
-    run's finished-run work (``storage.finish``: fold, compacted copy, profile, lake)."""
-    import zstandard
-
-    from hindsight.schema import decode_batch
-    from storage.finish import drain
-    from storage.ingest import index_batch
+    indexed by ``storage.ingest.writer.index_batch`` at its receive time, then every finished
+    run's finished-run work (``storage.jobs.finish``: fold, compacted copy, profile, lake)."""
+    from storage.ingest.writer import index_batch
+    from storage.jobs.finish import drain
 
     cctx = zstandard.ZstdCompressor(level=9)
     for unit in units:
@@ -307,8 +455,15 @@ def ingest_units(sessions: Any, blobs: Any, tenant_ids: dict[str, int], units: l
             body = cctx.compress(raw)
             blobs.put(sent.key, body, if_absent=True)
             with sessions.begin() as db:
-                index_batch(db, tenant_id=tenant_ids[sent.tenant], tenant=sent.tenant, batch=decode_batch(raw),
-                            blob_key=sent.key, size=len(body), now=now)  # fmt: skip
+                index_batch(
+                    db,
+                    tenant_id=tenant_ids[sent.tenant],
+                    tenant=sent.tenant,
+                    batch=decode_batch(raw),
+                    blob_key=sent.key,
+                    size=len(body),
+                    now=now,
+                )
             if (n + 1) % 1000 == 0:
                 log(f"  unit {unit}: {n + 1} batches indexed")
         log(f"  unit {unit}: finished-run work ...")
@@ -319,11 +474,27 @@ def ingest_units(sessions: Any, blobs: Any, tenant_ids: dict[str, int], units: l
 #: Tables with their own ids, copied with fresh ids (in this order: parents first).
 ID_TABLES = ("sessions", "agents", "batches", "runs", "workers", "lake_partitions", "lake_files")
 #: Tables copied in bulk; everything else must be empty or not per unit (checked).
-COPIED = {*ID_TABLES, "clusters", "profile_frames", "run_status_counts", "run_batches", "run_prefixes",
-          "run_prefix_actions", "run_prefix_hist", "run_workers", "prefix_days", "cluster_hours",
-          "run_activity", "run_code", "run_profiles", "lake_runs", "finish_jobs", "run_states"}  # fmt: skip
+COPIED = {
+    *ID_TABLES,
+    "clusters",
+    "profile_frames",
+    "run_status_counts",
+    "run_batches",
+    "run_prefixes",
+    "run_prefix_actions",
+    "run_prefix_hist",
+    "run_workers",
+    "prefix_days",
+    "cluster_hours",
+    "run_activity",
+    "run_code",
+    "run_profiles",
+    "lake_runs",
+    "finish_jobs",
+    "run_states",
+}
 NOT_PER_UNIT = {"tenants", "tokens", "alembic_version"}
-RUN_NS = "6f0e4a52-3c9e-4f5b-9a43-1d2f8b7c6e10"  # storage.batches._RUN_NS
+RUN_NS = "6f0e4a52-3c9e-4f5b-9a43-1d2f8b7c6e10"  # storage.core.batches._RUN_NS
 
 
 @dataclass
@@ -347,12 +518,9 @@ class Template:
 
 
 def _tree_data(data: bytes, ids: dict[int, int]) -> bytes:
-    """A stored profile tree with its frame ids renumbered (``storage.profiles.encode``'s
+    """A stored profile tree with its frame ids renumbered (``storage.runs.profiles.encode``'s
     format: header, int32 parents, int64 frame ids, int64 counts; zstd)."""
-    import numpy as np
-    import zstandard
-
-    from storage.profiles import _HEAD, ZSTD_LEVEL
+    from storage.analysis.profile import _HEAD, ZSTD_LEVEL
 
     raw = bytearray(zstandard.ZstdDecompressor().decompress(data))
     _, _, n = _HEAD.unpack_from(raw)
@@ -372,14 +540,16 @@ def _frames_for(cur: Any, tm: Template, tenant_id: int) -> list[tuple[Any, ...]]
     cur.execute("SELECT coalesce(max(id), 0) FROM profile_frames")
     base = cur.fetchone()[0]
     cur.execute(
-        "INSERT INTO profile_frames (id, tenant_id, digest, name, filename, first_line, line_number, line) "
+        "INSERT INTO profile_frames (id, tenant_id, digest, name, filename, first_line, "
+        "line_number, line) "
         "SELECT %s + id - %s + 1, %s, digest, name, filename, first_line, line_number, line "
         "FROM profile_frames f WHERE id BETWEEN %s AND %s AND NOT EXISTS "
         "(SELECT 1 FROM profile_frames g WHERE g.tenant_id = %s AND g.digest = f.digest)",
         (base, lo, tenant_id, lo, hi, tenant_id),
     )
     cur.execute(
-        "SELECT setval(pg_get_serial_sequence('profile_frames', 'id'), (SELECT max(id) FROM profile_frames))"
+        "SELECT setval(pg_get_serial_sequence('profile_frames', 'id'), (SELECT max(id) FROM "
+        "profile_frames))"
     )
     cur.execute(
         "SELECT f.id, g.id FROM profile_frames f JOIN profile_frames g ON g.digest = f.digest "
@@ -388,8 +558,10 @@ def _frames_for(cur: Any, tm: Template, tenant_id: int) -> list[tuple[Any, ...]]
     )
     ids = dict(cur.fetchall())
     lo_r, hi_r = tm.ranges["runs"]
-    cur.execute("SELECT run_id, prefix, worker, data FROM run_profiles WHERE run_id BETWEEN %s AND %s",
-                (lo_r, hi_r))  # fmt: skip
+    cur.execute(
+        "SELECT run_id, prefix, worker, data FROM run_profiles WHERE run_id BETWEEN %s AND %s",
+        (lo_r, hi_r),
+    )
     rows = [(tenant_id, r, p, w, _tree_data(bytes(d), ids)) for r, p, w, d in cur.fetchall()]
     tm.trees[tenant_id] = rows
     return rows
@@ -399,13 +571,15 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
     """Add ``units`` as copies of the template's rows, in one transaction: fresh ids,
     names of the unit's tenant, group and day, times shifted by whole days (so hour and
     day rollup keys shift with them), public ids recomputed as the writer computes them."""
-    from psycopg2.extras import execute_values
-
     cur = conn.cursor()
-    cur.execute("DROP TABLE IF EXISTS _pdata; CREATE TEMP TABLE _pdata (tenant_id bigint, run_id bigint, "
-                "prefix text, worker text, data bytea, PRIMARY KEY (tenant_id, run_id, prefix, worker))")  # fmt: skip
-    cur.execute("DROP TABLE IF EXISTS _u; CREATE TEMP TABLE _u (unit int, rank int, g int, d int, "
-                "tenant_id bigint, tenant text, gname text, dd text, day text, shift float8)")  # fmt: skip
+    cur.execute(
+        "DROP TABLE IF EXISTS _pdata; CREATE TEMP TABLE _pdata (tenant_id bigint, run_id bigint, "
+        "prefix text, worker text, data bytea, PRIMARY KEY (tenant_id, run_id, prefix, worker))"
+    )
+    cur.execute(
+        "DROP TABLE IF EXISTS _u; CREATE TEMP TABLE _u (unit int, rank int, g int, d int, "
+        "tenant_id bigint, tenant text, gname text, dd text, day text, shift float8)"
+    )
     rows = []
     for rank, u in enumerate(units):
         g, d = place(u)
@@ -440,9 +614,11 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
     newc = "replace(c.name, 'g000-', _u.gname || '-')"
 
     def marks(col: str) -> str:  # tenant, cluster group and day in keys and paths
-        return (f"replace(replace(replace(replace({col}, '/{tm.tenant}/', '/' || _u.tenant || '/'), "
-                f"'tenant={tm.tenant}/', 'tenant=' || _u.tenant || '/'), 'g000-', _u.gname || '-'), "
-                f"'day0000', 'day' || _u.dd)")  # fmt: skip
+        return (
+            f"replace(replace(replace(replace({col}, '/{tm.tenant}/', '/' || _u.tenant || '/'), "
+            f"'tenant={tm.tenant}/', 'tenant=' || _u.tenant || '/'), 'g000-', _u.gname || '-'), "
+            f"'day0000', 'day' || _u.dd)"
+        )
 
     sql = [
         # clusters of the units' groups, created on first use; first/last seen widen
@@ -454,7 +630,8 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
               last_seen = greatest(clusters.last_seen, excluded.last_seen)""",
         "DROP TABLE IF EXISTS _c",
         f"""CREATE TEMP TABLE _c AS SELECT _u.unit, c.id AS old, n.id AS new, {newc} AS name
-            FROM clusters c CROSS JOIN _u JOIN clusters n ON n.tenant_id = _u.tenant_id AND n.name = {newc}
+            FROM clusters c CROSS JOIN _u
+              JOIN clusters n ON n.tenant_id = _u.tenant_id AND n.name = {newc}
             WHERE {rng("clusters", "c.id")}""",
         f"""INSERT INTO sessions (id, cluster_id, name, first_seen, last_seen, info)
             SELECT {nid("sessions", "s.id")}, _c.new, replace(s.name, 'day0000', 'day' || _u.dd),
@@ -463,36 +640,42 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
                 to_jsonb((s.info->>'time')::float8 + {S}))::json END
             FROM sessions s JOIN _c ON _c.old = s.cluster_id JOIN _u ON _u.unit = _c.unit
             WHERE {rng("sessions", "s.id")}""",
-        f"""INSERT INTO agents (id, session_id, name, batches, events, max_seq, final_seq, dropped, dropped_seq)
-            SELECT {nid("agents", "a.id")}, {nid("sessions", "a.session_id")}, a.name, a.batches, a.events,
-              a.max_seq, a.final_seq, a.dropped, a.dropped_seq
+        f"""INSERT INTO agents (id, session_id, name, batches, events, max_seq, final_seq,
+              dropped, dropped_seq)
+            SELECT {nid("agents", "a.id")}, {nid("sessions", "a.session_id")}, a.name,
+              a.batches, a.events, a.max_seq, a.final_seq, a.dropped, a.dropped_seq
             FROM agents a CROSS JOIN _u WHERE {rng("agents", "a.id")}""",
-        f"""INSERT INTO batches (id, agent_id, seq, blob_key, events, bytes, received_at, t_min, t_max)
-            SELECT {nid("batches", "b.id")}, {nid("agents", "b.agent_id")}, b.seq, {marks("b.blob_key")},
-              b.events, b.bytes, b.received_at + {S}, b.t_min + {S}, b.t_max + {S}
+        f"""INSERT INTO batches (id, agent_id, seq, blob_key, events, bytes, received_at,
+              t_min, t_max)
+            SELECT {nid("batches", "b.id")}, {nid("agents", "b.agent_id")}, b.seq,
+              {marks("b.blob_key")}, b.events, b.bytes, b.received_at + {S}, b.t_min + {S},
+              b.t_max + {S}
             FROM batches b CROSS JOIN _u WHERE {rng("batches", "b.id")}""",
         "DROP TABLE IF EXISTS _r",
         f"""CREATE TEMP TABLE _r AS SELECT _u.unit, r.id AS old, {nid("runs", "r.id")} AS new,
-              r.public_id AS old_pub, uuid_generate_v5('{RUN_NS}', _u.tenant || '/' || _c.name || '/'
+              r.public_id AS old_pub, uuid_generate_v5('{RUN_NS}', _u.tenant || '/'
+                || _c.name || '/'
                 || replace(s.name, 'day0000', 'day' || _u.dd) || '/'
                 || replace(r.run_key, 'day0000-', 'day' || _u.dd || '-'))::text AS new_pub
             FROM runs r JOIN sessions s ON s.id = r.session_id
               JOIN _c ON _c.old = r.cluster_id JOIN _u ON _u.unit = _c.unit
             WHERE {rng("runs", "r.id")}""",
         "CREATE INDEX ON _r (old, unit)",
-        f"""INSERT INTO runs (id, public_id, tenant_id, cluster_id, session_id, run_key, name, span, client,
-              status, started_at, finished_at, task_start, task_stop, task_count, error_count, graph_count,
-              nbytes, first_seen, last_seen, finished_work_at)
+        f"""INSERT INTO runs (id, public_id, tenant_id, cluster_id, session_id, run_key, name,
+              span, client, status, started_at, finished_at, task_start, task_stop, task_count,
+              error_count, graph_count, nbytes, first_seen, last_seen, finished_work_at)
             SELECT _r.new, _r.new_pub, _u.tenant_id, _c.new, {nid("sessions", "r.session_id")},
               replace(r.run_key, 'day0000-', 'day' || _u.dd || '-'), r.name,
               replace(r.span::text, 'day0000-', 'day' || _u.dd || '-')::json, r.client, r.status,
-              r.started_at + {S}, r.finished_at + {S}, r.task_start + {S}, r.task_stop + {S}, r.task_count,
-              r.error_count, r.graph_count, r.nbytes, r.first_seen + {S}, r.last_seen + {S}, r.finished_work_at
+              r.started_at + {S}, r.finished_at + {S}, r.task_start + {S}, r.task_stop + {S},
+              r.task_count, r.error_count, r.graph_count, r.nbytes, r.first_seen + {S},
+              r.last_seen + {S}, r.finished_work_at
             FROM runs r JOIN _r ON _r.old = r.id JOIN _u ON _u.unit = _r.unit
               JOIN _c ON _c.old = r.cluster_id AND _c.unit = _u.unit""",
-        f"""INSERT INTO workers (id, session_id, address, name, nthreads, memory_limit, joined_at, left_at, left_reason)
-            SELECT {nid("workers", "w.id")}, {nid("sessions", "w.session_id")}, w.address, w.name, w.nthreads,
-              w.memory_limit, w.joined_at + {S}, w.left_at + {S}, w.left_reason
+        f"""INSERT INTO workers (id, session_id, address, name, nthreads, memory_limit,
+              joined_at, left_at, left_reason)
+            SELECT {nid("workers", "w.id")}, {nid("sessions", "w.session_id")}, w.address,
+              w.name, w.nthreads, w.memory_limit, w.joined_at + {S}, w.left_at + {S}, w.left_reason
             FROM workers w CROSS JOIN _u WHERE {rng("workers", "w.id")}""",
     ]
     per_run = {
@@ -501,12 +684,16 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         "run_prefixes": ("prefix, count, errors, nbytes", ""),
         "run_prefix_actions": ("prefix, action, count, total, min, max", ""),
         "run_prefix_hist": ("prefix, action, batch_id, buckets", "{bid}"),
-        "run_workers": ("worker, tasks, errors, compute, transfer, disk_read, disk_write, other, first_start, last_stop", "{times}"),
+        "run_workers": (
+            "worker, tasks, errors, compute, transfer, disk_read, disk_write, other, first_start, "
+            "last_stop",
+            "{times}",
+        ),
         "run_activity": ("context, prefix, activity, unit, value, time", "{times}"),
         "run_code": ("digest, time, frames", "{times}"),
         "run_states": ("time, prefixes, workers", "{times}"),
         "finish_jobs": ("due_at, claimed_until, attempts, error", "{times}"),
-    }  # fmt: skip
+    }
     timed = {"first_start", "last_stop", "time", "due_at", "claimed_until"}
     for table, (cols, how) in per_run.items():
         exprs = []
@@ -528,24 +715,31 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
             FROM run_profiles x JOIN _r ON _r.old = x.run_id JOIN _u ON _u.unit = _r.unit
               LEFT JOIN _pdata p ON p.tenant_id = _u.tenant_id AND p.run_id = x.run_id
                 AND p.prefix = x.prefix AND p.worker = x.worker""",
-        f"""INSERT INTO prefix_days (cluster_id, prefix, action, day, batch_id, count, total, max, buckets)
-            SELECT _c.new, x.prefix, x.action, x.day + _u.d, {bid("x.batch_id")}, x.count, x.total, x.max, x.buckets
+        f"""INSERT INTO prefix_days (cluster_id, prefix, action, day, batch_id, count, total,
+              max, buckets)
+            SELECT _c.new, x.prefix, x.action, x.day + _u.d, {bid("x.batch_id")}, x.count,
+              x.total, x.max, x.buckets
             FROM prefix_days x JOIN _c ON _c.old = x.cluster_id JOIN _u ON _u.unit = _c.unit
             WHERE x.day = {T0 // DAY}""",
-        f"""INSERT INTO cluster_hours (cluster_id, hour, batch_id, tasks, errors, compute, transfer, disk, nbytes)
-            SELECT _c.new, x.hour + 24 * _u.d, {bid("x.batch_id")}, x.tasks, x.errors, x.compute, x.transfer,
-              x.disk, x.nbytes
+        f"""INSERT INTO cluster_hours (cluster_id, hour, batch_id, tasks, errors, compute,
+              transfer, disk, nbytes)
+            SELECT _c.new, x.hour + 24 * _u.d, {bid("x.batch_id")}, x.tasks, x.errors,
+              x.compute, x.transfer, x.disk, x.nbytes
             FROM cluster_hours x JOIN _c ON _c.old = x.cluster_id JOIN _u ON _u.unit = _c.unit
             WHERE x.hour BETWEEN {T0 // 3600} AND {T0 // 3600 + 23}""",
         f"""INSERT INTO lake_partitions (id, tenant_id, cluster_id, day, seq, vacuum_at)
-            SELECT {nid("lake_partitions", "x.id")}, _u.tenant_id, _c.new, _u.day, x.seq, x.vacuum_at
+            SELECT {nid("lake_partitions", "x.id")}, _u.tenant_id, _c.new, _u.day, x.seq,
+              x.vacuum_at
             FROM lake_partitions x JOIN _c ON _c.old = x.cluster_id JOIN _u ON _u.unit = _c.unit
             WHERE {rng("lake_partitions", "x.id")}""",
-        f"""INSERT INTO lake_files (id, partition_id, tbl, key, rows, bytes, t_min, t_max, runs, stats)
+        f"""INSERT INTO lake_files (id, partition_id, tbl, key, rows, bytes, t_min, t_max,
+              runs, stats)
             SELECT {nid("lake_files", "x.id")}, {nid("lake_partitions", "x.partition_id")}, x.tbl,
-              replace({marks("x.key")}, (SELECT day FROM lake_partitions WHERE id = x.partition_id), _u.day),
+              replace({marks("x.key")},
+                (SELECT day FROM lake_partitions WHERE id = x.partition_id), _u.day),
               x.rows, x.bytes, x.t_min + {S}, x.t_max + {S},
-              (SELECT json_agg(_r.new_pub ORDER BY _r.new_pub) FROM json_array_elements_text(x.runs) o
+              (SELECT json_agg(_r.new_pub ORDER BY _r.new_pub)
+                 FROM json_array_elements_text(x.runs) o
                  JOIN _r ON _r.old_pub = o.value AND _r.unit = _u.unit), x.stats
             FROM lake_files x CROSS JOIN _u WHERE {rng("lake_files", "x.id")}""",
         f"""INSERT INTO lake_runs (run_id, partition_id, tag)
@@ -581,9 +775,7 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
     and name, a batch's blob key, a run's public id ...), so two indexes built with
     different ids compare equal when they hold the same facts. Lake file keys lose their
     content hash; profile trees are compared decoded, frames by digest."""
-    from sqlalchemy import inspect, text
-
-    from storage.profiles import _arrays
+    from storage.analysis.profile import _arrays
 
     out: dict[str, list[tuple[Any, ...]]] = {}
     with engine.connect() as conn:
@@ -600,8 +792,15 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
             i: (*clusters[c], d) for i, c, d in q("SELECT id, cluster_id, day FROM lake_partitions")
         }
         frames = dict(q("SELECT id, digest FROM profile_frames"))
-        refs = {"tenant_id": tenants, "cluster_id": clusters, "session_id": sessions, "agent_id": agents,
-                "batch_id": batches, "run_id": runs, "partition_id": parts}  # fmt: skip
+        refs = {
+            "tenant_id": tenants,
+            "cluster_id": clusters,
+            "session_id": sessions,
+            "agent_id": agents,
+            "batch_id": batches,
+            "run_id": runs,
+            "partition_id": parts,
+        }
         for table in sorted(inspect(conn).get_table_names(schema="public")):
             if table in ("tokens", "alembic_version"):
                 continue
@@ -622,8 +821,12 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
                         v = v.rsplit("-", 1)[0]
                     elif table == "run_profiles" and col == "data":
                         interval, parents, fids, counts = _arrays(bytes(v))
-                        v = (interval, tuple(parents.tolist()), tuple(frames[int(f)] for f in fids),
-                             tuple(counts.tolist()))  # fmt: skip
+                        v = (
+                            interval,
+                            tuple(parents.tolist()),
+                            tuple(frames[int(f)] for f in fids),
+                            tuple(counts.tolist()),
+                        )
                     elif isinstance(v, dict | list):
                         v = repr(_canon(v))
                     r[col] = v
@@ -652,6 +855,7 @@ def differences(a: dict[str, list[Any]], b: dict[str, list[Any]], limit: int = 3
             sa, sb = set(ra), set(rb)
             only_a, only_b = sorted(sa - sb, key=repr)[:limit], sorted(sb - sa, key=repr)[:limit]
             out.append(
-                f"{table}: {len(ra)} vs {len(rb)} rows; only in real: {only_a}; only in bulk: {only_b}"
+                f"{table}: {len(ra)} vs {len(rb)} rows; only in real: {only_a}; only in bulk: "
+                f"{only_b}"
             )
     return out

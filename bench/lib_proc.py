@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -48,8 +49,6 @@ def named(comm: str) -> list[int]:
 def pin(pids: list[int], cpus: set[int]) -> dict[int, set[int]]:
     """Restrict ``pids`` to ``cpus`` (children forked later inherit it); returns what each
     had, for :func:`unpin`. Processes that are gone, or not ours to move, are skipped."""
-    import os
-
     before = {}
     for p in pids:
         try:
@@ -61,8 +60,6 @@ def pin(pids: list[int], cpus: set[int]) -> dict[int, set[int]]:
 
 
 def unpin(before: dict[int, set[int]]) -> None:
-    import os
-
     for p, cpus in before.items():
         try:
             os.sched_setaffinity(p, cpus)

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-SESSION_TIME = 1795383774.270620  # 2026-11-22 21:42:54.270620 UTC
+SESSION_TIME = 1795383774.270620  # a session's start, to the microsecond as Ray names it
 
 
 def b64(raw: bytes) -> str:
@@ -85,7 +95,9 @@ class RaySim:
     def _id(self, n: int) -> bytes:
         return bytes(self.rng.getrandbits(8) for _ in range(n))
 
-    def _event(self, etype: str, source: str, t: float, payload_name: str, payload: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    def _event(
+        self, etype: str, source: str, t: float, payload_name: str, payload: dict[str, Any]
+    ) -> dict[str, Any]:
         return {
             "eventId": b64(self._id(28)),
             "sourceType": source,
@@ -103,32 +115,108 @@ class RaySim:
     def node_events(self, t: float) -> list[dict[str, Any]]:
         node = b64(self.node)
         return [
-            self._event("NODE_DEFINITION_EVENT", "GCS", t, "nodeDefinitionEvent", {
-                "nodeId": node, "nodeIpAddress": self.ip,
-                "labels": {"ray.io/node-id": self.node.hex()}, "startTimestamp": stamp(t),
-                "hostname": "sim", "nodeName": self.ip, "instanceId": "", "instanceTypeName": ""}),
-            self._event("NODE_LIFECYCLE_EVENT", "GCS", t, "nodeLifecycleEvent", {
-                "nodeId": node, "stateTransitions": [{"timestamp": stamp(t), "resources": {
-                    "CPU": float(self.workers), "memory": 17089489716.0}, "state": "ALIVE",
-                    "aliveSubState": "UNSPECIFIED"}]}),
-        ]  # fmt: skip
+            self._event(
+                "NODE_DEFINITION_EVENT",
+                "GCS",
+                t,
+                "nodeDefinitionEvent",
+                {
+                    "nodeId": node,
+                    "nodeIpAddress": self.ip,
+                    "labels": {"ray.io/node-id": self.node.hex()},
+                    "startTimestamp": stamp(t),
+                    "hostname": "sim",
+                    "nodeName": self.ip,
+                    "instanceId": "",
+                    "instanceTypeName": "",
+                },
+            ),
+            self._event(
+                "NODE_LIFECYCLE_EVENT",
+                "GCS",
+                t,
+                "nodeLifecycleEvent",
+                {
+                    "nodeId": node,
+                    "stateTransitions": [
+                        {
+                            "timestamp": stamp(t),
+                            "resources": {"CPU": float(self.workers), "memory": 17089489716.0},
+                            "state": "ALIVE",
+                            "aliveSubState": "UNSPECIFIED",
+                        }
+                    ],
+                },
+            ),
+        ]
 
     def worker_events(self, t: float, ended: float | None = None) -> list[dict[str, Any]]:
         out = []
         for wid, pid in zip(self.worker_ids, self.pids, strict=True):
-            out.append(self._event("WORKER_DEFINITION_EVENT", "GCS", t, "workerDefinitionEvent", {
-                "workerId": b64(wid), "nodeId": b64(self.node), "pid": pid, "workerType": "WORKER"}))  # fmt: skip
-            out.append(self._event("WORKER_LIFECYCLE_EVENT", "GCS", t, "workerLifecycleEvent", {
-                "workerId": b64(wid), "stateTransitions": [{"timestamp": stamp(t),
-                    "workerLaunchTimeMs": str(int(t * 1000) - 300), "workerLaunchedTimeMs": str(int(t * 1000) - 20),
-                    "startTimeMs": str(int(t * 1000)), "state": "ALIVE", "endTimeMs": "0"}], "jobId": ""}))  # fmt: skip
+            out.append(
+                self._event(
+                    "WORKER_DEFINITION_EVENT",
+                    "GCS",
+                    t,
+                    "workerDefinitionEvent",
+                    {
+                        "workerId": b64(wid),
+                        "nodeId": b64(self.node),
+                        "pid": pid,
+                        "workerType": "WORKER",
+                    },
+                )
+            )
+            out.append(
+                self._event(
+                    "WORKER_LIFECYCLE_EVENT",
+                    "GCS",
+                    t,
+                    "workerLifecycleEvent",
+                    {
+                        "workerId": b64(wid),
+                        "stateTransitions": [
+                            {
+                                "timestamp": stamp(t),
+                                "workerLaunchTimeMs": str(int(t * 1000) - 300),
+                                "workerLaunchedTimeMs": str(int(t * 1000) - 20),
+                                "startTimeMs": str(int(t * 1000)),
+                                "state": "ALIVE",
+                                "endTimeMs": "0",
+                            }
+                        ],
+                        "jobId": "",
+                    },
+                )
+            )
             if ended is not None:
-                out.append(self._event("WORKER_LIFECYCLE_EVENT", "GCS", ended, "workerLifecycleEvent", {
-                    "workerId": b64(wid), "jobId": "", "stateTransitions": [{"state": "DEAD",
-                        "timestamp": stamp(ended), "endTimeMs": str(int(ended * 1000)),
-                        "deathInfo": {"exitType": "INTENDED_USER_EXIT",
-                                      "exitDetail": "Worker force exited because its job has finished"},
-                        "workerLaunchTimeMs": "0", "workerLaunchedTimeMs": "0", "startTimeMs": "0"}]}))  # fmt: skip
+                out.append(
+                    self._event(
+                        "WORKER_LIFECYCLE_EVENT",
+                        "GCS",
+                        ended,
+                        "workerLifecycleEvent",
+                        {
+                            "workerId": b64(wid),
+                            "jobId": "",
+                            "stateTransitions": [
+                                {
+                                    "state": "DEAD",
+                                    "timestamp": stamp(ended),
+                                    "endTimeMs": str(int(ended * 1000)),
+                                    "deathInfo": {
+                                        "exitType": "INTENDED_USER_EXIT",
+                                        "exitDetail": "Worker force exited because its job "
+                                        "has finished",
+                                    },
+                                    "workerLaunchTimeMs": "0",
+                                    "workerLaunchedTimeMs": "0",
+                                    "startTimeMs": "0",
+                                }
+                            ],
+                        },
+                    )
+                )
         return out
 
     def job_start(
@@ -137,39 +225,119 @@ class RaySim:
         jid = b64(job_bytes(job))
         driver = b64(b"\xff" * 20 + job_bytes(job))
         return [
-            self._event("DRIVER_JOB_DEFINITION_EVENT", "GCS", t, "driverJobDefinitionEvent", {
-                "jobId": jid, "driverPid": str(30000 + job), "driverNodeId": b64(self.node),
-                "entrypoint": entrypoint, "config": {"serializedRuntimeEnv": "{}", "metadata": {}}}),
-            self._event("DRIVER_JOB_LIFECYCLE_EVENT", "GCS", t, "driverJobLifecycleEvent", {
-                "jobId": jid, "stateTransitions": [{"state": "CREATED", "timestamp": stamp(t)}]}),
-            self._event("TASK_DEFINITION_EVENT", "CORE_WORKER", t, "taskDefinitionEvent", {
-                "taskId": driver, "taskType": "DRIVER_TASK", "taskFunc": {}, "jobId": jid,
-                "parentTaskId": b64(b"\xff" * 24), "taskAttempt": 0, "language": "PYTHON",
-                "taskName": ""}),
-            self._event("TASK_LIFECYCLE_EVENT", "CORE_WORKER", t, "taskLifecycleEvent", {
-                "taskId": driver, "stateTransitions": [{"state": "RUNNING", "timestamp": stamp(t)}],
-                "jobId": jid, "taskAttempt": 0, "nodeId": "", "workerId": "", "workerPid": 0}),
-        ]  # fmt: skip
+            self._event(
+                "DRIVER_JOB_DEFINITION_EVENT",
+                "GCS",
+                t,
+                "driverJobDefinitionEvent",
+                {
+                    "jobId": jid,
+                    "driverPid": str(30000 + job),
+                    "driverNodeId": b64(self.node),
+                    "entrypoint": entrypoint,
+                    "config": {"serializedRuntimeEnv": "{}", "metadata": {}},
+                },
+            ),
+            self._event(
+                "DRIVER_JOB_LIFECYCLE_EVENT",
+                "GCS",
+                t,
+                "driverJobLifecycleEvent",
+                {"jobId": jid, "stateTransitions": [{"state": "CREATED", "timestamp": stamp(t)}]},
+            ),
+            self._event(
+                "TASK_DEFINITION_EVENT",
+                "CORE_WORKER",
+                t,
+                "taskDefinitionEvent",
+                {
+                    "taskId": driver,
+                    "taskType": "DRIVER_TASK",
+                    "taskFunc": {},
+                    "jobId": jid,
+                    "parentTaskId": b64(b"\xff" * 24),
+                    "taskAttempt": 0,
+                    "language": "PYTHON",
+                    "taskName": "",
+                },
+            ),
+            self._event(
+                "TASK_LIFECYCLE_EVENT",
+                "CORE_WORKER",
+                t,
+                "taskLifecycleEvent",
+                {
+                    "taskId": driver,
+                    "stateTransitions": [{"state": "RUNNING", "timestamp": stamp(t)}],
+                    "jobId": jid,
+                    "taskAttempt": 0,
+                    "nodeId": "",
+                    "workerId": "",
+                    "workerPid": 0,
+                },
+            ),
+        ]
 
     def job_end(self, job: int, t: float) -> list[dict[str, Any]]:
         jid = b64(job_bytes(job))
         driver = b64(b"\xff" * 20 + job_bytes(job))
         return [
-            self._event("TASK_LIFECYCLE_EVENT", "CORE_WORKER", t, "taskLifecycleEvent", {
-                "taskId": driver, "stateTransitions": [{"state": "FINISHED", "timestamp": stamp(t)}],
-                "jobId": jid, "taskAttempt": 0, "nodeId": "", "workerId": "", "workerPid": 0}),
-            self._event("DRIVER_JOB_LIFECYCLE_EVENT", "GCS", t + 0.003, "driverJobLifecycleEvent", {
-                "jobId": jid, "stateTransitions": [{"state": "FINISHED", "timestamp": stamp(t + 0.003)}]}),
-        ]  # fmt: skip
+            self._event(
+                "TASK_LIFECYCLE_EVENT",
+                "CORE_WORKER",
+                t,
+                "taskLifecycleEvent",
+                {
+                    "taskId": driver,
+                    "stateTransitions": [{"state": "FINISHED", "timestamp": stamp(t)}],
+                    "jobId": jid,
+                    "taskAttempt": 0,
+                    "nodeId": "",
+                    "workerId": "",
+                    "workerPid": 0,
+                },
+            ),
+            self._event(
+                "DRIVER_JOB_LIFECYCLE_EVENT",
+                "GCS",
+                t + 0.003,
+                "driverJobLifecycleEvent",
+                {
+                    "jobId": jid,
+                    "stateTransitions": [{"state": "FINISHED", "timestamp": stamp(t + 0.003)}],
+                },
+            ),
+        ]
 
     # -------------------------------------------------------------- tasks
 
-    def task(self, job: int, name: str, start: float, duration: float, *, func: str | None = None,
-             failed: bool = False, attempt: int = 0, task_id: bytes | None = None,
-             actor: bytes | None = None, parent: bytes | None = None) -> Task:  # fmt: skip
+    def task(
+        self,
+        job: int,
+        name: str,
+        start: float,
+        duration: float,
+        *,
+        func: str | None = None,
+        failed: bool = False,
+        attempt: int = 0,
+        task_id: bytes | None = None,
+        actor: bytes | None = None,
+        parent: bytes | None = None,
+    ) -> Task:
         tid = task_id or (self._id(8) + b"\xff" * 12 + job_bytes(job))
-        return Task(tid, attempt, job, name, func or name.split("-")[0], start, start + duration,
-                    failed, actor, parent)  # fmt: skip
+        return Task(
+            tid,
+            attempt,
+            job,
+            name,
+            func or name.split("-")[0],
+            start,
+            start + duration,
+            failed,
+            actor,
+            parent,
+        )
 
     def definition(self, t: Task) -> dict[str, Any]:
         jid = b64(job_bytes(t.job))
@@ -177,21 +345,64 @@ class RaySim:
         created = t.start - 0.02
         if t.actor is not None:
             cls, _, fn = t.func.rpartition(".")
-            return self._event("ACTOR_TASK_DEFINITION_EVENT", "CORE_WORKER", created, "actorTaskDefinitionEvent", {
-                "taskId": b64(t.task_id), "actorFunc": {"pythonFunctionDescriptor": {
-                    "moduleName": "job", "className": cls, "functionName": fn, "functionHash": ""}},
-                "actorTaskName": t.name, "requiredResources": {"CPU": 1.0}, "jobId": jid,
-                "actorId": b64(t.actor), "parentTaskId": parent, "placementGroupId": b64(b"\xff" * 18),
-                "serializedRuntimeEnv": "{}", "taskAttempt": t.attempt, "language": "PYTHON",
-                "refIds": {}, "labelSelector": {}, "isDetachedActor": False})  # fmt: skip
-        return self._event("TASK_DEFINITION_EVENT", "CORE_WORKER", created, "taskDefinitionEvent", {
-            "taskId": b64(t.task_id), "taskFunc": {"pythonFunctionDescriptor": {
-                "moduleName": "job", "functionName": t.func, "functionHash": "ed36c6959b604314a55e49d737f210f5",
-                "className": ""}},
-            "taskName": t.name, "requiredResources": {"CPU": 1.0}, "jobId": jid, "parentTaskId": parent,
-            "placementGroupId": b64(b"\xff" * 18), "serializedRuntimeEnv": "{}", "taskAttempt": t.attempt,
-            "taskType": "NORMAL_TASK", "language": "PYTHON", "refIds": {}, "labelSelector": {},
-            "isDetachedActor": False})  # fmt: skip
+            return self._event(
+                "ACTOR_TASK_DEFINITION_EVENT",
+                "CORE_WORKER",
+                created,
+                "actorTaskDefinitionEvent",
+                {
+                    "taskId": b64(t.task_id),
+                    "actorFunc": {
+                        "pythonFunctionDescriptor": {
+                            "moduleName": "job",
+                            "className": cls,
+                            "functionName": fn,
+                            "functionHash": "",
+                        }
+                    },
+                    "actorTaskName": t.name,
+                    "requiredResources": {"CPU": 1.0},
+                    "jobId": jid,
+                    "actorId": b64(t.actor),
+                    "parentTaskId": parent,
+                    "placementGroupId": b64(b"\xff" * 18),
+                    "serializedRuntimeEnv": "{}",
+                    "taskAttempt": t.attempt,
+                    "language": "PYTHON",
+                    "refIds": {},
+                    "labelSelector": {},
+                    "isDetachedActor": False,
+                },
+            )
+        return self._event(
+            "TASK_DEFINITION_EVENT",
+            "CORE_WORKER",
+            created,
+            "taskDefinitionEvent",
+            {
+                "taskId": b64(t.task_id),
+                "taskFunc": {
+                    "pythonFunctionDescriptor": {
+                        "moduleName": "job",
+                        "functionName": t.func,
+                        "functionHash": "ed36c6959b604314a55e49d737f210f5",
+                        "className": "",
+                    }
+                },
+                "taskName": t.name,
+                "requiredResources": {"CPU": 1.0},
+                "jobId": jid,
+                "parentTaskId": parent,
+                "placementGroupId": b64(b"\xff" * 18),
+                "serializedRuntimeEnv": "{}",
+                "taskAttempt": t.attempt,
+                "taskType": "NORMAL_TASK",
+                "language": "PYTHON",
+                "refIds": {},
+                "labelSelector": {},
+                "isDetachedActor": False,
+            },
+        )
 
     def worker_of(self, t: Task) -> int:
         return t.task_id[0] % self.workers
@@ -207,15 +418,20 @@ class RaySim:
             {"state": "FAILED" if t.failed else "FINISHED", "timestamp": stamp(t.stop)},
         ]
         payload: dict[str, Any] = {
-            "taskId": b64(t.task_id), "stateTransitions": states, "nodeId": b64(self.node),
-            "workerId": b64(self.worker_ids[w]), "jobId": b64(job_bytes(t.job)),
-            "taskAttempt": t.attempt, "workerPid": 0,
-        }  # fmt: skip
+            "taskId": b64(t.task_id),
+            "stateTransitions": states,
+            "nodeId": b64(self.node),
+            "workerId": b64(self.worker_ids[w]),
+            "jobId": b64(job_bytes(t.job)),
+            "taskAttempt": t.attempt,
+            "workerPid": 0,
+        }
         if t.failed:
             payload["rayErrorInfo"] = {
-                "errorMessage": f"User exception:\n\x1b[36mray::{t.name}()\x1b[39m (pid={self.pids[w]}, "
-                f'ip={self.ip})\n  File "/home/user/job.py", line 12, in {t.func}\n    raise ValueError('
-                f'"boom")\nValueError: boom from {t.name}',
+                "errorMessage": f"User exception:\n\x1b[36mray::{t.name}()\x1b[39m "
+                f"(pid={self.pids[w]}, ip={self.ip})\n"
+                f'  File "/home/user/job.py", line 12, in {t.func}\n'
+                f'    raise ValueError("boom")\nValueError: boom from {t.name}',
                 "errorType": "TASK_EXECUTION_EXCEPTION",
             }
         return self._event(
@@ -225,26 +441,59 @@ class RaySim:
     def running(self, t: Task) -> dict[str, Any]:
         """The executing worker's lifecycle event: RUNNING, with its pid."""
         w = self.worker_of(t)
-        log = f"/tmp/ray/{self.session}/logs/worker-{self.worker_ids[w].hex()}-ffffffff-{self.pids[w]}"
-        return self._event("TASK_LIFECYCLE_EVENT", "CORE_WORKER", t.start, "taskLifecycleEvent", {
-            "taskId": b64(t.task_id), "stateTransitions": [{"state": "RUNNING", "timestamp": stamp(t.start)}],
-            "workerPid": self.pids[w], "jobId": b64(job_bytes(t.job)),
-            "taskLogInfo": {"stdoutFile": log + ".out", "stderrFile": log + ".err", "stdoutStart": "1326",
-                            "stdoutEnd": "1326", "stderrStart": "1326", "stderrEnd": "1326"},
-            "taskAttempt": t.attempt, "nodeId": "", "workerId": ""})  # fmt: skip
+        worker_id = self.worker_ids[w].hex()
+        log = f"/tmp/ray/{self.session}/logs/worker-{worker_id}-ffffffff-{self.pids[w]}"
+        return self._event(
+            "TASK_LIFECYCLE_EVENT",
+            "CORE_WORKER",
+            t.start,
+            "taskLifecycleEvent",
+            {
+                "taskId": b64(t.task_id),
+                "stateTransitions": [{"state": "RUNNING", "timestamp": stamp(t.start)}],
+                "workerPid": self.pids[w],
+                "jobId": b64(job_bytes(t.job)),
+                "taskLogInfo": {
+                    "stdoutFile": log + ".out",
+                    "stderrFile": log + ".err",
+                    "stdoutStart": "1326",
+                    "stdoutEnd": "1326",
+                    "stderrStart": "1326",
+                    "stderrEnd": "1326",
+                },
+                "taskAttempt": t.attempt,
+                "nodeId": "",
+                "workerId": "",
+            },
+        )
 
     def task_events(self, t: Task) -> list[dict[str, Any]]:
         return [self.definition(t), self.running(t), self.submitter(t)]
 
-    def job(self, job: int, n: int, t0: float, *, fail_every: int = 0, duration: float = 0.01,
-            entrypoint: str = "python job.py", finish: bool = True) -> tuple[list[Task], list[dict[str, Any]]]:  # fmt: skip
+    def job(
+        self,
+        job: int,
+        n: int,
+        t0: float,
+        *,
+        fail_every: int = 0,
+        duration: float = 0.01,
+        entrypoint: str = "python job.py",
+        finish: bool = True,
+    ) -> tuple[list[Task], list[dict[str, Any]]]:
         """A whole job: its start, ``n`` tasks spread over the workers, its end."""
         tasks = []
         events = self.job_start(job, t0, entrypoint)
         for i in range(n):
             start = t0 + 0.05 + (i // self.workers) * duration
-            t = self.task(job, f"work-{i}", start, duration * 0.9, func="work",
-                          failed=bool(fail_every) and i % fail_every == fail_every - 1)  # fmt: skip
+            t = self.task(
+                job,
+                f"work-{i}",
+                start,
+                duration * 0.9,
+                func="work",
+                failed=bool(fail_every) and i % fail_every == fail_every - 1,
+            )
             tasks.append(t)
             events += self.task_events(t)
         if finish:
@@ -262,8 +511,6 @@ def bodies(events: list[dict[str, Any]], size: int = 1000) -> list[bytes]:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -300,17 +547,19 @@ class RayHead:
     session (stopped by killing that group: ``ray stop`` would stop every Ray on the
     machine), and drivers run against it."""
 
-    def __init__(self, export_url: str | None, *, dashboard: bool = False, cpus: int = 2,
-                 report_ms: int | None = 100, publish_s: float | None = 1.0,
-                 env: dict[str, str] | None = None,
-                 driver_env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        export_url: str | None,
+        *,
+        dashboard: bool = False,
+        cpus: int = 2,
+        report_ms: int | None = 100,
+        publish_s: float | None = 1.0,
+        env: dict[str, str] | None = None,
+        driver_env: dict[str, str] | None = None,
+    ) -> None:
         """``env``: more variables for the node and its drivers; ``driver_env``: for the
         drivers only (an empty value unsets the variable there)."""
-        import os
-        import sys
-        import tempfile
-        from pathlib import Path
-
         # Short: Ray puts unix sockets under the temp dir (107-byte path limit).
         self.root = Path(tempfile.mkdtemp(prefix="hsray", dir="/tmp"))
         self.bin = Path(sys.executable).parent
@@ -333,21 +582,31 @@ class RayHead:
         self.proc: Any = None
 
     def start(self, timeout: float = 180) -> None:
-        import subprocess
-        import time
-
-        args = [str(self.bin / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                f"--port={self.gcs_port}", f"--temp-dir={self.root / 'ray'}", f"--num-cpus={self.cpus}",
-                "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
-                f"--ray-client-server-port={_free_port()}"]  # fmt: skip
+        args = [
+            str(self.bin / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.gcs_port}",
+            f"--temp-dir={self.root / 'ray'}",
+            f"--num-cpus={self.cpus}",
+            "--disable-usage-stats",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
+        ]
         if self.dashboard_port:
-            args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                     f"--dashboard-port={self.dashboard_port}"]  # fmt: skip
+            args += [
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+            ]
         else:
             args += ["--include-dashboard=false"]
         with open(self.root / "ray-start.log", "wb") as log:
-            self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while not self._up():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -355,8 +614,6 @@ class RayHead:
             time.sleep(0.2)
 
     def _up(self) -> bool:
-        import urllib.request
-
         if self.dashboard:
             try:
                 with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2) as r:
@@ -364,10 +621,12 @@ class RayHead:
             except OSError:
                 return False
         # Without a dashboard: up once a driver can connect (``ray status`` asks the GCS).
-        import subprocess
-
-        out = subprocess.run([str(self.bin / "ray"), "status", f"--address=127.0.0.1:{self.gcs_port}"],
-                             env=self.env, capture_output=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [str(self.bin / "ray"), "status", f"--address=127.0.0.1:{self.gcs_port}"],
+            env=self.env,
+            capture_output=True,
+            timeout=60,
+        )
         return out.returncode == 0
 
     def log_tail(self) -> str:
@@ -375,21 +634,22 @@ class RayHead:
 
     def driver(self, script: str, *args: str, timeout: float = 300) -> Any:
         """Run a driver script against the node; its last output line is JSON."""
-        import subprocess
-        import sys
-
         env = {**self.env, **self.driver_env, "RAY_ADDRESS": f"127.0.0.1:{self.gcs_port}"}
         env = {k: v for k, v in env.items() if v != ""}
-        out = subprocess.run([sys.executable, script, *args], env=env, capture_output=True,
-                             timeout=timeout, text=True, cwd=self.root)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, script, *args],
+            env=env,
+            capture_output=True,
+            timeout=timeout,
+            text=True,
+            cwd=self.root,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"{script} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def pids(self) -> list[int]:
         """Every process of this node (its session)."""
-        from pathlib import Path
-
         if self.proc is None:
             return []
         out = []
@@ -404,11 +664,6 @@ class RayHead:
         return out
 
     def stop(self) -> None:
-        import os
-        import shutil
-        import signal
-        import subprocess
-
         if self.proc is not None:
             group = self.proc.pid  # its own session: every Ray process of this node
             for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):

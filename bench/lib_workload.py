@@ -47,33 +47,57 @@ def task_events(
         ss: list[dict[str, Any]] = [{"action": "compute", "start": start, "stop": stop}]
         if rng.random() < 0.3:
             tstop = start - rng.random() * 0.02
-            ss.insert(0, {"action": "transfer", "start": tstop - rng.random() * 0.05, "stop": tstop,
-                          "source": rng.choice(workers)})  # fmt: skip
-        events.append({
-            "kind": "task",
-            "key": f"('{prefix}-{tokens[prefix]}', {first + i})",
-            "prefix": prefix,
-            "group": f"{prefix}-{tokens[prefix]}",
-            "run": run,
-            "worker": rng.choice(workers),
-            "thread": rng.choice(threads),
-            "status": "memory",
-            "nbytes": int(size * rng.uniform(0.75, 1.25)) if varies else size,
-            "typename": typename,
-            "startstops": ss,
-        })  # fmt: skip
+            ss.insert(
+                0,
+                {
+                    "action": "transfer",
+                    "start": tstop - rng.random() * 0.05,
+                    "stop": tstop,
+                    "source": rng.choice(workers),
+                },
+            )
+        events.append(
+            {
+                "kind": "task",
+                "key": f"('{prefix}-{tokens[prefix]}', {first + i})",
+                "prefix": prefix,
+                "group": f"{prefix}-{tokens[prefix]}",
+                "run": run,
+                "worker": rng.choice(workers),
+                "thread": rng.choice(threads),
+                "status": "memory",
+                "nbytes": int(size * rng.uniform(0.75, 1.25)) if varies else size,
+                "typename": typename,
+                "startstops": ss,
+            }
+        )
     return events
 
 
 def batch(
     cluster: str, session: str, agent: str, seq: int, events: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    return {"schema": 1, "cluster": cluster, "session": session, "agent": agent, "seq": seq,
-            "dropped": {"buffer_full": 0}, "events": events}  # fmt: skip
+    return {
+        "schema": 1,
+        "cluster": cluster,
+        "session": session,
+        "agent": agent,
+        "seq": seq,
+        "dropped": {"buffer_full": 0},
+        "events": events,
+    }
 
 
-def encoded_batches(count: int, n: int = 5000, *, agent: str = "scheduler-0", session: str = "Scheduler-bench",
-                    cluster: str = "bench", seed: int = 0, level: int = 3) -> list[bytes]:  # fmt: skip
+def encoded_batches(
+    count: int,
+    n: int = 5000,
+    *,
+    agent: str = "scheduler-0",
+    session: str = "Scheduler-bench",
+    cluster: str = "bench",
+    seed: int = 0,
+    level: int = 3,
+) -> list[bytes]:
     """``count`` zstd-compressed JSON batches of ``n`` task events each."""
     rng = random.Random(seed)
     enc = msgspec.json.Encoder()

@@ -24,7 +24,7 @@ COPY, and one run of 1,000,000 Dask-shaped task records through the real ingest 
 - and, without targets: compacting the 1M-task run from its raw batches, and streaming it
   in full as NDJSON.
 
-    .venv/bin/python bench/query.py [--runs 100000] [--big-tasks 1000000]
+    .venv/bin/python -m bench.query [--runs 100000] [--big-tasks 1000000]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -44,23 +45,29 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pandas as pd
 import zstandard
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.lib_results import report
+from bench.lib_workload import NAMES, task_events
+from hindsight.schema import decode_batch
+from services.query.app import create_app
+from storage.analysis import sketch
+from storage.core.batches import run_public_id
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import create_token
+from storage.ingest.writer import index_batch
 
-from bench.lib_workload import NAMES, task_events  # noqa: E402
-from hindsight.schema import decode_batch  # noqa: E402
-from storage import sketch  # noqa: E402
-from storage.batches import run_public_id  # noqa: E402
-from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from storage.ingest import index_batch  # noqa: E402
-from storage.tokens import create_token  # noqa: E402
-
-TARGETS = {"run_list_p95_ms": 50, "run_tasks_cold_s": 1.0, "run_tasks_page_ms": 300,
-           "prefix_history_ms": 200, "profile_ms": 500, "state_at_ms": 300}  # fmt: skip
+TARGETS = {
+    "run_list_p95_ms": 50,
+    "run_tasks_cold_s": 1.0,
+    "run_tasks_page_ms": 300,
+    "prefix_history_ms": 200,
+    "profile_ms": 500,
+    "state_at_ms": 300,
+}
 T0 = 1_780_000_000.0
 TENANT = "bench"
 
@@ -90,8 +97,9 @@ def generate_history(
     runs_per_cluster = n_runs // n_clusters
     sessions = [
         (c * sessions_per_cluster + s + 1, c + 1, f"Scheduler-{c}-{s}", T0, T0, None)
-        for c in range(n_clusters) for s in range(sessions_per_cluster)
-    ]  # fmt: skip
+        for c in range(n_clusters)
+        for s in range(sessions_per_cluster)
+    ]
     runs, prefixes, actions, hists, workers, ch, statuses = [], [], [], [], [], [], []
     days: dict[tuple[int, str, int], list[Any]] = {}
     for i in range(n_runs):
@@ -132,19 +140,50 @@ def generate_history(
             day[2] += total
             day[3] = max(day[3], mean * 5)
         for w in range(4):
-            workers.append((rid, f"tcp://10.{c}.0.{w}:4000", n_tasks // 4, 0, compute_total / 4,
-                            compute_total / 40, 0.0, 0.0, 0.0, t, t + makespan))  # fmt: skip
+            workers.append(
+                (
+                    rid,
+                    f"tcp://10.{c}.0.{w}:4000",
+                    n_tasks // 4,
+                    0,
+                    compute_total / 4,
+                    compute_total / 40,
+                    0.0,
+                    0.0,
+                    0.0,
+                    t,
+                    t + makespan,
+                )
+            )
         ch.append((c + 1, hour, n_tasks, errors, compute_total, compute_total / 10, 0.0, nbytes))
         statuses.append((rid, "memory", n_tasks - errors))
         if errors:
             statuses.append((rid, "erred", errors))
         name = f"job-{tmpl:02d}"
-        runs.append((
-            rid, run_public_id(TENANT, f"cluster-{c:02d}", f"Scheduler-{c}", f"run-{i}"), tenant_id,
-            c + 1, session, f"run-{i}", name, None, "client-1", status, t,
-            None if status == "running" else t + makespan + 1, t + 0.5, t + 0.5 + makespan,
-            n_tasks, errors, n_tasks, nbytes, t, t + makespan,
-        ))  # fmt: skip
+        runs.append(
+            (
+                rid,
+                run_public_id(TENANT, f"cluster-{c:02d}", f"Scheduler-{c}", f"run-{i}"),
+                tenant_id,
+                c + 1,
+                session,
+                f"run-{i}",
+                name,
+                None,
+                "client-1",
+                status,
+                t,
+                None if status == "running" else t + makespan + 1,
+                t + 0.5,
+                t + 0.5 + makespan,
+                n_tasks,
+                errors,
+                n_tasks,
+                nbytes,
+                t,
+                t + makespan,
+            )
+        )
         if (i + 1) % 20_000 == 0:
             log(f"  generated {i + 1:,} runs")
     raw = engine.raw_connection()
@@ -158,9 +197,33 @@ def generate_history(
             ["id", "cluster_id", "name", "first_seen", "last_seen", "info"],
             sessions,
         )
-        copy(conn, "runs", ["id", "public_id", "tenant_id", "cluster_id", "session_id", "run_key", "name",
-                            "span", "client", "status", "started_at", "finished_at", "task_start", "task_stop",
-                            "task_count", "error_count", "graph_count", "nbytes", "first_seen", "last_seen"], runs)  # fmt: skip
+        copy(
+            conn,
+            "runs",
+            [
+                "id",
+                "public_id",
+                "tenant_id",
+                "cluster_id",
+                "session_id",
+                "run_key",
+                "name",
+                "span",
+                "client",
+                "status",
+                "started_at",
+                "finished_at",
+                "task_start",
+                "task_stop",
+                "task_count",
+                "error_count",
+                "graph_count",
+                "nbytes",
+                "first_seen",
+                "last_seen",
+            ],
+            runs,
+        )
         log(f"  COPY {len(prefixes):,} prefixes, {len(hists):,} histogram rows, rollups ...")
         copy(conn, "run_status_counts", ["run_id", "status", "count"], statuses)
         copy(conn, "run_prefixes", ["run_id", "prefix", "count", "errors", "nbytes"], prefixes)
@@ -171,16 +234,44 @@ def generate_history(
             actions,
         )
         copy(conn, "run_prefix_hist", ["run_id", "prefix", "action", "buckets"], hists)
-        copy(conn, "run_workers", ["run_id", "worker", "tasks", "errors", "compute", "transfer", "disk_read",
-                                   "disk_write", "other", "first_start", "last_stop"], workers)  # fmt: skip
-        copy(conn, "prefix_days", ["cluster_id", "prefix", "action", "day", "count", "total", "max", "buckets"],
-             [(c, p, "compute", d, n, t, mx, json.dumps(h)) for (c, p, d), (h, n, t, mx) in days.items()])  # fmt: skip
-        copy(conn, "cluster_hours", ["cluster_id", "hour", "tasks", "errors", "compute", "transfer", "disk",
-                                     "nbytes"], ch)  # fmt: skip
+        copy(
+            conn,
+            "run_workers",
+            [
+                "run_id",
+                "worker",
+                "tasks",
+                "errors",
+                "compute",
+                "transfer",
+                "disk_read",
+                "disk_write",
+                "other",
+                "first_start",
+                "last_stop",
+            ],
+            workers,
+        )
+        copy(
+            conn,
+            "prefix_days",
+            ["cluster_id", "prefix", "action", "day", "count", "total", "max", "buckets"],
+            [
+                (c, p, "compute", d, n, t, mx, json.dumps(h))
+                for (c, p, d), (h, n, t, mx) in days.items()
+            ],
+        )
+        copy(
+            conn,
+            "cluster_hours",
+            ["cluster_id", "hour", "tasks", "errors", "compute", "transfer", "disk", "nbytes"],
+            ch,
+        )
         with conn.cursor() as cur:
             for table in ("clusters", "sessions", "runs"):
                 cur.execute(
-                    f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))"
+                    f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM "
+                    f"{table}))"
                 )
             cur.execute("ANALYZE")
         conn.commit()
@@ -192,12 +283,20 @@ def synthetic_profiles(n_runs: int, nodes: int, seed: int = 3) -> list[Any]:
     """``n_runs`` profile trees of one prefix: each run samples ~``nodes`` frames of one
     shared random call tree (depth up to 25), with its own counts, as repeated runs of
     one job do."""
-    from storage.profiles import Profile, add_flat
+    from storage.analysis.profile import Profile, add_flat
 
     rng = random.Random(seed)
     size = int(nodes * 1.25)
-    frames = [(f"fn_{i}", f"/opt/venv/lib/python3.11/site-packages/lib{i % 40}/mod{i % 300}.py",
-               10 + i, 12 + i, f"result = fn_{i + 1}(frame, **kwargs)") for i in range(size)]  # fmt: skip
+    frames = [
+        (
+            f"fn_{i}",
+            f"/opt/venv/lib/python3.11/site-packages/lib{i % 40}/mod{i % 300}.py",
+            10 + i,
+            12 + i,
+            f"result = fn_{i + 1}(frame, **kwargs)",
+        )
+        for i in range(size)
+    ]
     parents, depth = [-1], [0]
     for i in range(1, size):
         p = rng.randrange(i)
@@ -229,9 +328,10 @@ def synthetic_profiles(n_runs: int, nodes: int, seed: int = 3) -> list[Any]:
 
 def load_profiles(sessions: Any, tenant_id: int, runs: list[int], nodes: int = 2000) -> int:
     """Stored profiles for ``runs`` (their prefix read-parquet, and the whole run's), as
-    ``storage.profiles.store`` writes them; returns the bytes stored per run."""
-    from storage import models as m
-    from storage.profiles import encode, frame_ids
+    ``storage.runs.profiles.store`` writes them; returns the bytes stored per run."""
+    from storage.analysis.profile import encode
+    from storage.core import models as m
+    from storage.runs.profiles import frame_ids
 
     trees = synthetic_profiles(len(runs), nodes)
     stored = 0
@@ -243,8 +343,18 @@ def load_profiles(sessions: Any, tenant_id: int, runs: list[int], nodes: int = 2
             data = encode(tree, {f: ids[k] for f, k in tree.keys.items()})
             stored += 2 * len(data)
             for prefix in ("read-parquet", ""):
-                rows.append({"run_id": rid, "prefix": prefix, "worker": "", "samples": tree.samples,
-                             "nodes": tree.size(), "interval": 0.01, "tag": "bench", "data": data})  # fmt: skip
+                rows.append(
+                    {
+                        "run_id": rid,
+                        "prefix": prefix,
+                        "worker": "",
+                        "samples": tree.samples,
+                        "nodes": tree.size(),
+                        "interval": 0.01,
+                        "tag": "bench",
+                        "data": data,
+                    }
+                )
         db.execute(m.RunProfile.__table__.insert(), rows)
     return stored // max(len(runs), 1)
 
@@ -274,14 +384,29 @@ def state_samples(n_tasks: int, t_start: float, lo: float, hi: float) -> list[di
             s_ = started // n_prefixes + (k < started % n_prefixes)
             # results are released once their dependants ran: all but the last 2% of each
             released = d - min(d, max(total // 50, 1))
-            prefixes.append({"prefix": name, "waiting": total - s_, "processing": s_ - d,
-                             "memory": d - released, "released": released})  # fmt: skip
-        workers = [{"worker": w, "managed": 2_000_000_000 + 1_000_000 * i,
-                    "unmanaged": 300_000_000, "spilled": 0 if i % 4 else 500_000_000,
-                    "limit": 8_000_000_000, "processing": processing // len(BIG_WORKERS)}
-                   for i, w in enumerate(BIG_WORKERS)]  # fmt: skip
-        out.append({"kind": "state", "run": "big", "time": t, "prefixes": prefixes,
-                    "workers": workers})  # fmt: skip
+            prefixes.append(
+                {
+                    "prefix": name,
+                    "waiting": total - s_,
+                    "processing": s_ - d,
+                    "memory": d - released,
+                    "released": released,
+                }
+            )
+        workers = [
+            {
+                "worker": w,
+                "managed": 2_000_000_000 + 1_000_000 * i,
+                "unmanaged": 300_000_000,
+                "spilled": 0 if i % 4 else 500_000_000,
+                "limit": 8_000_000_000,
+                "processing": processing // len(BIG_WORKERS),
+            }
+            for i, w in enumerate(BIG_WORKERS)
+        ]
+        out.append(
+            {"kind": "state", "run": "big", "time": t, "prefixes": prefixes, "workers": workers}
+        )
         t += 1.0
     return out
 
@@ -298,9 +423,12 @@ def load_big_run(
     t_end = t_big + n_tasks * TASK_SPACING + 60
     for seq in range(n_batches):
         events: list[dict[str, Any]] = task_events(
-            min(per_batch, n_tasks - seq * per_batch), first=seq * per_batch, run="big",
-            t0=t_big + seq * per_batch * TASK_SPACING, rng=rng,
-        )  # fmt: skip
+            min(per_batch, n_tasks - seq * per_batch),
+            first=seq * per_batch,
+            run="big",
+            t0=t_big + seq * per_batch * TASK_SPACING,
+            rng=rng,
+        )
         # the samples the scheduler agent took while this batch's tasks ran (the last
         # batch: until the run's end, and the final one at its end)
         lo = t_big + seq * per_batch * TASK_SPACING
@@ -321,15 +449,31 @@ def load_big_run(
                     "time": t_end,
                 }
             )
-        raw = enc.encode({"schema": 1, "cluster": "cluster-big", "session": "Scheduler-big",
-                          "agent": "scheduler-0", "seq": seq, "events": events, "final": seq == n_batches - 1})  # fmt: skip
+        raw = enc.encode(
+            {
+                "schema": 1,
+                "cluster": "cluster-big",
+                "session": "Scheduler-big",
+                "agent": "scheduler-0",
+                "seq": seq,
+                "events": events,
+                "final": seq == n_batches - 1,
+            }
+        )
         batch = decode_batch(raw)
         key = f"v1/{TENANT}/cluster-big/Scheduler-big/scheduler-0/{seq:012d}.json.zst"
         body = cctx.compress(raw)
         blobs.put(key, body, if_absent=True)
         with sessions.begin() as db:
-            index_batch(db, tenant_id=tenant_id, tenant=TENANT, batch=batch, blob_key=key,
-                        size=len(body), now=time.time())  # fmt: skip
+            index_batch(
+                db,
+                tenant_id=tenant_id,
+                tenant=TENANT,
+                batch=batch,
+                blob_key=key,
+                size=len(body),
+                now=time.time(),
+            )
         if (seq + 1) % 40 == 0:
             log(f"  big run: {(seq + 1) * per_batch:,} tasks indexed")
 
@@ -345,15 +489,16 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100_000)
     ap.add_argument("--clusters", type=int, default=50)
     ap.add_argument("--big-tasks", type=int, default=1_000_000)
-    ap.add_argument("--database-url", default=os.environ.get(
-        "TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"))  # fmt: skip
+    ap.add_argument(
+        "--database-url",
+        default=os.environ.get(
+            "TEST_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+        ),
+    )
     args = ap.parse_args()
 
-    import pandas as pd
-
-    from services.query.app import create_app
-    from storage import runfile
-    from storage.blobs import open_blob_store
+    from storage.core.blobs import open_blob_store
+    from storage.runs import runfile
 
     admin_url = make_url(args.database_url)
     dbname = f"hindsight_bench_query_{secrets.token_hex(3)}"
@@ -385,18 +530,21 @@ def main() -> int:
         mid = args.runs // args.clusters // 2
         p_since, p_until = T0 + mid * 3600, T0 + (mid + 2) * 3600
         with engine.connect() as conn:
-            profiled = list(conn.execute(
-                text("SELECT id FROM runs WHERE started_at >= :a AND started_at < :b ORDER BY id"),
-                {"a": p_since, "b": p_until},
-            ).scalars())  # fmt: skip
+            profiled = list(
+                conn.execute(
+                    text(
+                        "SELECT id FROM runs WHERE started_at >= :a AND started_at < :b ORDER BY id"
+                    ),
+                    {"a": p_since, "b": p_until},
+                ).scalars()
+            )
         profile_bytes = load_profiles(sessions, tenant_id, profiled)
         log(f"stored profiles of {len(profiled)} runs ({profile_bytes:,} bytes per run)")
 
-        import logging
-
         logging.getLogger("hindsight.access").setLevel(logging.WARNING)
-        app = create_app({"database_url": db_url, "blob_url": blob_url, "auth": "required",
-                          "data_dir": tmp.name})  # fmt: skip
+        app = create_app(
+            {"database_url": db_url, "blob_url": blob_url, "auth": "required", "data_dir": tmp.name}
+        )
         client = app.test_client()
         h = {"Authorization": f"Bearer {token}"}
 
@@ -411,13 +559,18 @@ def main() -> int:
         queries_ = [
             lambda: "/v1/runs?limit=100",
             lambda: f"/v1/runs?cluster=cluster-{rng.randrange(args.clusters):02d}&limit=100",
-            lambda: f"/v1/runs?cluster=cluster-{rng.randrange(args.clusters):02d}&status=finished&limit=50",
+            lambda: (
+                f"/v1/runs?cluster=cluster-{rng.randrange(args.clusters):02d}&status=finished&limit=50"
+            ),
             lambda: "/v1/runs?status=erred&limit=100",
             lambda: f"/v1/runs?name=job-{rng.randrange(20):02d}&limit=100",
-            lambda: f"/v1/runs?since={T0 + rng.randrange(1900) * 3600}&until={T0 + (rng.randrange(100) + 1900) * 3600}&limit=100",
+            lambda: (
+                f"/v1/runs?since={T0 + rng.randrange(1900) * 3600}"
+                f"&until={T0 + (rng.randrange(100) + 1900) * 3600}&limit=100"
+            ),
             lambda: f"/v1/runs?limit=100&cursor={first['next_cursor']}",
             lambda: "/v1/runs?has_errors=true&limit=100",
-        ]  # fmt: skip
+        ]
         for q in queries_:
             get(q())  # warm
         times = []
@@ -428,9 +581,10 @@ def main() -> int:
         run_list_p95 = times[int(0.95 * len(times)) - 1]
         sorted_ms = statistics.median(
             timed(lambda: get("/v1/runs?sort=-makespan&limit=100")) * 1000 for _ in range(10)
-        )  # fmt: skip
+        )
         log(
-            f"run list p95 {run_list_p95:.1f} ms (p50 {times[len(times) // 2]:.1f}); sort=-makespan {sorted_ms:.0f} ms"
+            f"run list p95 {run_list_p95:.1f} ms (p50 {times[len(times) // 2]:.1f}); "
+            f"sort=-makespan {sorted_ms:.0f} ms"
         )
 
         # ---- prefix history over 10,000 runs (200 hours x 50 clusters)
@@ -445,16 +599,21 @@ def main() -> int:
         ph_ms = statistics.median(timed(lambda: get(url)) * 1000 for _ in range(20))
         url_h = url.replace("bucket=day", "bucket=hour")
         ph_hour_ms = statistics.median(timed(lambda: get(url_h)) * 1000 for _ in range(10))
-        log(f"prefix history: {len(body['points'])} days, {covered:,} task durations, {ph_ms:.1f} ms; "
-            f"by hour {ph_hour_ms:.0f} ms")  # fmt: skip
+        log(
+            f"prefix history: {len(body['points'])} days, {covered:,} task durations, {ph_ms:.1f} "
+            f"ms; "
+            f"by hour {ph_hour_ms:.0f} ms"
+        )
 
         # ---- a prefix's profile merged over 100 runs
         url = f"/v1/profiles?prefix=read-parquet&since={p_since}&until={p_until}"
         merged = get(url).json
         assert merged["runs"] == len(profiled), merged["runs"]
         profile_ms = statistics.median(timed(lambda: get(url)) * 1000 for _ in range(10))
-        log(f"profile of read-parquet over {merged['runs']} runs ({len(profiled)} trees of ~2,000 "
-            f"frames): {profile_ms:.0f} ms")  # fmt: skip
+        log(
+            f"profile of read-parquet over {merged['runs']} runs ({len(profiled)} trees of ~2,000 "
+            f"frames): {profile_ms:.0f} ms"
+        )
 
         # ---- the 1M-task run
         big = get("/v1/runs?name=big-run").json["runs"][0]
@@ -483,15 +642,21 @@ def main() -> int:
         ndjson_s = time.perf_counter() - t
         assert n_lines == args.big_tasks
         log(
-            f"tasks: parquet cold {cold_s:.2f} s, page {page_ms:.0f} ms, NDJSON in full {ndjson_s:.1f} s"
+            f"tasks: parquet cold {cold_s:.2f} s, page {page_ms:.0f} ms, NDJSON in full "
+            f"{ndjson_s:.1f} s"
         )
 
         # ---- replay of the 1M-task run at its midpoint
         mid = (big["started_at"] + big["finished_at"]) / 2
         url = f"/v1/runs/{big['id']}/state?at={mid}"
         body = get(url).json
-        assert sum(sum(p[k] for k in ("waiting", "processing", "memory", "released", "erred"))
-                   for p in body["prefixes"]) == args.big_tasks, body  # fmt: skip
+        assert (
+            sum(
+                sum(p[k] for k in ("waiting", "processing", "memory", "released", "erred"))
+                for p in body["prefixes"]
+            )
+            == args.big_tasks
+        ), body
         assert body["sampled_at"] <= mid < body["sampled_at"] + 1 and len(body["workers"]) == 16
         with engine.connect() as conn:
             n_samples = conn.execute(text("SELECT count(*) FROM run_states")).scalar_one()
@@ -519,7 +684,7 @@ def main() -> int:
             "big_run_tasks": args.big_tasks,
         }
         met = all(figures[k] <= v for k, v in TARGETS.items())
-        print(json.dumps({"bench": "query", "figures": figures, "targets": TARGETS, "met": met}))
+        report("query", figures, TARGETS, met)
         engine.dispose()
         return 0
     finally:

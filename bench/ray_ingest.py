@@ -6,22 +6,22 @@ Each body is what an aggregator sends: ~1,000 events, JSON, uncompressed. Like R
 events are split over two bodies: its definition and RUNNING in one, its end (from the
 submitter) in the next, so every task row is merged twice. Bodies are cut from a template
 with fresh task ids (generating and serialising 1,000 events costs ~20 ms of the senders'
-CPU, which shares the 2 cores with everything else).
+CPU, which shares the machine's cores with everything else).
 
 Reports events/s acknowledged while sending, and events/s indexed end to end (until every
 task of the job is written and counted in its run), ack latency, bytes on the wire and at
 rest per event, and checks every task was written exactly once. The run is finished
 SETTLE seconds after Ray's end of the job (the collector's wait for late events), at the
-sweeper's next pass after that (up to 0.5 s): ``seconds_until_closed`` reports it; until
-2026-11-26 that wait was counted in the indexed rate (~2.5 s of ~33). The job's end (2
-events) is counted in the indexed events, its closing is not timed.
+sweeper's next pass after that (up to 0.5 s): ``seconds_until_closed`` reports it apart,
+as a wait for late events is not work. The job's end (2 events) is counted in the indexed
+events, its closing is not timed.
 
-    .venv/bin/python bench/ray_ingest.py [--duration 30] [--senders 6]
+    .venv/bin/python -m bench.ray_ingest [--duration 30] [--senders 6]
 
 Six senders by default, a six-node cluster: each sender waits for its ack before the next
-body (as Ray's agent does), so with three the collector's 2 workers x 4 threads idled
-between bodies (~0.64 of a core busy) and the figure was the round trip's, not the
-stack's; six keep it busy.
+body (as Ray's agent does), so with three the collector's 2 workers x 4 threads idle
+between bodies (~0.64 of a core busy) and the figure is the round trip's, not the stack's;
+six keep it busy.
 """
 
 from __future__ import annotations
@@ -34,19 +34,16 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import requests
 from sqlalchemy import text
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.ingest import component_pids, cpu_by_pid, cpu_share, tree_rss  # noqa: E402
-from bench.lib_ray import RaySim, b64, job_bytes  # noqa: E402
-from bench.lib_stack import DEFAULT_DB, Stack, full_stack  # noqa: E402
-from storage.db import make_sessionmaker  # noqa: E402
-from storage.tokens import create_token  # noqa: E402
+from bench.ingest import component_pids, cpu_by_pid, cpu_share, tree_rss
+from bench.lib_ray import RaySim, b64, job_bytes
+from bench.lib_results import report
+from bench.lib_stack import DEFAULT_DB, Stack, full_stack
+from storage.core.db import make_sessionmaker
+from storage.core.tokens import create_token
 
 TARGETS = {"events_per_s": 50_000}
 SETTLE = 2  # seconds the collector waits after a job's end before closing its run
@@ -69,8 +66,15 @@ class Template:
             suffix = i.to_bytes(5, "big") + b"\xff" * 12 + job_bytes(1)
             start = T0 + 1 + i * 0.001
             new = sim.task(1, f"work-{i}", start, 0.05, func="work", task_id=NEW + suffix)
-            old = sim.task(1, f"work-{i}", start, 0.05, func="work", task_id=ENDING + suffix,
-                           failed=i % 50 == 49)  # fmt: skip
+            old = sim.task(
+                1,
+                f"work-{i}",
+                start,
+                0.05,
+                func="work",
+                task_id=ENDING + suffix,
+                failed=i % 50 == 49,
+            )
             news += [sim.definition(new), sim.running(new)]
             ends.append(sim.submitter(old))
         self.body = json.dumps(news + ends).encode()
@@ -104,8 +108,12 @@ def main() -> int:
     ap.add_argument("--database-url", default=DEFAULT_DB)
     args = ap.parse_args()
     templates = [Template(n) for n in range(args.senders)]  # one Ray session, a node each
-    with full_stack(workers=args.workers, threads=args.threads, database_url=args.database_url,
-                    env={"HINDSIGHT_RAY_SETTLE_SECONDS": str(SETTLE)}) as stack:  # fmt: skip
+    with full_stack(
+        workers=args.workers,
+        threads=args.threads,
+        database_url=args.database_url,
+        env={"HINDSIGHT_RAY_SETTLE_SECONDS": str(SETTLE)},
+    ) as stack:
         return run(args, stack, templates)
 
 
@@ -227,8 +235,10 @@ def run(args: argparse.Namespace, stack: Stack, templates: list[Template]) -> in
     }
     ok = run is not None and run[0] == "finished" and run[1] == tasks and distinct == (tasks, tasks)
     figures["every_task_once"] = ok
-    print(f"{counts['events']:,} events in {len(lat)} bodies over {sent:.1f} s; "
-          f"{tasks:,} tasks indexed after {done:.1f} s; run {run}")  # fmt: skip
+    print(
+        f"{counts['events']:,} events in {len(lat)} bodies over {sent:.1f} s; "
+        f"{tasks:,} tasks indexed after {done:.1f} s; run {run}"
+    )
     for k, v in figures.items():
         print(f"  {k:30s} {v}")
     met = (
@@ -236,7 +246,7 @@ def run(args: argparse.Namespace, stack: Stack, templates: list[Template]) -> in
         and figures["events_per_s"] >= TARGETS["events_per_s"]
         and (figures["indexed_events_per_s"] >= TARGETS["events_per_s"])
     )
-    print(json.dumps({"bench": "ray_ingest", "figures": figures, "targets": TARGETS, "met": met}))
+    report("ray_ingest", figures, TARGETS, met)
     return 0
 
 

@@ -1,6 +1,6 @@
 """What recording a Ray cluster costs Ray: the same job on two local Ray nodes, one with its
-event exporter pointed at Hindsight (gunicorn, Postgres, moto's S3: the full stack, on this
-machine) and one with the exporter off, in interleaved pairs (ON/OFF, OFF/ON, ...).
+event exporter pointed at Hindsight (gunicorn, Postgres, moto's S3: the full stack, on the
+same machine) and one with the exporter off, in interleaved pairs (ON/OFF, OFF/ON, ...).
 
 Reports the job's wall time both ways and their ratio (target <= 1.05), the CPU of the
 node's processes both ways — the difference is what exporting costs them, in all and by
@@ -11,11 +11,11 @@ end never arrived (Ray force-kills a job's workers when the job ends, and what a
 not reported yet goes with it).
 
 On a real deployment the collector, Postgres and S3 run elsewhere, so by default they get
-this machine's last core and Ray the others, for both arms alike (``--no-pin``: everything
+the machine's last core and Ray the others, for both arms alike (``--no-pin``: everything
 shares every core, and the collector's work counts against Ray's wall time). The job's tasks
 burn CPU time (not wall time), so whatever Ray spends on exporting slows them.
 
-    .venv/bin/python bench/ray_overhead.py [--pairs 5] [--tasks 1000] [--task-ms 20]
+    .venv/bin/python -m bench.ray_overhead [--pairs 5] [--tasks 1000] [--task-ms 20]
         [--report-ms MS] [--driver-report-ms MS] [--env NAME=VALUE] [--driver-env NAME=VALUE]
         [--no-pin]
 
@@ -29,7 +29,6 @@ drivers keep Ray's default (``--driver-report-ms``), as docs/ray.md says.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,16 +37,15 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.ingest import cpu_seconds  # noqa: E402
-from bench.lib_proc import descendants, named, pin, unpin  # noqa: E402
-from bench.lib_ray import RayHead  # noqa: E402
-from bench.lib_stack import DEFAULT_DB, Stack, full_stack  # noqa: E402
+from bench.ingest import cpu_seconds
+from bench.lib_proc import descendants, named, pin, unpin
+from bench.lib_ray import RayHead
+from bench.lib_results import report
+from bench.lib_stack import DEFAULT_DB, Stack, full_stack
 
 TARGETS = {"wall_ratio": 1.05}
-JOB = str(ROOT / "bench" / "jobs" / "ray_overhead_job.py")
+#: A Ray driver run by path in the node's own directory: it imports nothing of ours.
+JOB = str(Path(__file__).resolve().parent / "jobs" / "ray_overhead_job.py")
 
 
 def _kind(pid: int) -> str:
@@ -58,11 +56,16 @@ def _kind(pid: int) -> str:
         )
     except OSError:
         return "gone"
-    for needle, kind in (("gcs_server", "gcs"), ("raylet/raylet", "raylet"),
-                         ("ray::DashboardAgent", "dashboard_agent"),
-                         ("ray::RuntimeEnvAgent", "runtime_env_agent"),
-                         ("log_monitor", "log_monitor"), ("dashboard.py", "dashboard_head"),
-                         ("ray::", "workers"), ("default_worker", "workers")):  # fmt: skip
+    for needle, kind in (
+        ("gcs_server", "gcs"),
+        ("raylet/raylet", "raylet"),
+        ("ray::DashboardAgent", "dashboard_agent"),
+        ("ray::RuntimeEnvAgent", "runtime_env_agent"),
+        ("log_monitor", "log_monitor"),
+        ("dashboard.py", "dashboard_head"),
+        ("ray::", "workers"),
+        ("default_worker", "workers"),
+    ):
         if needle in cmd:
             return kind
     return "other"
@@ -135,8 +138,10 @@ def main() -> int:
     args = ap.parse_args()
     heads: list[RayHead] = []
     # Auth disabled: the collector listens on loopback only, for this bench.
-    with full_stack(database_url=args.database_url,
-                    env={"HINDSIGHT_AUTH": "disabled", "HINDSIGHT_RAY_SETTLE_SECONDS": "2"}) as stack:  # fmt: skip
+    with full_stack(
+        database_url=args.database_url,
+        env={"HINDSIGHT_AUTH": "disabled", "HINDSIGHT_RAY_SETTLE_SECONDS": "2"},
+    ) as stack:
         try:
             return run(args, stack, heads)
         finally:
@@ -204,7 +209,8 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
                 jobs.append((out["job"], out["tasks"]))
             walls[name].append(out["wall"])
             print(
-                f"  pair {i + 1} {name:3s}: {out['wall']:.3f} s wall, {ray_cpu[name][-1]:.2f} s Ray CPU",
+                f"  pair {i + 1} {name:3s}: {out['wall']:.3f} s wall, {ray_cpu[name][-1]:.2f} s "
+                f"Ray CPU",
                 flush=True,
             )
 
@@ -223,13 +229,22 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
             time.sleep(0.5)
     complete = all(recorded.get(j) == n for j, n in jobs)
     with engine.connect() as conn:  # every task's RUNNING and end arrived (not just its row)
-        missing = conn.execute(text(
-            "SELECT coalesce(task_type, '?'), running_at IS NULL, finished_at IS NULL AND failed_at IS NULL,"
-            " count(*) FROM ray_tasks WHERE running_at IS NULL"
-            " OR (finished_at IS NULL AND failed_at IS NULL) GROUP BY 1, 2, 3")).all()  # fmt: skip
-        received = dict(conn.execute(text(
-            "SELECT event_type, sum(count) FROM ray_event_counts WHERE kind = 'received'"
-            " GROUP BY 1")).all())  # fmt: skip
+        missing = conn.execute(
+            text(
+                "SELECT coalesce(task_type, '?'), running_at IS NULL, finished_at IS NULL AND "
+                "failed_at IS NULL,"
+                " count(*) FROM ray_tasks WHERE running_at IS NULL"
+                " OR (finished_at IS NULL AND failed_at IS NULL) GROUP BY 1, 2, 3"
+            )
+        ).all()
+        received = dict(
+            conn.execute(
+                text(
+                    "SELECT event_type, sum(count) FROM ray_event_counts WHERE kind = 'received'"
+                    " GROUP BY 1"
+                )
+            ).all()
+        )
         all_tasks = conn.scalar(text("SELECT count(*) FROM ray_tasks"))
     partial = sum(n for *_, n in missing)
     missing_detail = {
@@ -274,7 +289,7 @@ def measure(args: argparse.Namespace, stack: Stack, heads: list[RayHead], ray_co
     for k, v in figures.items():
         print(f"  {k:30s} {v}")
     met = complete and not partial and figures["wall_ratio"] <= TARGETS["wall_ratio"]
-    print(json.dumps({"bench": "ray_overhead", "figures": figures, "targets": TARGETS, "met": met}))
+    report("ray_overhead", figures, TARGETS, met)
     return 0
 
 

@@ -4,8 +4,8 @@ History (``bench/lib_history.py``): units of 100 runs (one day of a group of fou
 clusters, Dask-shaped batches as the agents send them: tasks, metrics, profiles, code,
 fine performance metrics) over 40 groups (160 clusters) of four tenants (50/25/12.5/12.5%)
 and as many days as the level needs (250 at 10^6). The first unit goes through the real
-path: every batch stored (local blob store) and indexed by ``storage.ingest.index_batch``,
-then the finished-run work (``storage.finish``: rollups folded, compacted copies, profiles,
+path: every batch stored (local blob store) and indexed by ``storage.ingest.writer.index_batch``,
+then the finished-run work (``storage.jobs.finish``: rollups folded, compacted copies, profiles,
 the lake). Every other unit is a copy of its rows in SQL (``lib_history.copy_units``: fresh
 ids, the unit's names, times shifted by whole days). The bench checks the bulk path
 against the real one: a second unit, of another tenant, group and day, is ingested for
@@ -30,13 +30,12 @@ runs, by two fresh stacks (collector and moto each) in alternating rounds (AB BA
 ``ingest_ratio_1e6_vs_1e3`` is the median of the rounds' ratios, and the collectors' own
 index step (ms a batch, from ``/metrics``) is reported for both. Both databases are dropped.
 
-    .venv/bin/python bench/scale.py [--levels 1e3,1e4,1e5,1e6] [--ingest-seconds 10]
+    .venv/bin/python -m bench.scale [--levels 1e3,1e4,1e5,1e6] [--ingest-seconds 10]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
@@ -52,22 +51,26 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
+import requests
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench import lib_history as h
+from bench.ingest import EVENTS_PER_BATCH, Frames
+from bench.lib_results import report
+from bench.lib_stack import DEFAULT_DB, full_stack
+from hindsight.sender import Sender
+from services.query.app import create_app
+from storage.core.blobs import open_blob_store
+from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.tokens import create_token
 
-from bench import lib_history as h  # noqa: E402
-from bench.ingest import EVENTS_PER_BATCH, Frames  # noqa: E402
-from bench.lib_stack import DEFAULT_DB, full_stack  # noqa: E402
-from hindsight.sender import Sender  # noqa: E402
-from storage.blobs import open_blob_store  # noqa: E402
-from storage.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from storage.tokens import create_token  # noqa: E402
-
-TARGETS = {"run_list_p95_ms_at_1e6": 50, "prefix_history_ms_at_1e6": 200,
-           "ingest_ratio_1e6_vs_1e3": 0.85}  # fmt: skip
+TARGETS = {
+    "run_list_p95_ms_at_1e6": 50,
+    "prefix_history_ms_at_1e6": 200,
+    "ingest_ratio_1e6_vs_1e3": 0.85,
+}
 CHUNK_UNITS = 200
 TENANT = h.TENANTS[0]
 
@@ -95,8 +98,9 @@ class SessionFrames(Frames):
         return self.compressor().compress(head) + self.events[seq % len(self.events)] + self.tail
 
 
-def measure_ingest(url: str, token: str, frames: SessionFrames, session: str, seconds: float,
-                   senders: int = 3) -> float:  # fmt: skip
+def measure_ingest(
+    url: str, token: str, frames: SessionFrames, session: str, seconds: float, senders: int = 3
+) -> float:
     """Task events/s accepted by the collector at ``url`` for new runs of a new session."""
     frames.cluster, frames.session = "ingest-probe", session
     seqs = {f"agent-{i}": 0 for i in range(senders)}
@@ -130,8 +134,6 @@ def measure_ingest(url: str, token: str, frames: SessionFrames, session: str, se
 def index_seconds(url: str) -> tuple[float, float]:
     """The collector's index transactions so far: (seconds, batches), from ``/metrics``
     (every gunicorn worker's, in prometheus-client's multiprocess mode)."""
-    import requests
-
     total = count = 0.0
     for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("hindsight_index_seconds_sum"):
@@ -144,9 +146,14 @@ def index_seconds(url: str) -> tuple[float, float]:
 def index_bytes(engine: Any) -> tuple[int, int, dict[str, int]]:
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT count(*) FROM runs")).scalar_one()
-        sizes = dict(conn.execute(text(
-            "SELECT relname, pg_total_relation_size(relid) FROM pg_stat_user_tables WHERE schemaname = 'public' ORDER BY 2 DESC"
-        )).all())  # fmt: skip
+        sizes = dict(
+            conn.execute(
+                text(
+                    "SELECT relname, pg_total_relation_size(relid) FROM pg_stat_user_tables WHERE "
+                    "schemaname = 'public' ORDER BY 2 DESC"
+                )
+            ).all()
+        )
     return runs, sum(sizes.values()), sizes
 
 
@@ -180,10 +187,13 @@ def measure_queries(
         lambda: f"/v1/runs?cluster={rng.choice(clusters)}&status=finished&limit=50",
         lambda: "/v1/runs?status=erred&limit=100",
         lambda: f"/v1/runs?name=job-{rng.randrange(h.JOBS):02d}&limit=100",
-        lambda: f"/v1/runs?since={h.T0 + rng.randrange(days) * h.DAY}&until={h.T0 + rng.randrange(days) * h.DAY + h.DAY}&limit=100",
+        lambda: (
+            f"/v1/runs?since={h.T0 + rng.randrange(days) * h.DAY}"
+            f"&until={h.T0 + rng.randrange(days) * h.DAY + h.DAY}&limit=100"
+        ),
         lambda: f"/v1/runs?limit=100&cursor={first['next_cursor']}",
         lambda: "/v1/runs?has_errors=true&limit=100",
-    ]  # fmt: skip
+    ]
     for q in mix:
         get(q())
     run_list = [timed(mix[i % len(mix)]()) for i in range(400)]
@@ -191,10 +201,16 @@ def measure_queries(
     with engine.connect() as conn:
         hi = conn.execute(text("SELECT max(id) FROM runs")).scalar_one()
         picks = [rng.randrange(1, hi + 1) for _ in range(2000)]
-        ids = conn.execute(
-            text("SELECT public_id FROM runs WHERE id = ANY(:ids) AND tenant_id = :t LIMIT 200"),
-            {"ids": picks, "t": tenant_id},
-        ).scalars().all()  # fmt: skip
+        ids = (
+            conn.execute(
+                text(
+                    "SELECT public_id FROM runs WHERE id = ANY(:ids) AND tenant_id = :t LIMIT 200"
+                ),
+                {"ids": picks, "t": tenant_id},
+            )
+            .scalars()
+            .all()
+        )
     for pid in ids[:5]:
         get(f"/v1/runs/{pid}")
     detail = [timed(f"/v1/runs/{pid}") for pid in ids]
@@ -205,9 +221,12 @@ def measure_queries(
     until = since + width * h.DAY
     with engine.connect() as conn:
         covered = conn.execute(
-            text("SELECT count(*) FROM runs WHERE tenant_id = :t AND started_at >= :a AND started_at < :b"),
+            text(
+                "SELECT count(*) FROM runs WHERE tenant_id = :t AND started_at >= :a AND "
+                "started_at < :b"
+            ),
             {"t": tenant_id, "a": since, "b": until},
-        ).scalar_one()  # fmt: skip
+        ).scalar_one()
     url = f"/v1/history/prefixes?prefix=read-parquet&bucket=day&since={since}&until={until}"
     points = get(url).json["points"]
     history = [timed(url) for _ in range(20)]
@@ -226,8 +245,11 @@ def measure_queries(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--levels", default="1e3,1e4,1e5,1e6",
-                    help="run counts to measure at, comma-separated (multiples of 100)")  # fmt: skip
+    ap.add_argument(
+        "--levels",
+        default="1e3,1e4,1e5,1e6",
+        help="run counts to measure at, comma-separated (multiples of 100)",
+    )
     ap.add_argument("--ingest-seconds", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=6, help="side-by-side ingest rounds at the end")
     ap.add_argument("--database-url", default=DEFAULT_DB)
@@ -287,8 +309,11 @@ def main() -> int:
             engines.append(main_db)
 
             # ---- the bulk path against the real one
-            log(f"unit {order[1]} (tenant {h.tenant_of(h.place(order[1])[0])}, group/day "
-                f"{h.place(order[1])}) for real into the reference, in bulk into the measured index ...")  # fmt: skip
+            log(
+                f"unit {order[1]} (tenant {h.tenant_of(h.place(order[1])[0])}, group/day "
+                f"{h.place(order[1])}) for real into the reference, in bulk into the measured "
+                f"index ..."
+            )
             h.ingest_units(ref_sessions, blobs, tenant_ids, [order[1]], tmpl, log)
             raw = main_db.raw_connection()
             h.copy_units(raw.driver_connection, tm, tenant_ids, [order[1]])
@@ -297,8 +322,15 @@ def main() -> int:
             for d in diffs:
                 log(f"  DIFFERS {d[:1500]}")
             with main_db.connect() as conn:
-                tables = {r: n for r, n in conn.execute(text(
-                    "SELECT relname, n_live_tup FROM pg_stat_user_tables WHERE schemaname = 'public'")).all()}  # fmt: skip
+                tables = {
+                    r: n
+                    for r, n in conn.execute(
+                        text(
+                            "SELECT relname, n_live_tup FROM pg_stat_user_tables WHERE schemaname "
+                            "= 'public'"
+                        )
+                    ).all()
+                }
                 filled = {
                     t
                     for t in tables
@@ -308,7 +340,8 @@ def main() -> int:
             figures["bulk_equals_real"] = not diffs and not uncopied
             figures["bulk_uncopied_tables"] = uncopied
             log(
-                f"  bulk rows equal real rows: {not diffs}; tables with rows the bulk path does not copy: {uncopied}"
+                f"  bulk rows equal real rows: {not diffs}; tables with rows the bulk path does "
+                f"not copy: {uncopied}"
             )
             raw = ref.raw_connection()
             h.copy_units(raw.driver_connection, tm, tenant_ids, order[2:10])
@@ -338,10 +371,17 @@ def main() -> int:
                     conn.execute(text("VACUUM ANALYZE"))
                 vacuum_s = time.perf_counter() - t
                 runs, total, sizes = index_bytes(main_db)
-                log(f"{runs:,} runs indexed (built in {build_s:.0f} s, vacuum {vacuum_s:.0f} s); "
-                    f"{total / 2**20:,.0f} MiB, {total / runs:,.0f} B/run; load {load()}")  # fmt: skip
-                q = measure_queries(main_app.test_client(), tokens[TENANT], main_db, tenant_ids[TENANT],
-                                    max(h.place(u)[1] for u in order[:want]) + 1)  # fmt: skip
+                log(
+                    f"{runs:,} runs indexed (built in {build_s:.0f} s, vacuum {vacuum_s:.0f} s); "
+                    f"{total / 2**20:,.0f} MiB, {total / runs:,.0f} B/run; load {load()}"
+                )
+                q = measure_queries(
+                    main_app.test_client(),
+                    tokens[TENANT],
+                    main_db,
+                    tenant_ids[TENANT],
+                    max(h.place(u)[1] for u in order[:want]) + 1,
+                )
                 log(f"  queries: {q}; load {load()}")
                 probe += 1
                 rate = measure_ingest(
@@ -349,10 +389,15 @@ def main() -> int:
                 )
                 log(f"  ingest: {rate:,.0f} task events/s; load {load()}")
                 figures["levels"][f"{level:.0e}".replace("+0", "")] = {
-                    "runs": runs, "index_bytes_per_run": round(total / runs), "db_mib": round(total / 2**20),
-                    "build_s": round(build_s, 1), "vacuum_s": round(vacuum_s, 1),
-                    "ingest_events_per_s": round(rate), **q, "load": load(),
-                }  # fmt: skip
+                    "runs": runs,
+                    "index_bytes_per_run": round(total / runs),
+                    "db_mib": round(total / 2**20),
+                    "build_s": round(build_s, 1),
+                    "vacuum_s": round(vacuum_s, 1),
+                    "ingest_events_per_s": round(rate),
+                    **q,
+                    "load": load(),
+                }
             top = f"{levels[-1]:.0e}".replace("+0", "")
             figures["index_bytes_per_run"] = round(total / runs)
             figures["index_bytes_by_table"] = {
@@ -372,8 +417,12 @@ def main() -> int:
             side = {}
             for name, db_name in (("1e3", ref_name), (top, main_name)):
                 prom = stack.enter_context(tempfile.TemporaryDirectory(prefix="hs-scale-prom-"))
-                side[name] = stack.enter_context(full_stack(
-                    existing_db=url_of[db_name], env={"PROMETHEUS_MULTIPROC_DIR": prom, **NO_SILENT_CLOSE}))  # fmt: skip
+                side[name] = stack.enter_context(
+                    full_stack(
+                        existing_db=url_of[db_name],
+                        env={"PROMETHEUS_MULTIPROC_DIR": prom, **NO_SILENT_CLOSE},
+                    )
+                )
             rates: dict[str, list[float]] = {"1e3": [], top: []}
             index_ms: dict[str, list[float]] = {"1e3": [], top: []}
             pairs: list[float] = []
@@ -382,15 +431,23 @@ def main() -> int:
                 for name in order_r:
                     probe += 1
                     before = index_seconds(side[name].url)
-                    rates[name].append(measure_ingest(side[name].url, tokens[TENANT], frames,
-                                                      f"probe-{probe}", args.ingest_seconds))  # fmt: skip
+                    rates[name].append(
+                        measure_ingest(
+                            side[name].url,
+                            tokens[TENANT],
+                            frames,
+                            f"probe-{probe}",
+                            args.ingest_seconds,
+                        )
+                    )
                     after = index_seconds(side[name].url)
                     index_ms[name].append(
                         1000 * (after[0] - before[0]) / max(1, after[1] - before[1])
                     )
                 pairs.append(rates[top][-1] / rates["1e3"][-1])
                 log(
-                    f"  round {r + 1}: 1e3 {rates['1e3'][-1]:,.0f}, {top} {rates[top][-1]:,.0f} events/s"
+                    f"  round {r + 1}: 1e3 {rates['1e3'][-1]:,.0f}, {top} {rates[top][-1]:,.0f} "
+                    f"events/s"
                     f" (ratio {pairs[-1]:.3f}); index step {index_ms['1e3'][-1]:.1f} / "
                     f"{index_ms[top][-1]:.1f} ms a batch; load {load()}"
                 )
@@ -405,8 +462,8 @@ def main() -> int:
         met = figures["bulk_equals_real"] and all(
             k in figures and (figures[k] >= v if k.startswith("ingest_ratio") else figures[k] <= v)
             for k, v in TARGETS.items()
-        )  # fmt: skip
-        print(json.dumps({"bench": "scale", "figures": figures, "targets": TARGETS, "met": met}))
+        )
+        report("scale", figures, TARGETS, met)
         return 0
     finally:
         for e in engines:
@@ -423,9 +480,7 @@ def main() -> int:
 
 def copy_chunk(engine: Any, tm: h.Template, tenant_ids: dict[str, int], units: list[int]) -> None:
     """``lib_history.copy_units`` in one transaction, tried again if the server went away
-    (this machine's fault tests restart Postgres)."""
-    from sqlalchemy.exc import OperationalError
-
+    (the fault tests restart the Postgres server they share)."""
     for _attempt in range(6):
         raw = None
         try:
@@ -448,14 +503,12 @@ def copy_chunk(engine: Any, tm: h.Template, tenant_ids: dict[str, int], units: l
 
 #: The collectors here do not close silent runs (only a collector does: the query service
 #: runs no finish worker of its own): the one stack serving every level outlives
-#: HINDSIGHT_SILENT_CLOSE_SECONDS (30 min), and closing the
-#: history's open runs mid-build wrote lake partitions the bulk copies then collided with.
+#: HINDSIGHT_SILENT_CLOSE_SECONDS (30 min), and closing the history's open runs mid-build
+#: would write lake partitions the bulk copies then collide with.
 NO_SILENT_CLOSE = {"HINDSIGHT_SILENT_CLOSE_SECONDS": "0"}
 
 
 def _query_app(db_url: str, blob_url: str, data_dir: str) -> Any:
-    from services.query.app import create_app
-
     return create_app(
         {"database_url": db_url, "blob_url": blob_url, "auth": "required", "data_dir": data_dir}
     )

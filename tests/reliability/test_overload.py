@@ -15,7 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 @pytest.mark.slow
 def test_flood_at_twice_capacity_for_five_minutes_keeps_memory_bounded():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "flood.py"), "--duration", "300"],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.flood", "--duration", "300"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
