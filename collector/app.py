@@ -14,7 +14,7 @@ from collector.ray import init_ray
 from collector.views import bp
 from services.common.web import make_app
 from storage.core.config import Settings
-from storage.jobs.finish import FinishWorker
+from storage.jobs.workers import FinishWorker
 
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:

@@ -27,8 +27,8 @@ STORE_LEVEL = 3
 
 
 def check_no_nul(body: bytes) -> None:
-    """400 if any string holds U+0000: Postgres cannot store it in text, so such a batch was
-    stored and then failed the index with a 500 on every retry (found by the OpenAPI fuzz).
+    """400 if any string holds U+0000: Postgres cannot store it in text, so such a batch would
+    be stored and then fail the index with a 500 on every retry.
     JSON can only carry it as the escape ``\\u0000``; the full walk runs only then. A body
     without a backslash (most task batches) is ruled out by one memchr."""
     if has_nul(body):
@@ -52,8 +52,8 @@ def decode_body(body: bytes) -> Batch:
                 )
         raise ApiError(400, "invalid_batch", message) from None
     except UnicodeDecodeError as exc:
-        # msgspec raises this (not a DecodeError) for invalid UTF-8 inside a string: without
-        # this clause a malformed body was a 500. Found by tests/reliability/test_bad_input.py.
+        # msgspec raises this (not a DecodeError) for invalid UTF-8 inside a string: it is a
+        # malformed body like any other.
         raise ApiError(400, "invalid_batch", f"body is not valid UTF-8: {exc.reason}") from None
 
 
@@ -107,8 +107,7 @@ def post_batch() -> Any:
             break
         except IntegrityError:
             # Two batches starting one run at once: the second run insert trips the
-            # public id's unique index, which its upsert does not arbitrate (found by
-            # bench/scale.py). Once the first has committed, the retry merges into its row.
+            # public id's unique index, which its upsert does not arbitrate. Once the first has committed, the retry merges into its row.
             session.rollback()
             if attempt:
                 raise

@@ -134,7 +134,7 @@ def serve(data_dir: str | None, host: str, port: int) -> None:
     if _local_index(settings) is not None:
         # Its own local index: no other process works its finish jobs, so a claim in it is
         # a previous run's of this server (killed mid-job): free it now, not at its lease's
-        # end (found by a held-out check: kill -9 while a run was being finished).
+        # end (a server killed with kill -9 while a run was being finished).
         finish.release_claims(app.extensions["hindsight"].sessions)
     if auth == "required":
         engine = make_engine(settings.database_url)
@@ -251,11 +251,11 @@ def tokens_create(
     elsewhere = "a server with another HINDSIGHT_DATABASE_URL or --data-dir does not know it"
     if local is not None and not existed:
         # An operator's shell without the service's variables: the services would answer
-        # 401 to the token (found by an operator).
+        # 401 to the token.
         click.echo(f"note: created a new index at {local} for this token; {elsewhere}", err=True)
     elif first:
-        # The first token of an embedded server that recorded without auth (found by a new
-        # user): with auth on, its earlier runs are the tenant default's.
+        # The first token of an embedded server that recorded without auth: with auth
+        # on, its earlier runs are the tenant default's.
         other = (
             f"; runs recorded without auth belong to tenant 'default', not to {tenant!r}"
             if tenant != "default"

@@ -1,11 +1,13 @@
-"""Import boundaries: the SDK runs inside Dask workers; storage never imports a service; the
-collector and the query service meet only in the embedded server; readers never import
-the writer; no two modules import each other."""
+"""The house's rules, as tests: the layers of storage/ and who may import whom, no import
+circle (imports inside functions and under ``TYPE_CHECKING`` count), no module loaded by a
+string, the SDK free of anything server-side, small rooms and modules, and layout owned
+by the formatter."""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hindsight", "collector", "storage", "services", "migrations")
 SERVER_PACKAGES = ("flask", "sqlalchemy", "boto3", "botocore", "psycopg2", "alembic", "werkzeug")
+#: storage/'s layers, lowest first: a module imports from its own layer or lower ones.
+LAYERS = (
+    "storage.core",
+    "storage.dask",
+    "storage.analysis",
+    "storage.ingest",
+    "storage.runs",
+    "storage.ray",
+    "storage.query",
+    "storage.lake",
+    "storage.jobs",
+)
+MAX_MODULES_IN_A_FOLDER = 12
+MAX_MODULE_LINES = 800
 
 
 def module_name(path: Path) -> str:
@@ -22,28 +38,19 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def first_party_modules() -> dict[str, Path]:
-    return {
-        module_name(p): p
-        for pkg in PACKAGES
-        for p in (ROOT / pkg).rglob("*.py")
-        if "versions" not in p.parts
-    }
+def product_files() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
-def imports_of(path: Path) -> set[str]:
-    """Modules ``path`` imports anywhere (functions too), except under ``if TYPE_CHECKING``."""
-    tree = ast.parse(path.read_text())
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for n in ast.walk(node)
-    }
+MODULES = {module_name(p): p for p in product_files() if "versions" not in p.parts}
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+
+
+def imports_of(tree: ast.Module) -> set[str]:
+    """Every module ``tree`` imports, anywhere: at the top, inside functions, under
+    ``if TYPE_CHECKING``."""
     names = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -52,16 +59,24 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-MODULES = first_party_modules()
-IMPORTS = {name: imports_of(path) for name, path in MODULES.items()}
+IMPORTS = {name: imports_of(tree) for name, tree in TREES.items()}
+
+
+def project_imports(name: str) -> set[str]:
+    """The project modules ``name`` imports (``from pkg import mod`` names ``pkg.mod``)."""
+    return {i for i in IMPORTS[name] if i in MODULES}
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
 
 
 def importers_of(target: str) -> set[str]:
-    return {
-        m
-        for m, imps in IMPORTS.items()
-        if any(i == target or i.startswith(target + ".") for i in imps)
-    }
+    return {m for m in MODULES if any(within(i, target) for i in IMPORTS[m])}
+
+
+def layer_of(name: str) -> int | None:
+    return next((i for i, layer in enumerate(LAYERS) if within(name, layer)), None)
 
 
 def test_sdk_imports_without_server_packages():
@@ -95,56 +110,148 @@ def test_sdk_imports_without_server_packages():
 )
 def test_package_boundaries(package, forbidden):
     for name, imps in IMPORTS.items():
-        if name == package or name.startswith(package + "."):
+        if within(name, package):
             bad = {i for i in imps if i.split(".")[0] in forbidden}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_storage_modules_each_belong_to_a_layer():
+    loose = [m for m in MODULES if within(m, "storage") and m != "storage" and layer_of(m) is None]
+    assert not loose, f"storage modules outside every layer: {loose}"
+
+
+def test_storage_layers_import_only_their_own_or_lower_ones():
+    bad = []
+    for name in MODULES:
+        mine = layer_of(name)
+        if mine is None:
+            continue
+        for target in project_imports(name):
+            theirs = layer_of(target)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{name} ({LAYERS[mine]}) imports {target} ({LAYERS[theirs]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_analysis_is_pure():
+    """Analysis takes a run's data and returns facts: no database, no blob store."""
+    for name, imps in IMPORTS.items():
+        if within(name, "storage.analysis"):
+            bad = {
+                i
+                for i in imps
+                if i.split(".")[0] in SERVER_PACKAGES
+                or within(i, "storage.core.db")
+                or within(i, "storage.core.blobs")
+                or within(i, "storage.core.models")
+            }
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
 def test_the_collector_uses_only_the_common_service_plumbing():
     for name, imps in IMPORTS.items():
-        if name.startswith("collector"):
-            bad = {
-                i for i in imps if i.startswith("services") and not i.startswith("services.common")
-            }
+        if within(name, "collector"):
+            bad = {i for i in imps if within(i, "services") and not within(i, "services.common")}
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
 def test_collector_and_query_service_meet_only_in_the_embedded_server():
-    assert {m for m in importers_of("collector") if not m.startswith("collector")} == {
+    assert {m for m in importers_of("collector") if not within(m, "collector")} == {
         "services.embedded"
     }
-    assert not {m for m in importers_of("services.query") if m.startswith("collector")}
+    assert not {m for m in importers_of("services.query") if within(m, "collector")}
 
 
-def test_readers_do_not_import_the_writer():
-    # the collector's two ingest routes and reindex; storage.ray.bridge derives batches for Ray jobs
-    assert importers_of("storage.ingest.writer") == {
-        "collector.views",
-        "storage.jobs.reindex",
-        "storage.ray.bridge",
-    }
+def test_readers_do_not_import_the_writer_or_the_jobs():
+    for package in ("services.query", "services.dashboard", "services.common"):
+        for name in MODULES:
+            if within(name, package):
+                bad = {
+                    i
+                    for i in IMPORTS[name]
+                    if within(i, "storage.ingest") or within(i, "storage.jobs")
+                }
+                assert not bad, f"{name} imports {sorted(bad)}"
 
 
-def test_no_two_modules_import_each_other():
-    graph = {
-        m: {t for t in MODULES if t != m and any(i == t or i.startswith(t + ".") for i in imps)}
-        for m, imps in IMPORTS.items()
-    }
-    # a module importing its own package's __init__ is not a cycle worth reporting
-    graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
-    seen: set[str] = set()
+def test_no_import_circle():
+    """Counting every import: inside functions and under ``TYPE_CHECKING`` too."""
+    graph = {m: {t for t in project_imports(m) if t != m and not within(m, t)} for m in MODULES}
+    # ``from pkg import mod`` also names ``pkg``: a package's (empty) __init__ is no edge
+    graph = {m: {t for t in ts if MODULES[t].name != "__init__.py"} for m, ts in graph.items()}
+    done: set[str] = set()
 
     def visit(m: str, path: list[str]) -> None:
         if m in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
-        if m in seen:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(m) :] + [m]))
+        if m in done:
             return
         for t in sorted(graph[m]):
             visit(t, [*path, m])
-        seen.add(m)
+        done.add(m)
 
     for m in sorted(graph):
         visit(m, [])
+
+
+def test_no_project_module_is_loaded_from_a_string():
+    bad = []
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = ast.unparse(node.func)
+            if func in ("importlib.import_module", "import_module", "__import__"):
+                bad.append(f"{name}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_rooms_and_modules_stay_small():
+    folders: dict[Path, int] = {}
+    for path in product_files():
+        if path.name != "__init__.py" and "versions" not in path.parts:
+            folders[path.parent] = folders.get(path.parent, 0) + 1
+    crowded = {str(f.relative_to(ROOT)): n for f, n in folders.items()}
+    crowded = {f: n for f, n in crowded.items() if n > MAX_MODULES_IN_A_FOLDER}
+    assert not crowded, f"folders of more than {MAX_MODULES_IN_A_FOLDER} modules: {crowded}"
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in product_files()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_the_formatter_owns_layout():
+    skips = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in product_files()
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"#\s*fmt:\s*(skip|off)", line)
+    ]
+    assert not skips, f"fmt: skip/off in product code: {skips}"
+
+
+def test_code_says_why_not_how_it_was_found():
+    """How a bug was found, and when, belongs in the commit message."""
+    diary = re.compile(r"found by|found in a|a held-out check|\buntil 20\d\d-", re.IGNORECASE)
+    lines = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in product_files()
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if diary.search(line)
+    ]
+    assert not lines, "\n".join(lines)
+
+
+def test_bench_scripts_run_as_modules():
+    edits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "bench").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "sys.path.insert" in line or "sys.path.append" in line
+    ]
+    assert not edits, f"bench scripts edit sys.path (run them as python -m bench.NAME): {edits}"
 
 
 def test_json_schema_file_is_generated_from_the_code():

@@ -19,7 +19,7 @@ def bad(name: str, message: str) -> ApiError:
 
 def only_args(*names: str) -> None:
     """400 for a parameter the route does not take: a misspelled filter (``clusters=``)
-    was ignored, and the answer, unfiltered, looked like an answer (found by a new user).
+    ignored would give an unfiltered answer that looks like an answer.
     Names starting with ``_`` (cache busters) pass."""
     for given in request.args:
         if given not in names and not given.startswith("_"):

@@ -47,8 +47,8 @@ class Store:
                     tenant_id = ensure_tenant(db, DEFAULT_TENANT, time.time())
                 store.open_principal = Principal(tenant_id, DEFAULT_TENANT, frozenset(SCOPES))
         except OperationalError as exc:
-            # The start-up's own work needs the index: say which setting names it (the
-            # service failed with sixty lines of driver traceback, found by an operator).
+            # The start-up's own work needs the index: say which setting names it, not
+            # sixty lines of driver traceback.
             url = make_url(settings.database_url).render_as_string(hide_password=True)
             raise ConfigError(
                 f"HINDSIGHT_DATABASE_URL ({url}): the index cannot be reached at start "

@@ -158,8 +158,8 @@ def require(scope: str) -> Principal:
 
 def _refuse_unknown_parameters() -> None:
     """400 for a parameter the route does not take (after the caller is known: a stranger
-    gets 401 whatever it sends). A misspelled one (``clusters=``, ``treshold=``) was
-    ignored, and the answer looked like an answer (found by new users, route after route).
+    gets 401 whatever it sends). A misspelled one (``clusters=``, ``treshold=``) ignored
+    would give an answer that looks like an answer.
     Every JSON route takes what its OpenAPI operation lists; the lake's query route checks
     its own (its filters are the table's columns), and pages are not API routes."""
     rule = request.url_rule

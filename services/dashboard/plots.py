@@ -721,11 +721,11 @@ def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
         return None
     clusters = sorted({r["cluster"] for r in rows})
     # One legend, above the first plot, in rows: inside each 170 px plot a fifth cluster's
-    # entry fell off the bottom (found by a new user).
+    # entry would fall off the bottom.
     per_row = 2  # two names fit a phone's width (six ran off a 390 px screen)
     legend_rows = -(-len(clusters) // per_row)
     colours = {c: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, c in enumerate(clusters)}
-    # runs all in one bucket: a bucket either side, not +-1 ms (found in a browser)
+    # runs all in one bucket: a bucket either side, not +-1 ms
     x_range = DataRange1d(name="history-time", default_span=2 * bucket_s * 1000)
     figs = []
     for field, title in (

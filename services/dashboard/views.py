@@ -30,15 +30,18 @@ from sqlalchemy import func, select
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import LOGIN_COOKIE, ApiError, db, store
 from services.dashboard import plots, side_plots, why_plots
-from storage.analysis.runfacts import DEFAULT_SPAN, display_name, makespan_column
-from storage.analysis import flame
-from storage.analysis import whole as analysis
+from storage.analysis import flame, tasks
+from storage.analysis.outcome import facts_of
+from storage.analysis.profile import Profile, merge_into
+from storage.analysis.runfacts import DEFAULT_SPAN, display_name
 from storage.core import models as m
 from storage.core.tokens import Principal
-from storage.query import activity, replay
+from storage.query import activity, history, replay
+from storage.query import compare as comparison
 from storage.query import runs as queries
-from storage.query.runs import BadCursor, RunFilters
+from storage.query.runs import BadCursor, RunFilters, makespan_column
 from storage.runs import profiles, runcode, runfile, runlogs
+from storage.runs.facts import page_facts
 
 bp = Blueprint(
     "dashboard",
@@ -73,10 +76,8 @@ def _warm_figures() -> None:
     """Once per process (tests create many apps)."""
     plots.warm_up()
     data = runfile.sample_run(through_parquet=True)
-    facts = analysis.facts_of(data)
-    plots.run_page_items(
-        data, facts["critical"], facts["progress"], analysis.metric_series(data, 300)
-    )
+    facts = facts_of(data)
+    plots.run_page_items(data, facts["critical"], facts["progress"], tasks.metric_series(data, 300))
 
 
 class LoginRequired(Exception):
@@ -240,17 +241,17 @@ def run_page(run_id: str) -> Any:
     run, cluster, session = found
     detail = queries.run_detail(db(), run, cluster, session)
     data = runfile.load_run(db(), store().blobs, run)
-    facts = analysis.page_facts(db(), store().blobs, run, data)
+    facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]
     live = detail["status"] == "running"
     items = plots.run_page_items(
-        data, critical, facts["progress"], analysis.metric_series(data, 300), inline_keys=live
+        data, critical, facts["progress"], tasks.metric_series(data, 300), inline_keys=live
     )
     stream = items["stream"]
     if not live:  # the page requests the hover's keys (``stream_keys``)
         stream = {**stream, "keys_url": f"/runs/{run.public_id}/stream-keys"}
     same_job = [
-        queries.run_summary(r, cluster, session) for r in analysis.previous_runs(db(), run, 19)
+        queries.run_summary(r, cluster, session) for r in comparison.previous_runs(db(), run, 19)
     ]
     trend = plots.makespan_trend(
         [*same_job, queries.run_summary(run, cluster, session)], run.public_id
@@ -313,9 +314,9 @@ def replay_slider(run: m.Run, detail: dict[str, Any], origin: float) -> dict[str
 def why_slow(run: m.Run) -> dict[str, Any]:
     """The run page's profile flame graph, fine-performance-metrics view and code."""
     trees = profiles.load_prefixes(db(), store().blobs, run)
-    whole = profiles.Profile()
+    whole = Profile()
     for tree in trees.values():
-        profiles.merge_into(whole, tree)
+        merge_into(whole, tree)
         whole.interval = tree.interval
     hottest = [f for f in flame.top(whole, 10) if f["self"]]
     merged = why_plots.by_prefix(trees)
@@ -396,7 +397,7 @@ def compare_page() -> Any:
         # slowdown read as "better")
         found.sort(key=lambda f: (f[0].started_at is None, f[0].started_at or 0.0))
     (a, ca, sa), (b, cb, sb) = found  # type: ignore[misc]
-    result = analysis.compare(db(), a, b)
+    result = comparison.compare(db(), a, b)
     streams, stream_data = plots.side_by_side(
         runfile.load_run(db(), store().blobs, a).tasks,
         runfile.load_run(db(), store().blobs, b).tasks,
@@ -421,13 +422,13 @@ def history_page() -> Any:
     """Trends across runs and clusters, from the index's hourly rollups."""
     p = principal()
     bucket = request.args.get("bucket", "day")
-    if bucket not in analysis.BUCKETS:
+    if bucket not in history.BUCKETS:
         return render_template("error.html", message="bucket must be hour or day"), 400
     try:
         since, until = time_arg("since"), time_arg("until")
     except ApiError as exc:
         return render_template("error.html", message=exc.message), 400
-    rows = analysis.cluster_history(db(), p.tenant_id, bucket, since, until)
+    rows = history.cluster_history(db(), p.tenant_id, bucket, since, until)
     # Fine performance metrics of a prefix and/or a job over time (issue 9).
     prefix, job = request.args.get("prefix") or None, request.args.get("name") or None
     activity_plot = None
@@ -443,7 +444,7 @@ def history_page() -> Any:
         "history.html",
         rows=rows,
         bucket=bucket,
-        plot=script_json(plots.cluster_history(rows, 3600 * analysis.BUCKETS[bucket])),
+        plot=script_json(plots.cluster_history(rows, 3600 * history.BUCKETS[bucket])),
         activity_plot=script_json(activity_plot),
         prefix=prefix or "",
         job=job or "",

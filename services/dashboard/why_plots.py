@@ -17,7 +17,7 @@ from bokeh.plotting import figure
 
 from services.dashboard.plots import WORKER_PALETTE, colour_of, gapped, wrapping_tooltips
 from storage.analysis import flame
-from storage.runs.profiles import Node, Profile, merge_into, prune
+from storage.analysis.profile import Node, Profile, merge_into, prune
 
 #: Frames drawn at most per flame graph (the least sampled are folded into their callers).
 MAX_FRAMES = 2500

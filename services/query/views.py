@@ -25,13 +25,19 @@ from services.common.params import (
     time_arg,
 )
 from services.common.web import ApiError, db, require, store
+from storage.analysis import flame, tasks
+from storage.analysis.critical_path import critical_path
+from storage.analysis.errors import errors as error_groups
+from storage.analysis.profile import Profile
 from storage.analysis.runfacts import display_name
-from storage.analysis import flame
-from storage.analysis import whole as analysis
+from storage.analysis.trace import chrome_trace
 from storage.core import models as m
-from storage.query import activity, replay
+from storage.query import activity, history, replay
+from storage.query import compare as comparison
 from storage.query import runs as queries
+from storage.query.breakdown import time_breakdown
 from storage.query.runs import BadCursor, RunFilters
+from storage.query.summary import prefix_summary
 from storage.runs import profiles, runcode, runfile, runlogs
 
 logger = logging.getLogger(__name__)
@@ -100,17 +106,17 @@ def run(run_id: str) -> Any:
 def _task_query(run: Any, lazy: bool = False) -> Any:
     """The filtered, sorted tasks table; with ``lazy``, None when there is nothing to
     filter or sort (the caller then reads only the rows of its page)."""
-    filters = analysis.TaskFilters(
+    filters = tasks.TaskFilters(
         prefix=label_arg("prefix", 1024),
         worker=label_arg("worker", 1024),
         status=label_arg("status", 32),
         since=time_arg("since"),
         until=time_arg("until"),
     )
-    sort = choice_arg("sort", analysis.TASK_SORTS)
-    if lazy and sort is None and filters == analysis.TaskFilters():
+    sort = choice_arg("sort", tasks.TASK_SORTS)
+    if lazy and sort is None and filters == tasks.TaskFilters():
         return None, sort
-    return analysis.filter_tasks(_run_data(run), filters, sort), sort
+    return tasks.filter_tasks(_run_data(run), filters, sort), sort
 
 
 def _cursor_offset(what: str, mismatch: str) -> int:
@@ -143,7 +149,7 @@ def run_tasks(run_id: str) -> Any:
         if table is not None
         else runfile.task_slice(db(), store().blobs, run, offset, limit)
     )
-    records = analysis.task_records(page, run.run_key)
+    records = tasks.task_records(page, run.run_key)
     next_cursor = _next_cursor(sort or "", offset + len(page), total)
     return {"tasks": records, "total": total, "next_cursor": next_cursor}
 
@@ -157,7 +163,7 @@ def run_tasks_stream(run_id: str) -> Any:
 
     def lines() -> Any:
         for start in range(0, len(table), STREAM_CHUNK):
-            records = analysis.task_records(table.slice(start, STREAM_CHUNK), run.run_key)
+            records = tasks.task_records(table.slice(start, STREAM_CHUNK), run.run_key)
             yield b"".join(enc.encode(r) + b"\n" for r in records)
 
     return Response(lines(), mimetype="application/x-ndjson")
@@ -194,14 +200,14 @@ def run_tasks_parquet(run_id: str) -> Any:
 @bp.get("/v1/runs/<run_id>/summary")
 def run_summary(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
-    return {"run": run.public_id, "prefixes": analysis.prefix_summary(db(), run)}
+    return {"run": run.public_id, "prefixes": prefix_summary(db(), run)}
 
 
 @bp.get("/v1/runs/<run_id>/metrics")
 def run_metrics(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
     points = int_arg("points", 500, 2, 10_000)
-    series = analysis.metric_series(
+    series = tasks.metric_series(
         _run_data(run), points, worker=label_arg("worker", 1024), name=label_arg("name", 256)
     )
     return {"run": run.public_id, "series": series}
@@ -211,31 +217,31 @@ def run_metrics(run_id: str) -> Any:
 def run_progress(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
     buckets = int_arg("buckets", 50, 1, 1000)
-    return {"run": run.public_id, **analysis.progress(_run_data(run), buckets)}
+    return {"run": run.public_id, **tasks.progress(_run_data(run), buckets)}
 
 
 @bp.get("/v1/runs/<run_id>/graph")
 def run_graph(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
-    return {"run": run.public_id, **analysis.graph(_run_data(run))}
+    return {"run": run.public_id, **tasks.graph(_run_data(run))}
 
 
 @bp.get("/v1/runs/<run_id>/errors")
 def run_errors(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
-    return {"run": run.public_id, "groups": analysis.errors(_run_data(run))}
+    return {"run": run.public_id, "groups": error_groups(_run_data(run))}
 
 
 @bp.get("/v1/runs/<run_id>/critical-path")
 def run_critical_path(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
-    return {"run": run.public_id, **analysis.critical_path(_run_data(run))}
+    return {"run": run.public_id, **critical_path(_run_data(run))}
 
 
 @bp.get("/v1/runs/<run_id>/time")
 def run_time(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
-    return {"run": run.public_id, **analysis.time_breakdown(db(), [run.id])}
+    return {"run": run.public_id, **time_breakdown(db(), [run.id])}
 
 
 @bp.get("/v1/runs/<run_id>/regressions")
@@ -244,7 +250,7 @@ def run_regressions(run_id: str) -> Any:
     baseline = int_arg("baseline", 5, 1, 100)
     threshold = float_arg("threshold", 0.0, 10_000.0)
     action = label_arg("action", 64) or "compute"
-    return analysis.regressions(
+    return comparison.regressions(
         db(),
         run,
         baseline,
@@ -258,9 +264,7 @@ def run_regressions(run_id: str) -> Any:
 def run_trace(run_id: str) -> Any:
     """Chrome trace-event JSON; open it in Perfetto (ui.perfetto.dev) or chrome://tracing."""
     run, _c, _s = _run_or_404(run_id)
-    trace = analysis.chrome_trace(
-        _run_data(run), display_name(run.name, run.run_key) or run.run_key
-    )
+    trace = chrome_trace(_run_data(run), display_name(run.name, run.run_key) or run.run_key)
     return Response(
         msgspec.json.encode(trace),
         mimetype="application/json",
@@ -280,7 +284,7 @@ def _two_runs() -> tuple[Any, Any]:
 @bp.get("/v1/compare")
 def compare() -> Any:
     a, b = _two_runs()
-    return analysis.compare(db(), a, b, label_arg("action", 64) or "compute")
+    return comparison.compare(db(), a, b, label_arg("action", 64) or "compute")
 
 
 @bp.get("/v1/clusters/<cluster>/time")
@@ -289,8 +293,8 @@ def cluster_time(cluster: str) -> Any:
     if not valid_name(cluster):
         raise bad("cluster", "not a valid name")
     since, until = time_arg("since"), time_arg("until")  # a bad one is a 400 either way
-    breakdown = analysis.cluster_time_breakdown(db(), principal.tenant_id, cluster, since, until)
-    if breakdown is None:  # answered zeros, as if it had run nothing (found by a new user)
+    breakdown = history.cluster_time_breakdown(db(), principal.tenant_id, cluster, since, until)
+    if breakdown is None:  # not zeros, as if it had run nothing
         raise ApiError(404, "not_found", f"no cluster {cluster!r} (GET /v1/clusters lists them)")
     return {"cluster": cluster, **breakdown}
 
@@ -302,8 +306,8 @@ def prefix_history() -> Any:
     if prefix is None:
         raise bad("prefix", "required")
     action = label_arg("action", 64) or "compute"
-    bucket = choice_arg("bucket", tuple(analysis.BUCKETS)) or "hour"
-    points = analysis.prefix_history(
+    bucket = choice_arg("bucket", tuple(history.BUCKETS)) or "hour"
+    points = history.prefix_history(
         db(),
         principal.tenant_id,
         prefix,
@@ -319,8 +323,8 @@ def prefix_history() -> Any:
 @bp.get("/v1/history/clusters")
 def cluster_history() -> Any:
     principal = require("read")
-    bucket = choice_arg("bucket", tuple(analysis.BUCKETS)) or "hour"
-    points = analysis.cluster_history(
+    bucket = choice_arg("bucket", tuple(history.BUCKETS)) or "hour"
+    points = history.cluster_history(
         db(), principal.tenant_id, bucket, time_arg("since"), time_arg("until"), name_arg("cluster")
     )
     return {"bucket": bucket, "points": points}
@@ -330,7 +334,7 @@ def cluster_history() -> Any:
 PROFILE_FORMATS = ("json", "collapsed", "speedscope")
 
 
-def _profile_answer(p: profiles.Profile, title: str, fmt: str, **extra: Any) -> Any:
+def _profile_answer(p: Profile, title: str, fmt: str, **extra: Any) -> Any:
     if fmt == "collapsed":
         return Response(flame.collapsed(p), mimetype="text/plain")
     if fmt == "speedscope":

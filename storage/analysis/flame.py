@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage.runs.profiles import FrameKey, Node, Profile
+from storage.analysis.profile import FrameKey, Node, Profile
 
 #: Depth past which a JSON tree is cut (its samples stay counted in the cut frame).
 MAX_DEPTH = 256

@@ -46,13 +46,6 @@ def makespan(task_start: float | None, task_stop: float | None) -> float | None:
     return task_stop - task_start
 
 
-def makespan_column() -> Any:
-    """:func:`makespan` as a SQL expression on ``runs`` (NULL before any task)."""
-    from storage.core import models as m
-
-    return m.Run.task_stop - m.Run.task_start
-
-
 def fingerprint(name: str | None, run_key: str, prefixes: Iterable[str]) -> str:
     """A stable identity of "the same job": its display name when it has one, else its set
     of task prefixes. 16 hex digits of sha256. Dask's span ``default`` (work outside any

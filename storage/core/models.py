@@ -119,7 +119,7 @@ class Batch(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     received_at: Mapped[float] = mapped_column(Float)
     # The earliest and latest event time the batch holds (None: no timed event), so the
-    # batches of a session around a run are found by what they describe, not by when they
+    # batches of a session around a run are chosen by what they describe, not by when they
     # arrived (a reindex receives everything again).
     t_min: Mapped[float | None] = mapped_column(Float)
     t_max: Mapped[float | None] = mapped_column(Float)
@@ -136,7 +136,7 @@ class Run(Base):
         # Runs by name: the name filter and "previous runs of the same job" (regressions).
         Index("ix_runs_tenant_name", "tenant_id", "name", "started_at"),
         # The runs still running only: the finish workers' look for silent ones
-        # (storage.jobs.finish.close_silent) scanned every run once a minute (migration 0013).
+        # (storage.jobs.silent.close_silent) scanned every run once a minute (migration 0013).
         Index(
             "ix_runs_running",
             "session_id",

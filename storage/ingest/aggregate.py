@@ -29,6 +29,7 @@ from hindsight.schema import (
     TaskEvent,
     WorkerEvent,
 )
+from storage.analysis import sketch
 from storage.analysis.runfacts import (
     ACTION_COLUMNS,
     TaskPhases,
@@ -36,7 +37,6 @@ from storage.analysis.runfacts import (
     flatten_phases,
     task_phases,
 )
-from storage.analysis import sketch
 from storage.core.batches import DEFAULT_RUN
 
 _INT64_MAX = 2**63 - 1

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import ActivityEvent, CodeEvent, StateEvent
 from storage.core import models as m
-from storage.query import replay
+from storage.ingest.states import index_states
 
 _encoder = msgspec.json.Encoder()
 _ACTIVITY_KEY = ("run_id", "context", "prefix", "activity", "unit")
@@ -61,7 +61,7 @@ def index_perf(db: Session, run_ids: dict[str, int], events: list[Any]) -> None:
     st = _statements(db.get_bind().dialect.name)
     states = [ev for ev in events if type(ev) is StateEvent]
     if states:
-        replay.index_states(db, run_ids, states)
+        index_states(db, run_ids, states)
     # One row per key per statement: Postgres refuses to upsert a row twice in one INSERT.
     latest: dict[tuple[int, str, str, str, str], tuple[float, float]] = {}
     code: dict[tuple[int, str], dict[str, Any]] = {}

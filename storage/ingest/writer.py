@@ -25,8 +25,8 @@ from storage.analysis.runfacts import ACTION_COLUMNS
 from storage.core.batches import run_public_id
 from storage.core.idcache import IdCache
 from storage.core.statements import Pipeline, Statements, statements
-from storage.ingest.aggregate import BatchAggregate, RunAggregate, aggregate
 from storage.ingest import perf_index
+from storage.ingest.aggregate import BatchAggregate, RunAggregate, aggregate
 
 logger = logging.getLogger(__name__)
 

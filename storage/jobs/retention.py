@@ -127,8 +127,8 @@ def plan(
         # Each cluster's hours and prefix days (by event time) go before the cut-off, but
         # not those of a kept session of that cluster: one delivered late (a spool pushed
         # from a kept volume) lost its runs' history for good, kept runs and all (reindex
-        # does not redo what it has). Per cluster: a kept session of another cluster held
-        # back the removal of this one's (found by an operator).
+        # does not redo what it has). Per cluster: a kept session of another cluster must not
+        # hold back the removal of this one's.
         kept_first = dict(
             db.execute(
                 select(m.Session.cluster_id, func.min(m.Batch.t_min))

@@ -32,6 +32,8 @@ from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.lake.write import TARGET_ROWS, Partition, RunRows, commit, read_manifest, schemas
 from storage.query.runs import run_summary
+from storage.runs import runlogs
+from storage.runs.context import FinishedRun
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +79,6 @@ def emitted(db: Session, blobs: BlobStore, run: m.Run) -> Iterator[CustomEvent]:
     """The values the run's tasks emitted (``hindsight.emit``): the run's streams table
     (``storage.runs.runlogs``, built from the batches around the run once, by whichever of the
     two finishers needs it first), so the batches are not read a second time."""
-    from storage.runs import runlogs
-
     decode = msgspec.json.decode
     for r in runlogs.load(db, blobs, run).streams.to_pylist():
         yield CustomEvent(
@@ -161,7 +161,7 @@ def build_tables(
 # ---------------------------------------------------------------- the finisher
 
 
-def finish(fr: Any) -> None:
+def finish(fr: FinishedRun) -> None:
     """The lake's finisher (``storage/jobs/finish.py``): put the run's current rows in the lake."""
     db, blobs, run = fr.db, fr.blobs, fr.run
     summary = run_summary(run, fr.cluster, fr.session)

@@ -19,7 +19,6 @@ from storage.analysis.runfacts import (
     display_name,
     fingerprint,
     makespan,
-    makespan_column,
     seconds_by_action,
 )
 from storage.core import models as m
@@ -27,7 +26,13 @@ from storage.core.batches import DEFAULT_RUN, decode_stored
 from storage.core.blobs import BlobStore
 from storage.ray import read as ray_read
 
-# "lost": the scheduler went silent before ending the run (storage.jobs.finish.close_silent)
+
+def makespan_column() -> Any:
+    """A run's makespan as a SQL expression on ``runs`` (NULL before any task)."""
+    return m.Run.task_stop - m.Run.task_start
+
+
+# "lost": the scheduler went silent before ending the run (storage.jobs.silent.close_silent)
 RUN_STATUSES = ("running", "finished", "erred", "lost")
 TASK_FIELDS = (
     "key",
@@ -283,8 +288,7 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     """Addresses of the session's workers that have left without a batch of their own
     arriving (killed before their agent's first batch got through, or closed while the
     collector was away: their batches wait in a spool). An agent that delivered nothing
-    was otherwise not listed at all, and completeness read whole (found by a held-out
-    check). A worker still in the cluster may not have sent yet; it is not listed."""
+    would otherwise not be listed at all, and completeness would read whole. A worker still in the cluster may not have sent yet; it is not listed."""
     if not any(a.startswith("scheduler-") for a in agents):
         return []  # not Dask's agents (Ray's bridge, another scheduler's): no worker agents
     W = m.Worker
@@ -296,7 +300,7 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     if not rows:
         return []
     # A nanny restarts a killed worker under its name: the new worker's agent is not the
-    # dead one's, and hid it (found by a trial). An agent whose first batch begins after
+    # dead one's and must not hide it. An agent whose first batch begins after
     # the worker left is another process's.
     A, B = m.Agent, m.Batch
     first = dict(
@@ -320,10 +324,10 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
 def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]) -> list[str]:
     """The agents of ``run``'s workers that never sent their last batch though the
     scheduler's agent did (the cluster closed): a killed worker, or batches waiting in a
-    spool. A run's page said "100% of batches" for one (found by a new user). Only this
-    run's workers (found by a reviewer), and of them the agents whose events reach into
+    spool: such a run must not read "100% of batches". Only this
+    run's workers, and of them the agents whose events reach into
     the run: a nanny restarts a killed worker under its name, and the killed one's agent
-    is not a later run's loss (found by a held-out check), nor the loss of a run its
+    is not a later run's loss, nor the loss of a run its
     batches reach past the end of. While the cluster lives, none."""
     agents = completeness.get("agents") or []
     if not any(a["final"] and a["agent"].startswith("scheduler-") for a in agents):
@@ -353,7 +357,7 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
     # Its events reach into the run and stop before the run's end: what it held at the
     # end may be the run's. One whose batches run past the run's end (an adaptive
     # cluster's worker, retired after the run and killed by its nanny 4 s into closing)
-    # lost nothing of it (found by a trial).
+    # lost nothing of it.
     end = run.finished_at if run.finished_at is not None else float("inf")
     return [a for a in mine if last.get(a) is None or run.started_at <= last[a] < end]
 
@@ -362,9 +366,8 @@ def run_completeness(db: Session, run: m.Run) -> dict[str, Any]:
     """The session's completeness, with ``closed`` and ``workers_without_batches`` for
     ``run`` (Dask's agents): a worker agent that never closed counts only if it is the
     run's (``unclosed_worker_agents``, also listed), a worker that left with no batch only
-    if it was there during the run. Every later run of a session in which a worker was killed
-    read ``closed: false``, fresh workers and all, while its page rightly said nothing
-    (found by a trial)."""
+    if it was there during the run: a worker killed early in a session is not the loss of
+    every later run of it."""
     out = completeness(db, run.session_id)
     agents = out["agents"]
     if not any(a["agent"].startswith("scheduler-") for a in agents):

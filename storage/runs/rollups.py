@@ -13,16 +13,14 @@ row with ``FOR NO KEY UPDATE``, which ingest's foreign-key checks do not wait fo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Table, delete, select
 from sqlalchemy.orm import Session
 
 from storage.core import models as m
 from storage.core.statements import dialect_functions
-
-if TYPE_CHECKING:
-    from storage.jobs.finish import FinishedRun
+from storage.runs.context import FinishedRun
 
 
 def _merge(into: dict[str, int], buckets: dict[str, int] | None) -> None:

@@ -16,21 +16,19 @@ import io
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from hindsight.schema import GraphEvent, MetricEvent, StartStop, TaskEvent
+from storage.analysis.rundata import RunData
+from storage.analysis.runfacts import ACTION_COLUMNS, phases_of
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, decode_stored
 from storage.core.blobs import BlobStore
-
-if TYPE_CHECKING:
-    from storage.jobs.finish import FinishedRun
-from storage.analysis.runfacts import ACTION_COLUMNS, phases_of
+from storage.runs.context import FinishedRun
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +63,6 @@ TASK_COLUMNS = (
     "startstops",
     "attrs",
 )
-
-
-@dataclass
-class RunData:
-    """A run's tasks, graph and metrics as Arrow tables."""
-
-    tasks: Any  # pyarrow.Table
-    graph: Any
-    metrics: Any
-    tag: str
-    source: str  # "compact" (read from the compacted copy), "raw" (decoded batches)
 
 
 class RecentCache:

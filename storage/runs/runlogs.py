@@ -36,6 +36,7 @@ from hindsight.schema import CustomEvent, LogEvent, WorkerEvent, decode_batch
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, stored_json
 from storage.core.blobs import BlobStore
+from storage.runs.context import FinishedRun
 from storage.runs.runfile import RecentCache, _parquet, batch_keys, compact_prefix, prune_tags
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def load(db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True) -> Ex
     return extras
 
 
-def finish(fr: Any) -> None:
+def finish(fr: FinishedRun) -> None:
     """Finisher (``storage/jobs/finish.py``): store the run's tables once it has finished."""
     load(fr.db, fr.blobs, fr.run)
 

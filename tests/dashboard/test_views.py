@@ -404,14 +404,14 @@ def test_a_lost_runs_page_says_what_lost_means(apps, make_token):
     """Found in a browser by a fresh pair of eyes: a run closed 'lost' showed only the word."""
     import time
 
-    from storage.jobs import finish
+    from storage.jobs import silent
     from tests.query.test_runs import run_batch
 
     collector, query = apps
     token = make_token()
     assert post(collector, run_batch("c", "s", "r", 0, status=None), token=token).status_code == 202
     st = query.application.extensions["hindsight"]
-    assert finish.close_silent(st.sessions, silence=60, now=time.time() + 120) >= 1
+    assert silent.close_silent(st.sessions, silence=60, now=time.time() + 120) >= 1
     login(query, token)  # the test client keeps the cookie
     (run,) = query.get("/v1/runs?status=lost").json["runs"]
     page = query.get(f"/runs/{run['id']}").get_data(as_text=True)

@@ -21,7 +21,7 @@ DAY = 86_400.0
 def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
     """Run the lake finisher for every run of ``tenant`` that is not running, as the finish
     queue would (the test stacks run no finish worker: they share one database)."""
-    from storage.jobs.finish import FinishedRun
+    from storage.jobs.finish import finished_run
     from storage.lake import build as lake
 
     n = 0
@@ -40,7 +40,7 @@ def finish_all(sessions: Any, blobs: Any, tenant: str | None = None) -> int:
                 .join(m.Session, m.Session.cluster_id == m.Cluster.id)
                 .where(m.Session.id == run.session_id)
             ).one()
-            lake.finish(FinishedRun(db, blobs, run, t, c, s))
+            lake.finish(finished_run(db, blobs, run, t, c, s))
             n += 1
     return n
 

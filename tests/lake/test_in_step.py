@@ -37,17 +37,17 @@ def lake_blobs(storage: Any, tenant: str) -> list[str]:
     return [
         k
         for t in (*layout.TABLES, "_manifests")
-        for k in storage.core.blobs.list(f"lake/v1/{t}/tenant={tenant}/")
+        for k in storage.blobs.list(f"lake/v1/{t}/tenant={tenant}/")
     ]
 
 
 def test_retention_takes_removed_sessions_out_of_the_lake(stack, storage, tenant_runs):
     tenant, runs = tenant_runs["tenant"], tenant_runs["runs"]
-    finish_all(storage.sessions, storage.core.blobs, tenant)
+    finish_all(storage.sessions, storage.blobs, tenant)
     before = snapshot(storage, stack, tenant)
     files_before = set(lake_blobs(storage, tenant))
     # keep the newest run (r4, session s3): sessions s1 and s2 go
-    plan = retention.apply(storage.core.blobs, storage.sessions, tenant, max_runs=1)
+    plan = retention.apply(storage.blobs, storage.sessions, tenant, max_runs=1)
     assert sorted(s.name for s in plan.sessions) == ["s1", "s2"]
     after = snapshot(storage, stack, tenant)
     kept = {runs[n]["id"] for n in ("r3", "r4")}
@@ -57,8 +57,8 @@ def test_retention_takes_removed_sessions_out_of_the_lake(stack, storage, tenant
     # the prod partitions are gone (manifests and files), nothing waits for a grace period
     remaining = set(lake_blobs(storage, tenant))
     assert not any("cluster=prod" in k for k in remaining)
-    assert all(storage.core.blobs.exists(k) for k in remaining)
-    assert not any(storage.core.blobs.exists(k) for k in files_before - remaining)
+    assert all(storage.blobs.exists(k) for k in remaining)
+    assert not any(storage.blobs.exists(k) for k in files_before - remaining)
     with storage.sessions() as db:
         days = db.scalars(
             select(m.LakePartition.day)
@@ -68,7 +68,7 @@ def test_retention_takes_removed_sessions_out_of_the_lake(stack, storage, tenant
         )
         assert list(days) == [layout.day_of(runs["r3"]["started_at"])]
     # applying again finds nothing more to do
-    assert retention.apply(storage.core.blobs, storage.sessions, tenant, max_runs=1).sessions == []
+    assert retention.apply(storage.blobs, storage.sessions, tenant, max_runs=1).sessions == []
     assert snapshot(storage, stack, tenant) == after
 
 
@@ -79,15 +79,15 @@ def wipe_index(storage: Any, tenant: str) -> None:
 
 def test_a_rebuilt_lake_equals_the_old_one(stack, storage, tenant_runs):
     tenant = tenant_runs["tenant"]
-    finish_all(storage.sessions, storage.core.blobs, tenant)
+    finish_all(storage.sessions, storage.blobs, tenant)
     before = snapshot(storage, stack, tenant)
     assert before["tasks"]
     # 1. the index is lost, the lake is not: reindex and finishing take it back as it is
     files = sorted(lake_blobs(storage, tenant))
     wipe_index(storage, tenant)
-    reindex(storage.core.blobs, storage.sessions, prefix=f"v1/{tenant}/")
-    finish_all(storage.sessions, storage.core.blobs, tenant)
-    lake.reconcile(storage.core.blobs, storage.sessions)
+    reindex(storage.blobs, storage.sessions, prefix=f"v1/{tenant}/")
+    finish_all(storage.sessions, storage.blobs, tenant)
+    lake.reconcile(storage.blobs, storage.sessions)
     assert snapshot(storage, stack, tenant) == before
     assert sorted(lake_blobs(storage, tenant)) == files  # nothing was rewritten
     with storage.sessions() as db:
@@ -101,23 +101,23 @@ def test_a_rebuilt_lake_equals_the_old_one(stack, storage, tenant_runs):
         assert n == 4  # the index's catalog is back
     # 2. both are lost: the lake is rebuilt from the batches, row for row
     for key in lake_blobs(storage, tenant):
-        storage.core.blobs.delete(key)
+        storage.blobs.delete(key)
     wipe_index(storage, tenant)
-    reindex(storage.core.blobs, storage.sessions, prefix=f"v1/{tenant}/")
-    finish_all(storage.sessions, storage.core.blobs, tenant)
+    reindex(storage.blobs, storage.sessions, prefix=f"v1/{tenant}/")
+    finish_all(storage.sessions, storage.blobs, tenant)
     assert snapshot(storage, stack, tenant) == before
 
 
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
 def test_reindex_drops_runs_the_index_no_longer_has(stack, storage, tenant_runs):
     tenant, runs = tenant_runs["tenant"], tenant_runs["runs"]
-    finish_all(storage.sessions, storage.core.blobs, tenant)
+    finish_all(storage.sessions, storage.blobs, tenant)
     before = snapshot(storage, stack, tenant)
     # session s2 (run r2) vanishes from the blob store out of band; the index is rebuilt
-    for key in list(storage.core.blobs.list(f"v1/{tenant}/prod/s2/")):
-        storage.core.blobs.delete(key)
+    for key in list(storage.blobs.list(f"v1/{tenant}/prod/s2/")):
+        storage.blobs.delete(key)
     wipe_index(storage, tenant)
-    counts = reindex(storage.core.blobs, storage.sessions)  # a full reindex reconciles the lake
+    counts = reindex(storage.blobs, storage.sessions)  # a full reindex reconciles the lake
     assert counts["lake_runs_removed"] == 1
     after = snapshot(storage, stack, tenant)
     for table in layout.TABLES:

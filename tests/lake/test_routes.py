@@ -20,7 +20,7 @@ from tests.query.test_runs import T0
 
 @pytest.fixture
 def lake_app(stack, storage, tenant_runs):
-    finish_all(storage.sessions, storage.core.blobs, tenant_runs["tenant"])
+    finish_all(storage.sessions, storage.blobs, tenant_runs["tenant"])
     return tenant_runs
 
 
@@ -42,7 +42,7 @@ def key_of(planned: dict[str, Any]) -> str:
 def spoil(storage: Any, keys: list[str]) -> None:
     """Make files unreadable: a scan that opened one would fail."""
     for key in keys:
-        storage.core.blobs.put(key, b"not parquet")
+        storage.blobs.put(key, b"not parquet")
 
 
 def test_lake_tasks_are_the_run_routes_records(lake_app):
@@ -136,9 +136,9 @@ def test_another_tenants_partitions_are_never_read(stack, storage, make_token, l
     with storage.sessions.begin() as db:
         part = lakewrite.Partition(b_tenant, "prod", layout.day_of(T0), tid, cid)
         lakewrite.commit(
-            db, storage.core.blobs, part, add=[synthetic("b-run", 50, T0)], now=T0 + DAY
+            db, storage.blobs, part, add=[synthetic("b-run", 50, T0)], now=T0 + DAY
         )
-    b_keys = list(storage.core.blobs.list(f"lake/v1/tasks/tenant={b_tenant}/"))
+    b_keys = list(storage.blobs.list(f"lake/v1/tasks/tenant={b_tenant}/"))
     assert b_keys
     spoil(storage, b_keys)
     assert rows(h) == a_before
@@ -255,7 +255,7 @@ def test_top_k_reads_only_the_files_that_can_hold_the_answer(stack, storage, mak
             run.tables["tasks"] = tasks.set_column(
                 tasks.schema.get_field_index("duration"), "duration", slower
             )
-            lakewrite.commit(db, storage.core.blobs, part, add=[run], now=T0 + 40 * DAY)
+            lakewrite.commit(db, storage.blobs, part, add=[run], now=T0 + 40 * DAY)
     h = {**lake_app, "token": token}
     body = get(h, "/v1/lake/tasks", prefix="load", sort="-duration", limit=10).json
     assert [r["duration"] for r in body["rows"]] == [29 + i / 100 for i in range(39, 29, -1)]

@@ -55,12 +55,12 @@ def by_key(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def test_finished_runs_land_in_their_day_with_the_route_records(stack, storage, tenant_runs):
     tenant, query, token = tenant_runs["tenant"], tenant_runs["query"], tenant_runs["token"]
-    assert finish_all(storage.sessions, storage.core.blobs, tenant) == 4  # r4 is still running
+    assert finish_all(storage.sessions, storage.blobs, tenant) == 4  # r4 is still running
     # finishing again changes nothing: no file written, no commit
-    files = sorted(storage.core.blobs.list(f"lake/v1/tasks/tenant={tenant}/"))
+    files = sorted(storage.blobs.list(f"lake/v1/tasks/tenant={tenant}/"))
     seqs = manifest_seqs(storage, tenant)
-    finish_all(storage.sessions, storage.core.blobs, tenant)
-    assert sorted(storage.core.blobs.list(f"lake/v1/tasks/tenant={tenant}/")) == files
+    finish_all(storage.sessions, storage.blobs, tenant)
+    assert sorted(storage.blobs.list(f"lake/v1/tasks/tenant={tenant}/")) == files
     assert manifest_seqs(storage, tenant) == seqs
     runs = tenant_runs["runs"]
     for name in ("r0", "r1", "r2", "r3"):
@@ -72,7 +72,7 @@ def test_finished_runs_land_in_their_day_with_the_route_records(stack, storage, 
         assert {r["session"] for r in rows} == {run["session"]}
     assert lake_records(storage, stack, tenant, run=runs["r4"]["id"]) == []
     # one partition per cluster and day the runs started
-    keys = list(storage.core.blobs.list(f"{layout.MANIFESTS}/tenant={tenant}/"))
+    keys = list(storage.blobs.list(f"{layout.MANIFESTS}/tenant={tenant}/"))
     parts = {layout.parse_manifest_key(k)[1:3] for k in keys}
     assert parts == {
         ("prod", layout.day_of(T0)),
@@ -80,7 +80,7 @@ def test_finished_runs_land_in_their_day_with_the_route_records(stack, storage, 
         ("dev", layout.day_of(T0 + DAY)),
     }
     # r0 and r1 share a sealed day: one file per table
-    first = lakewrite.read_manifest(storage.core.blobs, tenant, "prod", layout.day_of(T0))
+    first = lakewrite.read_manifest(storage.blobs, tenant, "prod", layout.day_of(T0))
     assert sorted(first.runs) == sorted([runs["r0"]["id"], runs["r1"]["id"]])
     assert sorted(f.table for f in first.files) == sorted(layout.TABLES)
     # run summaries, metric samples and emitted values came along
@@ -107,7 +107,7 @@ def test_finished_runs_land_in_their_day_with_the_route_records(stack, storage, 
         assert sorted(files) == sorted(
             f.key
             for part in layout.latest_manifests(keys)
-            for f in lakewrite.read_manifest(storage.core.blobs, *part).files
+            for f in lakewrite.read_manifest(storage.blobs, *part).files
         )
 
 
@@ -116,7 +116,7 @@ def run_tenant_id(db: Any, tenant: str) -> int:
 
 
 def manifest_seqs(storage: Any, tenant: str) -> dict[tuple[str, str], int]:
-    keys = storage.core.blobs.list(f"{layout.MANIFESTS}/tenant={tenant}/")
+    keys = storage.blobs.list(f"{layout.MANIFESTS}/tenant={tenant}/")
     return {p[1:3]: int(k[-15:-5]) for p, k in layout.latest_manifests(keys).items()}
 
 
@@ -170,7 +170,7 @@ def partition(storage):
 def commit(storage: Any, part: lakewrite.Partition, **kwargs: Any) -> Any:
     with storage.sessions.begin() as db:
         return lakewrite.commit(
-            db, storage.core.blobs, part, now=kwargs.pop("now", T0 + 3600), **kwargs
+            db, storage.blobs, part, now=kwargs.pop("now", T0 + 3600), **kwargs
         )
 
 
@@ -182,7 +182,7 @@ def task_keys(storage: Any, manifest: Any) -> list[str]:
     keys: list[str] = []
     for f in manifest.files:
         if f.table == "tasks":
-            keys += pq.read_table(io.BytesIO(storage.core.blobs.get(f.key)), columns=["key"])[
+            keys += pq.read_table(io.BytesIO(storage.blobs.get(f.key)), columns=["key"])[
                 "key"
             ].to_pylist()
     return keys
@@ -207,12 +207,12 @@ def test_small_runs_of_a_day_merge_and_the_day_seals_into_one_file(storage, part
     assert len(sealed.runs) == 12
     # superseded files wait out the grace period, then go
     waiting = [r.key for r in sealed.removed]
-    assert waiting and all(storage.core.blobs.exists(k) for k in waiting)
+    assert waiting and all(storage.blobs.exists(k) for k in waiting)
     with storage.sessions.begin() as db:
-        assert lake.vacuum(db, storage.core.blobs, now=T0 + 3600 + lakewrite.GRACE_S - 1) == 0
-        assert lake.vacuum(db, storage.core.blobs, now=T0 + 7200 + lakewrite.GRACE_S) == 1
-    assert not any(storage.core.blobs.exists(k) for k in waiting)
-    after = lakewrite.read_manifest(storage.core.blobs, *partition.names)
+        assert lake.vacuum(db, storage.blobs, now=T0 + 3600 + lakewrite.GRACE_S - 1) == 0
+        assert lake.vacuum(db, storage.blobs, now=T0 + 7200 + lakewrite.GRACE_S) == 1
+    assert not any(storage.blobs.exists(k) for k in waiting)
+    after = lakewrite.read_manifest(storage.blobs, *partition.names)
     assert after.removed == [] and sorted(task_keys(storage, after)) == sorted(expected)
 
 
@@ -236,7 +236,7 @@ def test_a_day_committed_at_once_is_the_day_finished_run_by_run(storage, partiti
     def content(manifest: Any) -> dict[str, Any]:
         out = {}
         for f in manifest.files:
-            t = pq.read_table(io.BytesIO(storage.core.blobs.get(f.key)))
+            t = pq.read_table(io.BytesIO(storage.blobs.get(f.key)))
             out[f.table] = t.sort_by(
                 [(c, "ascending") for c in ("run", "key") if c in t.column_names]
             )
@@ -266,11 +266,11 @@ def test_a_changed_run_replaces_its_rows_and_keeps_its_neighbours(storage, parti
     assert set(gone.runs) == {"b"}
     # grace 0: the files that held "a" are gone at once
     for key in {f.key for f in changed.files} - {f.key for f in gone.files}:
-        assert not storage.core.blobs.exists(key)
+        assert not storage.blobs.exists(key)
     empty = commit(storage, partition, remove=["b"], grace=0.0)
     assert empty.files == [] and empty.runs == {}
-    assert list(storage.core.blobs.list(layout.manifest_dir(*partition.names) + "/")) == []
-    assert list(storage.core.blobs.list(f"lake/v1/tasks/tenant={partition.tenant}/")) == []
+    assert list(storage.blobs.list(layout.manifest_dir(*partition.names) + "/")) == []
+    assert list(storage.blobs.list(f"lake/v1/tasks/tenant={partition.tenant}/")) == []
     with storage.sessions() as db:  # the index forgets the partition too
         P = m.LakePartition
         assert db.scalar(select(func.count()).where(P.cluster_id == partition.cluster_id)) == 0
@@ -279,10 +279,10 @@ def test_a_changed_run_replaces_its_rows_and_keeps_its_neighbours(storage, parti
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
 def test_a_writer_that_lost_its_lock_cannot_overwrite_a_commit(storage, partition):
     commit(storage, partition, add=[synthetic("a", 10, T0)])
-    base = lakewrite.read_manifest(storage.core.blobs, *partition.names)
+    base = lakewrite.read_manifest(storage.blobs, *partition.names)
     # writer X prepares commit seq+1 from the base it read ...
     stale, _ = lakewrite._next_manifest(
-        storage.core.blobs,
+        storage.blobs,
         partition,
         base,
         [synthetic("x", 10, T0)],
@@ -296,7 +296,7 @@ def test_a_writer_that_lost_its_lock_cannot_overwrite_a_commit(storage, partitio
     won = commit(storage, partition, add=[synthetic("y", 10, T0)])
     assert won.seq == stale.seq
     key = layout.manifest_key(*partition.names, stale.seq)
-    assert storage.core.blobs.put(key, layout.encode_manifest(stale), if_absent=True) is False
+    assert storage.blobs.put(key, layout.encode_manifest(stale), if_absent=True) is False
     # X, committing properly, re-reads and keeps Y's run
     final = commit(storage, partition, add=[synthetic("x", 10, T0)])
     assert set(final.runs) == {"a", "x", "y"}
@@ -311,7 +311,7 @@ def test_concurrent_commits_to_one_partition_keep_every_run(storage, partition):
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(12)))
-    final = lakewrite.read_manifest(storage.core.blobs, *partition.names)
+    final = lakewrite.read_manifest(storage.blobs, *partition.names)
     assert final.seq == 12 and len(final.runs) == 12
     assert sorted(task_keys(storage, final)) == sorted(
         f"r{i}-{j}" for i in range(12) for j in range(50)
@@ -337,7 +337,7 @@ def test_lake_tasks_and_metrics_are_the_compacted_copys_columns():
 def test_a_day_left_unsealed_is_sealed_by_the_clusters_next_day(storage, partition):
     for i in range(3):  # finished while their day ran: three small files
         commit(storage, partition, add=[synthetic(f"r{i}", 100, T0 + i)], now=T0 + 60, seal=False)
-    before = lakewrite.read_manifest(storage.core.blobs, *partition.names)
+    before = lakewrite.read_manifest(storage.blobs, *partition.names)
     assert [f.table for f in before.files].count("tasks") == 3
     later = lakewrite.Partition(
         partition.tenant,
@@ -347,7 +347,7 @@ def test_a_day_left_unsealed_is_sealed_by_the_clusters_next_day(storage, partiti
         partition.cluster_id,
     )
     with storage.sessions.begin() as db:
-        lake.seal_previous(db, storage.core.blobs, later, now=T0 + 2 * DAY + 60)
-    after = lakewrite.read_manifest(storage.core.blobs, *partition.names)
+        lake.seal_previous(db, storage.blobs, later, now=T0 + 2 * DAY + 60)
+    after = lakewrite.read_manifest(storage.blobs, *partition.names)
     assert [f.table for f in after.files].count("tasks") == 1
     assert sorted(task_keys(storage, after)) == sorted(task_keys(storage, before))

@@ -8,8 +8,10 @@ import random
 
 import pytest
 
-from storage.analysis.whole import critical_path, sketch
-from storage.runs.runfile import RunData, _schemas
+from storage.analysis import sketch
+from storage.analysis.critical_path import critical_path
+from storage.analysis.rundata import RunData
+from storage.runs.runfile import _schemas
 
 
 def run_data(

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hindsight.schema import Batch, GraphEvent, RunEvent, StartStop, TaskEvent
-from storage.analysis.runfacts import ACTION_COLUMNS, action_index
 from storage.analysis import sketch
+from storage.analysis.runfacts import ACTION_COLUMNS, action_index
 from storage.core.batches import DEFAULT_RUN
 from storage.ingest.aggregate import aggregate
 

@@ -12,8 +12,9 @@ import pytest
 from sqlalchemy import func, select
 
 from storage.core import models as m
-from storage.jobs import finish
+from storage.jobs import finish, silent
 from storage.runs import rollups
+from storage.runs.context import FinishedRun
 from tests.conftest import STACKS, fresh_pg_database, make_bucket, new_tenant
 from tests.helpers import auth, post
 from tests.query.test_runs import T0, run_batch
@@ -114,7 +115,7 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
     assert [k.rsplit("/", 1)[1] for k in compacted(app, run["id"])] == [
         "graph.parquet",
         "metrics.parquet",
-        # storage.analysis.whole: the run page's critical path, progress and errors
+        # storage.runs.facts: the run page's critical path, progress and errors
         "page-v2.json.zst",
         "tasks.parquet",
         # storage.runs.runlogs: the run's log records, emitted values, worker events
@@ -140,13 +141,13 @@ def test_a_run_whose_scheduler_went_silent_is_closed_lost(apps, make_token):
     with st.sessions() as db:
         heard = db.scalar(select(m.Session.last_seen).join(m.Run).where(
             m.Run.public_id == run["id"]))  # fmt: skip
-    assert finish.close_silent(st.sessions, silence=600, now=heard + 599) == 0
-    assert finish.close_silent(st.sessions, silence=600, now=heard + 601) >= 1
+    assert silent.close_silent(st.sessions, silence=600, now=heard + 599) == 0
+    assert silent.close_silent(st.sessions, silence=600, now=heard + 601) >= 1
     got = detail(query, token, run["id"])
     assert got["status"] == "lost" and got["finished_at"] == pytest.approx(T0 + 2.5)  # last stop
     assert got["finished_work"]["pending"] is True
     assert query.get("/v1/runs?status=lost", headers=auth(token)).json["runs"][0]["id"] == run["id"]
-    assert finish.close_silent(st.sessions, silence=600, now=heard + 601) == 0
+    assert silent.close_silent(st.sessions, silence=600, now=heard + 601) == 0
     with st.sessions() as db:  # closing it did not make its session look alive
         assert db.scalar(select(m.Session.last_seen).join(m.Run).where(
             m.Run.public_id == run["id"])) == heard  # fmt: skip
@@ -178,7 +179,7 @@ def test_a_late_batch_finishes_the_run_again(apps, make_token):
     assert query.get(f"/v1/runs/{run['id']}/tasks", headers=auth(token)).json["total"] == 9
 
 
-def _failing(fr: finish.FinishedRun) -> None:
+def _failing(fr: FinishedRun) -> None:
     raise RuntimeError("disk on fire")
 
 
@@ -186,7 +187,7 @@ def test_a_failing_finisher_is_retried_and_does_not_stop_the_others(apps, make_t
     collector, query, app = apps
     token = make_token()
     st = store_of(app)
-    monkeypatch.setattr(finish, "FINISHERS", (f"{__name__}:_failing", *finish.FINISHERS))
+    monkeypatch.setattr(finish, "FINISHERS", (_failing, *finish.FINISHERS))
     assert post(collector, run_batch("c", "s", "r", 0), token=token).status_code == 202
     (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
     before = time.time()
@@ -213,13 +214,12 @@ def test_a_finisher_failing_as_a_late_batch_arrives_leaves_the_job_due(
     assert post(collector, run_batch("c", "s", "r", 0), token=token).status_code == 202
     (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
 
-    def late_then_fail(fr: finish.FinishedRun) -> None:
+    def late_then_fail(fr: FinishedRun) -> None:
         late = run_batch("c", "s", "r", 1, t=T0 + 100, status=None)
         assert post(collector, late, token=token).status_code == 202
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(finish, "_failing", late_then_fail, raising=False)
-    monkeypatch.setattr(finish, "FINISHERS", (f"{finish.__name__}:_failing", *finish.FINISHERS))
+    monkeypatch.setattr(finish, "FINISHERS", (late_then_fail, *finish.FINISHERS))
     finish.run_due(st.sessions, st.blobs, limit=1000)
     job = job_of(app, run["id"])
     assert job.claimed_until is None and "disk on fire" in job.error
@@ -249,12 +249,11 @@ def test_a_crashed_workers_job_is_taken_once_its_lease_runs_out_a_live_one_is_no
     # A live worker whose first finisher outlasts the lease several times over.
     working, release = threading.Event(), threading.Event()
 
-    def slow(fr: finish.FinishedRun) -> None:
+    def slow(fr: FinishedRun) -> None:
         working.set()
         assert release.wait(30)
 
-    monkeypatch.setattr(finish, "_slow", slow, raising=False)
-    monkeypatch.setattr(finish, "FINISHERS", (f"{finish.__name__}:_slow", *finish.FINISHERS))
+    monkeypatch.setattr(finish, "FINISHERS", (slow, *finish.FINISHERS))
     worker = threading.Thread(target=finish.run_due, args=(st.sessions, st.blobs))
     worker.start()
     assert working.wait(30)
@@ -440,7 +439,7 @@ def test_the_look_for_silent_runs_reads_only_the_running_ones(pg_url):
     from sqlalchemy import create_engine, text
     from sqlalchemy.dialects import postgresql
 
-    q = finish.silent_runs(1_800_000_000.0, 1000)
+    q = silent.silent_runs(1_800_000_000.0, 1000)
     sql = str(q.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     engine = create_engine(pg_url)
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from hindsight.dask_perf import MAX_EVENT_NODES, flatten_profile, profile_event
 from storage.analysis import flame
-from storage.runs.profiles import Profile, add_flat, merge_into, prune
+from storage.analysis.profile import Profile, add_flat, merge_into, prune
 
 
 def dask_tree(stacks: list[list[str]], *, count_leaves: bool) -> dict[str, Any]:

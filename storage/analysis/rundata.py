@@ -1,0 +1,17 @@
+"""A run's tables: what every analysis of one run reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RunData:
+    """A run's tasks, graph and metrics as Arrow tables."""
+
+    tasks: Any  # pyarrow.Table
+    graph: Any
+    metrics: Any
+    tag: str
+    source: str  # "compact" (read from the compacted copy), "raw" (decoded batches)

@@ -1,0 +1,78 @@
+"""The background work of a collector process (and of the embedded server), started from
+here: the finished-run worker (due finish jobs, silent runs, cluster rollups) and the Ray
+sweeper."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.core.blobs import BlobStore
+from storage.jobs.finish import FOLD_CLUSTERS_SECONDS, POLL_SECONDS, fold_clusters, run_due
+from storage.jobs.silent import SILENT_CHECK_SECONDS, close_silent
+
+logger = logging.getLogger(__name__)
+
+
+class FinishWorker:
+    """One daemon thread per process running due jobs for every open store in it."""
+
+    _instance: FinishWorker | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._targets: weakref.WeakKeyDictionary[
+            Any, tuple[sessionmaker[Session], BlobStore, float]
+        ] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        # Silence counts from this process's start too: after the collector itself was
+        # down, agents resend what they spooled before their sessions read as silent.
+        self._started = time.time()
+        self._thread = threading.Thread(target=self._loop, name="hindsight-finish", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def register(
+        cls, owner: Any, sessions: sessionmaker[Session], blobs: BlobStore, silence: float = 0.0
+    ) -> None:
+        """Run ``owner``'s due jobs in this process's worker thread while ``owner`` lives,
+        and close its silent runs (:func:`close_silent`) when ``silence`` is positive."""
+        with cls._instance_lock:
+            if cls._instance is None or not cls._instance._thread.is_alive():
+                cls._instance = cls()
+            worker = cls._instance
+        with worker._lock:
+            worker._targets[owner] = (sessions, blobs, silence)
+
+    def _loop(self) -> None:
+        last_fold = last_silent = time.monotonic()
+        while not self._stop.wait(POLL_SECONDS):
+            with self._lock:
+                targets = list(self._targets.values())
+            fold = time.monotonic() - last_fold > FOLD_CLUSTERS_SECONDS
+            silent = time.monotonic() - last_silent > SILENT_CHECK_SECONDS
+            for sessions, blobs, silence in targets:
+                try:
+                    if silent and 0 < silence < time.time() - self._started:
+                        close_silent(sessions, silence=silence)
+                    # One job a claim: a process stopped mid-job (a restart) leaves that one
+                    # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
+                    while run_due(sessions, blobs, limit=1) > 0:
+                        pass
+                    if fold:
+                        fold_clusters(sessions)
+                except Exception:  # the index is down, say: log, and try again later
+                    logger.warning("finished-run work failed; will retry", exc_info=True)
+                    # Agents resend what they held while the index was down: silence
+                    # counts again from now.
+                    self._started = time.time()
+            if fold:
+                last_fold = time.monotonic()
+            if silent:
+                last_silent = time.monotonic()

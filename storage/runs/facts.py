@@ -1,0 +1,39 @@
+"""The run page's facts (critical path, progress, errors, outcome), stored when a run finishes
+so no page view walks a large run's graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from storage.analysis.outcome import facts_of
+from storage.analysis.rundata import RunData
+from storage.core import models as m
+from storage.runs.context import FinishedRun
+from storage.runs.runfile import compact_prefix
+
+
+def page_facts(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, Any]:
+    """What the run page derives from a run's tables: its critical path, progress and
+    errors. A finished run's are stored next to its compacted copy (by the finisher below,
+    when the run finishes) and read back, so no page view walks a large run's graph."""
+    import msgspec
+    import zstandard
+
+    key = f"{compact_prefix(db, run)}/{data.tag}/page-v2.json.zst"  # v2: with outcome
+    if run.status != "running":
+        try:
+            return msgspec.json.decode(zstandard.ZstdDecompressor().decompress(blobs.get(key)))
+        except FileNotFoundError:
+            pass
+    facts = facts_of(data)
+    if run.status != "running":
+        body = zstandard.ZstdCompressor(level=3).compress(msgspec.json.encode(facts))
+        blobs.put(key, body, if_absent=True)
+    return facts
+
+
+def finish(fr: FinishedRun) -> None:
+    """Finisher (``storage.jobs.finish``): the run page's facts, stored when the run finishes."""
+    page_facts(fr.db, fr.blobs, fr.run, fr.data())
