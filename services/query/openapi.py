@@ -444,10 +444,14 @@ PATHS["/v1/runs/{run_id}/state"] = _get(
     "Replay: the run at a moment as Dask's status page showed it, from the latest state "
     "sample at or before `at` (the agent samples every sampling interval and at the run's "
     "end): bytes and tasks processing per worker, task states per prefix (waiting counts "
-    "waiting, queued and no-worker; released counts released and forgotten). Before the "
-    "first sample every task is waiting. `thresholds` are the session's memory fractions "
-    "(Dask colours managed memory orange from `target`); `samples` the run's sample range",
-    [_run_id, _time("at", "the moment (default: now)")],
+    "waiting, queued and no-worker; released counts released and forgotten). Tasks "
+    "finished, processing and erred at `at` come from the run's task records where they "
+    "exist (a sample is up to one interval old); memory and occupancy from the sample. "
+    "Before the first sample every task not yet recorded is waiting. `thresholds` are the "
+    "session's memory fractions (Dask colours managed memory orange from `target`); "
+    "`samples` the run's sample range. An `at` outside the run (before its start, after "
+    "its end and last sample) is a 400",
+    [_run_id, _time("at", "the moment (default: now), within the run")],
     {
         "type": "object",
         "required": ["time", "workers", "prefixes"],

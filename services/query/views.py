@@ -360,15 +360,20 @@ def run_state(run_id: str) -> Any:
     """Replay: the run's task states by prefix and the workers at ``at`` (default now;
     Dask's status page then), from the latest sample at or before it."""
     run, _c, _s = _run_or_404(run_id)
+    samples = replay.sample_times(db(), run.id)
     at = time_arg("at")
     if at is None:  # now: a running run's latest sample, a finished run's last
         at = time.time()
+    else:
+        lo, hi = replay.time_range(run, samples)
+        if not lo <= at <= hi:
+            raise bad("at", f"outside the run: it ran from {lo} to {hi} (epoch seconds)")
     session = db().get(m.Session, run.session_id)
     return {
         "run": run.public_id,
-        **replay.state_at(db(), run, at),
+        **replay.state_at(db(), run, at, _run_data(run)),
         "thresholds": replay.thresholds(session.info if session is not None else None),
-        "samples": replay.sample_times(db(), run.id),
+        "samples": samples,
     }
 
 

@@ -6,6 +6,12 @@ end (``state`` events). Each sample is one ``run_states`` row, inserted once per
 (run, time): any order of batches and any retry give the same rows, and ``reindex``
 rebuilds them from the batches. Replay at T reads the latest sample at or before T: one
 primary-key lookup, however large the run.
+
+Where the run's task records are at hand, they say exactly which tasks had finished, were
+running or had erred at T: a sample is up to one interval old (a prefix read 5/8 done while
+the task stream showed 8/8). Samples fill what records do not hold: the split of finished
+tasks into in memory and released, tasks not yet recorded (waiting), and the workers'
+memory and occupancy.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from storage.analysis.rundata import RunData
 from storage.core import models as m
 
 PREFIX_FIELDS = ("waiting", "processing", "memory", "released", "erred")
@@ -60,13 +67,16 @@ def _answer(
     }
 
 
-def state_at(db: Session, run: m.Run, at: float) -> dict[str, Any]:
-    """The run's state at ``at`` (epoch seconds): its latest sample at or before ``at``.
+def state_at(db: Session, run: m.Run, at: float, data: RunData | None = None) -> dict[str, Any]:
+    """The run's state at ``at`` (epoch seconds): its latest sample at or before ``at``,
+    with each prefix's finished, running and erred tasks from the run's task records when
+    ``data`` holds them (:func:`exact_counts`).
 
-    From the run's end on it is the run's last sample. Before its first sample every task of the run counts as waiting (the run had been
-    submitted: samples start within one interval of it) and no worker is shown. A run
-    with no samples at all (recorded before replay existed, or not by Dask) answers no
-    prefixes and no workers, with ``sampled_at`` None.
+    From the run's end on it is the run's last sample. Before its first sample every task
+    of the run counts as waiting (the run had been submitted: samples start within one
+    interval of it) and no worker is shown. A run with no samples at all (recorded before
+    replay existed, or not by Dask) answers no prefixes and no workers, with
+    ``sampled_at`` None.
     """
     S = m.RunState
     q = select(S.time, S.prefixes, S.workers).where(S.run_id == run.id)
@@ -76,12 +86,73 @@ def state_at(db: Session, run: m.Run, at: float) -> dict[str, Any]:
     latest = q if ended else q.where(S.time <= at)
     row = db.execute(latest.order_by(S.time.desc()).limit(1)).first()
     if row is not None:
-        return _answer(at, row[0], row[1], row[2])
-    first = db.execute(q.order_by(S.time).limit(1)).first()
-    if first is None:
-        return _answer(at, None, {}, {})
-    waiting = {p: [sum(v), 0, 0, 0, 0] for p, v in first[1].items()}
-    return _answer(at, None, waiting, {})
+        sampled, prefixes, workers = row[0], row[1], row[2]
+    else:
+        first = db.execute(q.order_by(S.time).limit(1)).first()
+        if first is None:
+            return _answer(at, None, {}, {})
+        sampled, workers = None, {}
+        prefixes = {p: [sum(v), 0, 0, 0, 0] for p, v in first[1].items()}
+    if data is not None and data.tasks.num_rows:
+        prefixes = with_records(prefixes, exact_counts(data, at))
+    return _answer(at, sampled, prefixes, workers)
+
+
+def exact_counts(data: RunData, at: float) -> dict[str, dict[str, int]]:
+    """Per prefix, from the run's task records: ``total`` (distinct tasks recorded),
+    ``done`` (the task's latest record started by ``at`` ended without error by then),
+    ``erred`` (it ended in error by then) and ``processing`` (it had not ended). A task
+    computed more than once (a retry, a recomputation) counts once, by its latest record
+    started by ``at``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = data.tasks.select(["key", "prefix", "status", "start", "stop"])
+    out: dict[str, dict[str, int]] = {}
+    for row in t.group_by("prefix").aggregate([("key", "count_distinct")]).to_pylist():
+        out[row["prefix"]] = {"total": row["key_count_distinct"], "done": 0, "erred": 0}
+        out[row["prefix"]]["processing"] = 0
+    started = t.filter(pc.fill_null(pc.less_equal(t["start"], at), False))
+    if not started.num_rows:
+        return out
+    latest = (
+        started.sort_by([("key", "ascending"), ("start", "ascending")])
+        .group_by("key", use_threads=False)
+        .aggregate([("prefix", "last"), ("status", "last"), ("stop", "last")])
+    )
+    ended = pc.fill_null(pc.less_equal(latest["stop_last"], at), False)
+    erred = pc.equal(latest["status_last"], "erred")
+    state = pc.if_else(
+        ended, pc.if_else(erred, pa.scalar("erred"), pa.scalar("done")), pa.scalar("processing")
+    )
+    counts = pa.table({"prefix": latest["prefix_last"], "state": state})
+    for row in counts.group_by(["prefix", "state"]).aggregate([("state", "count")]).to_pylist():
+        out[row["prefix"]][row["state"]] = row["state_count"]
+    return out
+
+
+def with_records(
+    sampled: dict[str, list[int]], exact: dict[str, dict[str, int]]
+) -> dict[str, list[int]]:
+    """A sample's per-prefix counts (waiting, processing, memory, released, erred) with
+    finished, running and erred tasks as the records say: the sample's released count
+    (capped at the finished ones) splits them into memory and released, and the rest of
+    the tasks the scheduler knew of (the sample's total) count as waiting."""
+    out = {}
+    for prefix in sorted(set(sampled) | set(exact)):
+        s = sampled.get(prefix) or [0, 0, 0, 0, 0]
+        e = exact.get(prefix)
+        if e is None:
+            out[prefix] = list(s)
+            continue
+        released = min(s[3], e["done"])
+        left = max(0, sum(s) - e["done"] - e["erred"])
+        # Dask's processing also counts tasks a worker holds before a thread takes them,
+        # which have no record yet: the sample's, as far as the unfinished tasks allow.
+        processing = max(e["processing"], min(s[1], left))
+        waiting = max(0, left - processing)
+        out[prefix] = [waiting, processing, e["done"] - released, released, e["erred"]]
+    return out
 
 
 def sample_times(db: Session, run_id: int) -> dict[str, Any]:
@@ -91,3 +162,12 @@ def sample_times(db: Session, run_id: int) -> dict[str, Any]:
         select(func.min(S.time), func.max(S.time), func.count()).where(S.run_id == run_id)
     ).one()
     return {"first": lo, "last": hi, "samples": n}
+
+
+def time_range(run: m.Run, samples: dict[str, Any]) -> tuple[float, float]:
+    """The moments a replay of ``run`` can show: from its start (or first sample) to its
+    end (or last sample; now while it runs)."""
+    lo = min(t for t in (run.started_at, samples["first"]) if t is not None)
+    if run.status == "running" or run.finished_at is None:
+        return lo, float("inf")
+    return lo, max(t for t in (run.finished_at, samples["last"]) if t is not None)

@@ -9,6 +9,7 @@ snapshots it and until a later sample is recorded; releasing the events moves it
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import uuid
@@ -194,7 +195,7 @@ def test_states_sum_to_the_run_and_nothing_is_left_after_it(hindsight_server, re
     assert detail["graph_count"] == TASKS
     samples = state(server, run["id"], run["finished_at"])["samples"]
     assert samples["samples"] >= 3
-    moments = [run["started_at"] - 1, samples["first"], run["finished_at"], run["finished_at"] + 60]
+    moments = [run["started_at"], samples["first"], run["finished_at"], samples["last"]]
     moments += [snap["time"] for snap in recorded["held"]]
     lo, hi = samples["first"], samples["last"]
     moments += [lo + (hi - lo) * i / 7 for i in range(8)]
@@ -202,14 +203,22 @@ def test_states_sum_to_the_run_and_nothing_is_left_after_it(hindsight_server, re
         body = state(server, run["id"], at)
         assert {p["prefix"] for p in body["prefixes"]} == set(PREFIXES), at
         assert sum(p[k] for p in body["prefixes"] for k in FIELDS) == TASKS, (at, body)
-    # Before its first sample every task of the run counts as waiting.
-    before = state(server, run["id"], run["started_at"] - 1)
-    assert before["sampled_at"] is None and before["workers"] == []
-    assert sum(p["waiting"] for p in before["prefixes"]) == TASKS
+    # A moment outside the run is no moment of it: a 400 saying when it ran, not every task
+    # waiting.
+    import requests
+
+    url = f"{server.url}/v1/runs/{run['id']}/state"
+    for at in (run["started_at"] - 1, max(run["finished_at"], samples["last"]) + 60):
+        resp = requests.get(url, params={"at": repr(at)}, timeout=30)
+        assert resp.status_code == 400, resp.text
+        assert "outside the run" in resp.json()["error"]["message"]
+    # At its start, before the first sample, no task had finished, by their records.
+    before = state(server, run["id"], run["started_at"])
+    assert sum(p["memory"] + p["released"] + p["erred"] for p in before["prefixes"]) == 0
     # From the run's end on: nothing waiting or processing, on any worker either; what
     # was in memory at the end is what the scheduler held when the run was gathered.
     final = recorded["final"]["prefixes"]
-    for at in (run["finished_at"], run["finished_at"] + 60):
+    for at in (run["finished_at"], samples["last"]):
         body = state(server, run["id"], at)
         for p in body["prefixes"]:
             assert p["waiting"] == p["processing"] == 0, body
@@ -231,6 +240,7 @@ def test_state_at_a_moment_given_as_epoch_or_iso_or_now(hindsight_server, record
     # Without a moment: now, so a finished run's last sample.
     now = requests.get(url, timeout=30).json()
     assert now["sampled_at"] == now["samples"]["last"]
-    resp = requests.get(url, params={"at": "2026-11-23T00:00:00Z"}, timeout=30)
-    expected = datetime(2026, 11, 23, tzinfo=UTC).timestamp()
-    assert resp.status_code == 200 and resp.json()["time"] == expected
+    # A whole second within the run, as an ISO 8601 time.
+    moment = datetime.fromtimestamp(math.ceil(now["samples"]["first"]), UTC)
+    resp = requests.get(url, params={"at": moment.isoformat()}, timeout=30)
+    assert resp.status_code == 200 and resp.json()["time"] == moment.timestamp()
