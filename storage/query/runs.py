@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,10 @@ def makespan_column() -> Any:
     return m.Run.task_stop - m.Run.task_start
 
 
+#: A run still open whose session sent nothing for this long has agents that cannot reach
+#: the collector (or are gone): while a run is open its scheduler's agent sends a state
+#: sample every sampling interval (seconds), so its later batches are elsewhere, in a spool.
+SILENT_AGENTS_S = 60.0
 # "lost": the scheduler went silent before ending the run (storage.jobs.silent.close_silent)
 RUN_STATUSES = ("running", "finished", "erred", "lost")
 TASK_FIELDS = (
@@ -398,7 +403,21 @@ def run_completeness(db: Session, run: m.Run) -> dict[str, Any]:
         and not unclosed
         and not silent,
     )
+    out["silent_since"] = agents_silent_since(db, run)
     return out
+
+
+def agents_silent_since(db: Session, run: m.Run, now: float | None = None) -> float | None:
+    """When the agents of a run left open (``running``, or ``lost``: closed for silence)
+    were last heard from, once nothing came for :data:`SILENT_AGENTS_S`: whatever they sent
+    after that (the run's end among it) waits in a spool or is lost, so the run's batches
+    are not whole however many of the ones sent arrived. None for a run its scheduler
+    ended, or one still heard from."""
+    if run.status not in ("running", "lost"):
+        return None
+    heard = db.scalar(select(m.Session.last_seen).where(m.Session.id == run.session_id))
+    now = time.time() if now is None else now
+    return heard if heard is not None and heard < now - SILENT_AGENTS_S else None
 
 
 def finished_work(db: Session, run: m.Run) -> dict[str, Any]:
