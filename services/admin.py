@@ -162,6 +162,7 @@ def serve(data_dir: str | None, host: str, port: int) -> None:
     click.echo(f"  index:      {settings.database_url}")
     click.echo(f"  blob store: {settings.blob_url}")
     click.echo(f"  workers:    HINDSIGHT_URL={url}   (the collector: POST {url}/v1/batches)")
+    click.echo(f"  dashboard:  {url}/")
     click.echo(f"  runs:       {url}/v1/runs")
     click.echo(f"  API:        {url}/v1/openapi.json")
     if auth == "disabled":

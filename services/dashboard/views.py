@@ -381,17 +381,40 @@ def _found_or_none(p: Principal, run_id: str | None) -> Any:
     return queries.find_run(db(), p.tenant_id, run_id)
 
 
+#: Runs a "compare" of more than two offers the pairs of.
+MAX_PICKED = 6
+
+
+def _pick_two(found: list[Any]) -> str:
+    """A page of the pairs of the ticked runs, each earlier one as A."""
+    runs = sorted(
+        (
+            {
+                "id": run.public_id,
+                "label": display_name(run.name, run.run_key) or run.run_key,
+                "started_at": run.started_at,
+            }
+            for run, _c, _s in found
+        ),
+        key=lambda r: r["started_at"] or 0.0,
+    )
+    pairs = [(a, b) for i, a in enumerate(runs) for b in runs[i + 1 :]]
+    return render_template("compare_pick.html", runs=runs, pairs=pairs)
+
+
 @bp.get("/compare")
 def compare_page() -> Any:
     """Two runs side by side: facts, per-prefix deltas (highlighted past 20%), task streams."""
     p = principal()
     ids = request.args.getlist("run") or [request.args.get("a", ""), request.args.get("b", "")]
     ids = [i for i in ids if i]
-    if len(ids) != 2:
+    if len(ids) < 2:
         return render_template("error.html", message="pick two runs to compare"), 400
-    found = [_found_or_none(p, i) for i in ids]
+    found = [_found_or_none(p, i) for i in ids[:MAX_PICKED]]
     if any(f is None for f in found):
         return render_template("error.html", message="no such run"), 404
+    if len(ids) > 2:  # ticked more than two in the runs list: offer the pairs
+        return _pick_two(found), 400
     if request.args.getlist("run"):  # ticked in the runs list: the earlier run is A, as
         # on a run page's "compare with the previous run" (newest-first order made a
         # slowdown read as "better")
