@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # once in CI). Tests run without the column tables, so tracebacks never parse.
 PYTEST := PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest
 
-.PHONY: install browser run test test-slow test-compose lint format schema bench clean
+.PHONY: install browser run test test-slow test-compose lint format schema bench dist clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,14 @@ schema: install
 ## bench: every benchmark (minutes each; prints figures and a JSON line per bench)
 bench: install
 	@for b in bench/[a-z]*.py; do name=$$(basename $$b .py); case $$name in lib_*) continue;; esac; echo "== $$name"; $(BIN)/python -m bench.$$name || exit 1; done
+
+## dist: a wheel of the SDK alone (agent, client, schema; no server dependencies) in dist/,
+## for Dask worker images: pip install dist/hindsight_sdk-*.whl
+dist: install
+	rm -rf build/sdk && mkdir -p build/sdk dist
+	cp -r hindsight build/sdk/hindsight && cp docker/sdk.pyproject.toml build/sdk/pyproject.toml
+	find build/sdk -name __pycache__ -prune -exec rm -rf {} +
+	$(BIN)/python -m pip wheel --quiet --no-deps -w dist build/sdk
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
