@@ -3,6 +3,7 @@ at rest (integers only, zstd-compressed)."""
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -240,3 +241,35 @@ def merge_stored(datas: Iterable[bytes]) -> Profile:
     for data in datas:
         decode_into(out, data)
     return out
+
+
+#: The file cloudpickle gives functions it ships by value (those of ``__main__``: a script,
+#: a notebook): their first line stays, their file does not.
+DYNAMIC_FILE = "<dynamic-code>"
+
+
+def name_dynamic_frames(p: Profile, sources: Iterable[tuple[str, str, int]]) -> int:
+    """Give frames of functions shipped by value (``<dynamic-code>``) the file they were
+    written in, where the submitting code holds a ``def``/``class`` of that name at that
+    first line. ``sources`` are (filename, source text, the text's first line in the
+    file); returns how many frames were named."""
+    found: dict[tuple[str, int], str] = {}
+    for filename, code, start in sources:
+        for offset, text in enumerate(code.splitlines()):
+            head = _DEF.match(text)
+            if head:
+                found.setdefault((head.group(1), start + offset), filename)
+    named = 0
+    for fid, (name, filename, first) in list(p.keys.items()):
+        script = found.get((name, first)) if filename == DYNAMIC_FILE else None
+        if script is None:
+            continue
+        key = (name, script, first)
+        p.ids.pop((name, filename, first), None)
+        p.keys[fid] = key
+        p.ids.setdefault(key, fid)
+        named += 1
+    return named
+
+
+_DEF = re.compile(r"\s*(?:async\s+def|def|class)\s+([A-Za-z_][A-Za-z0-9_]*)")

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import ProfileEvent
 from storage.analysis.profile import (
+    DYNAMIC_FILE,
     FrameKey,
     Profile,
     add_event,
@@ -38,6 +39,7 @@ from storage.analysis.profile import (
     encode,
     merge_into,
     merge_stored,
+    name_dynamic_frames,
     prune,
 )
 from storage.core import models as m
@@ -45,6 +47,7 @@ from storage.core.batches import decode_stored
 from storage.core.blobs import BlobStore
 from storage.runs import runfile
 from storage.runs.context import FinishedRun
+from storage.runs.runcode import run_code
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +351,7 @@ def load(
             if (prefix is None or p == prefix) and (worker is None or w == worker):
                 merge_into(out, tree)
                 out.interval = tree.interval
-        return out
+        return _named(db, run, out)
     P = m.RunProfile
     if worker is None:
         where = [P.prefix == (prefix or ""), P.worker == ""]
@@ -357,7 +360,22 @@ def load(
     else:
         where = [P.prefix != "", P.worker == worker]
     found = db.execute(select(P.data).where(P.run_id == run.id, *where)).scalars()
-    return resolve(db, run.tenant_id, merge_stored(found))
+    return _named(db, run, resolve(db, run.tenant_id, merge_stored(found)))
+
+
+def _named(db: Session, run: m.Run, *trees: Profile) -> Profile:
+    """``trees`` (the first returned) with the run's functions shipped by value named by
+    the file the submitting code holds them in, not cloudpickle's ``<dynamic-code>``."""
+    if any(k[1] == DYNAMIC_FILE for t in trees for k in t.keys.values()):
+        sources = [
+            (f["filename"], f["code"], f["lineno_frame"] - f["lineno_relative"])
+            for submission in run_code(db, run.id)
+            for f in submission["frames"]
+            if f.get("code") and f.get("filename")
+        ]
+        for tree in trees:
+            name_dynamic_frames(tree, sources)
+    return trees[0]
 
 
 @dataclass
@@ -411,10 +429,14 @@ def load_prefixes(db: Session, blobs: BlobStore, run: m.Run) -> dict[str, Profil
         for (prefix, _worker), tree in _live(db, blobs, run).trees.items():
             merged = out.setdefault(prefix, Profile(interval=tree.interval))
             merge_into(merged, tree)
+        if out:
+            _named(db, run, *out.values())
         return out
     P = m.RunProfile
     for prefix, data in db.execute(
         select(P.prefix, P.data).where(P.run_id == run.id, P.prefix != "", P.worker == "")
     ):
         out[prefix] = decode(db, run.tenant_id, data)
+    if out:
+        _named(db, run, *out.values())
     return out
