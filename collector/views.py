@@ -107,7 +107,8 @@ def post_batch() -> Any:
             break
         except IntegrityError:
             # Two batches starting one run at once: the second run insert trips the
-            # public id's unique index, which its upsert does not arbitrate. Once the first has committed, the retry merges into its row.
+            # public id's unique index, which its upsert does not arbitrate. Once the first
+            # has committed, the retry merges into its row.
             session.rollback()
             if attempt:
                 raise

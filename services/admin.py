@@ -155,7 +155,8 @@ def serve(data_dir: str | None, host: str, port: int) -> None:
 
     server = make_server(host, port, app, threaded=True, request_handler=Handler)
     gc.collect()
-    gc.freeze()  # long-lived start-up objects out of the collector's reach (services/gunicorn_conf.py)
+    # long-lived start-up objects out of the collector's reach (services/gunicorn_conf.py)
+    gc.freeze()
     url = f"http://{host if ':' not in host else f'[{host}]'}:{server.port}"
     click.echo(f"Hindsight embedded server (collector + query) on {url}")
     click.echo(f"  data:       {settings.data_dir}")

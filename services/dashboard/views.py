@@ -228,7 +228,8 @@ def sparkline(
     )
     title = f"makespan of the last {len(points)} runs of this job: {lo:.3g}-{hi:.3g} s"
     return Markup(
-        f'<svg class="trend" width="{width}" height="{height}" role="img" aria-label="{title}"><title>{title}</title>'
+        f'<svg class="trend" width="{width}" height="{height}" role="img" '
+        f'aria-label="{title}"><title>{title}</title>'
         f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1.2"/>{dots}</svg>'
     )
 
@@ -428,7 +429,10 @@ def compare_page() -> Any:
         display_name(b.name, b.run_key) or b.run_key,
     )
     diff = flame.diff(profiles.load(db(), store().blobs, a), profiles.load(db(), store().blobs, b))
-    title = "Profile of B against A: widths are B's samples; red where B spends a larger share, blue smaller"
+    title = (
+        "Profile of B against A: widths are B's samples; red where B spends a larger share,"
+        " blue smaller"
+    )
     return render_template(
         "compare.html",
         a=queries.run_summary(a, ca, sa),

@@ -278,7 +278,8 @@ PATHS = {
         {"type": "object", "properties": _time_props},
     ),
     "/v1/history/prefixes": _get(
-        "A prefix's duration quantiles per hour or day across the tenant's clusters (index rollups)",
+        "A prefix's duration quantiles per hour or day across the tenant's clusters"
+        " (index rollups)",
         [
             _q("prefix", _str()) | {"required": True},
             _action,

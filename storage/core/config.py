@@ -157,7 +157,8 @@ def load_settings(
         )
     if not values["blob_url"].startswith(("s3://", "file://")):
         raise ConfigError(
-            f"HINDSIGHT_BLOB_URL must be s3://bucket/prefix or file:///path, not {values['blob_url']!r}"
+            "HINDSIGHT_BLOB_URL must be s3://bucket/prefix or file:///path,"
+            f" not {values['blob_url']!r}"
         )
     return Settings(**values)
 

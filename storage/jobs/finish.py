@@ -9,8 +9,8 @@ same job), calls the :data:`FINISHERS` in order, and deletes the job only if its
 did not move meanwhile; a batch that arrived during the work makes the run due again.
 The worker renews its lease while it works (a finisher may take minutes on a large run),
 so a crashed worker's lease runs out within a minute and another process takes the job.
-``reindex`` queues
-every finished run, so whatever finishers write is rebuilt with the index.
+``reindex`` queues every finished run, so whatever finishers write is rebuilt with the
+index. The worker thread itself is ``storage.jobs.workers.FinishWorker``.
 
 Finishers are idempotent, may run in any process, and must not assume they run once.
 """

@@ -293,7 +293,8 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     """Addresses of the session's workers that have left without a batch of their own
     arriving (killed before their agent's first batch got through, or closed while the
     collector was away: their batches wait in a spool). An agent that delivered nothing
-    would otherwise not be listed at all, and completeness would read whole. A worker still in the cluster may not have sent yet; it is not listed."""
+    would otherwise not be listed at all, and completeness would read whole. A worker still
+    in the cluster may not have sent yet; it is not listed."""
     if not any(a.startswith("scheduler-") for a in agents):
         return []  # not Dask's agents (Ray's bridge, another scheduler's): no worker agents
     W = m.Worker
