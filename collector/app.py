@@ -14,7 +14,7 @@ from collector.ray import init_ray
 from collector.views import bp
 from services.common.web import make_app
 from storage.core.config import Settings
-from storage.jobs.workers import FinishWorker
+from storage.jobs import workers
 
 
 def create_app(config: dict[str, Any] | None = None, *, settings: Settings | None = None) -> Flask:
@@ -30,6 +30,6 @@ def init_collector(app: Flask) -> None:
     app.extensions["hindsight.ratelimit"] = RateLimiter(s.rate_limit_events, s.rate_limit_burst)
     app.wsgi_app = RecycleConnections(app.wsgi_app, s.keepalive_requests)  # type: ignore[method-assign]
     init_ray(app)
-    if s.finish_worker:
-        st = app.extensions["hindsight"]
-        FinishWorker.register(app, st.sessions, st.blobs, silence=s.silent_close_seconds)
+    sweeper = workers.start(app, app.extensions["hindsight"])
+    if sweeper is not None:
+        app.extensions["hindsight.ray_sweeper"] = sweeper

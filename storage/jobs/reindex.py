@@ -16,7 +16,7 @@ from storage.core.tokens import ensure_tenant
 from storage.ingest.writer import index_batch
 from storage.jobs.finish import queue_finished
 from storage.lake import build as lake
-from storage.ray import bridge as ray
+from storage.ray import reindex as ray_reindex
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def reindex(
             on_progress(1)
     if prefix == "v1/":
         # Ray's exporter bodies live beside the batches (``storage/ray/bridge.py``).
-        ray_counts = ray.reindex(blobs, sessions, settle=ray_settle, idle=ray_idle)
+        ray_counts = ray_reindex.reindex(blobs, sessions, settle=ray_settle, idle=ray_idle)
         if ray_counts["ray_bodies"]:
             counts.update(ray_counts)
         # A full rebuild: the lake drops the runs the index no longer has and gets its

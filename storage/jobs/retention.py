@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.lake import build as lake
-from storage.ray import bridge as ray
+from storage.ray import bodies as ray_bodies
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def apply(
         cluster, name = s.prefix.rstrip("/").split("/", 1)
         # compact/: the session's runs' compacted copies and extras (storage.runs.runfile, runlogs)
         prefixes = (f"v1/{tenant}/{s.prefix}", f"compact/v1/{tenant}/{s.prefix}")
-        for prefix in (*prefixes, *ray.session_prefixes(tenant, cluster, name)):
+        for prefix in (*prefixes, *ray_bodies.session_prefixes(tenant, cluster, name)):
             result.blobs_deleted += _delete_under(blobs, prefix)
         with sessions.begin() as db:
             lake.forget_session(db, blobs, tenant, s.id)

@@ -1,9 +1,10 @@
-"""The background work of a collector process (and of the embedded server), started from
-here: the finished-run worker (due finish jobs, silent runs, cluster rollups) and the Ray
-sweeper."""
+"""The background work of a collector process (and of the embedded server), all started
+from :func:`start`: the finished-run worker (due finish jobs, silent runs, cluster rollups)
+and the Ray sweeper."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage.core.blobs import BlobStore
 from storage.jobs.finish import FOLD_CLUSTERS_SECONDS, POLL_SECONDS, fold_clusters, run_due
 from storage.jobs.silent import SILENT_CHECK_SECONDS, close_silent
+from storage.ray.worker import StoreParts, Sweeper, merge_held_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +78,18 @@ class FinishWorker:
                 last_fold = time.monotonic()
             if silent:
                 last_silent = time.monotonic()
+
+
+def start(owner: Any, store: StoreParts) -> Sweeper | None:
+    """Start ``owner``'s background work in this process, as its settings say: the
+    finished-run worker (``finish_worker``) and the Ray sweeper (``ray_sweeper``, returned:
+    a Ray body wakes it). Both hold ``owner`` and ``store`` weakly."""
+    s = store.settings
+    if s.finish_worker:
+        FinishWorker.register(owner, store.sessions, store.blobs, silence=s.silent_close_seconds)
+    if not s.ray_sweeper:
+        return None
+    sweeper = Sweeper(store)
+    sweeper.start()
+    atexit.register(merge_held_at_exit, weakref.ref(sweeper))
+    return sweeper

@@ -33,9 +33,11 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from hindsight.schema import CustomEvent, LogEvent, WorkerEvent, decode_batch
+from storage import dask
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, stored_json
 from storage.core.blobs import BlobStore
+from storage.ray import exits as ray_exits
 from storage.runs.context import FinishedRun
 from storage.runs.runfile import RecentCache, _parquet, batch_keys, compact_prefix, prune_tags
 
@@ -399,26 +401,25 @@ CAUSES = {
 #: Said of a worker lost while Dask had it paused: its memory monitor pauses a worker past
 #: 80% of its memory limit, and a nanny kills one past 95% (the OS's OOM killer may come
 #: first). A worker killed so read "killed or crashed" alone, its memory line short of the
-#: limit (the sample before the spike; found by a trial).
+#: limit (the sample before the spike).
 PAUSED_TEXT = (
     "connection lost while Dask had it paused for memory: likely killed at its memory limit"
     " (or crashed)"
 )
-_LOST_REASONS = ("handle-worker-cleanup", "worker-send-comm-fail", "send-all-comm-fail")
-#: Ray's worker exit types of a crash (``storage.ray.bridge``: the reason starts with one).
-LOST_RAY_EXITS = ("SYSTEM_ERROR", "USER_ERROR", "NODE_OUT_OF_MEMORY")
 
 
 def cause_of(reason: str | None, expected: bool | None, status: str | None) -> str:
+    """A departure as one of :data:`CAUSES`, from what the scheduler's agent said of it in
+    its own vocabulary (``storage.dask``, ``storage.ray.exits``)."""
     if expected:
         return "retired"
-    if status in ("closing", "closing_gracefully", "closed"):
+    if status in dask.CLOSING_STATUSES:
         return "closed"
-    if reason == "check-worker-ttl":
+    if reason == dask.TTL_REASON:
         return "timed-out"
     if expected is None and status is None:
         return "unknown"
-    if reason in _LOST_REASONS or (reason or "").partition(":")[0] in LOST_RAY_EXITS:
+    if reason in dask.LOST_REASONS or ray_exits.crashed(reason):
         return "lost"
     return "removed"
 
@@ -495,7 +496,7 @@ def lifecycle(
                 reason=w.left_reason,
                 cause=cause,
                 cause_text=PAUSED_TEXT
-                if cause == "lost" and d.get("status") == "paused"
+                if cause == "lost" and d.get("status") == dask.PAUSED_STATUS
                 else CAUSES[cause],
                 expected=d.get("expected"),
                 last_status=d.get("status"),

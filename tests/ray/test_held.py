@@ -15,7 +15,10 @@ from sqlalchemy.exc import DataError, OperationalError
 
 from storage.core.db import make_engine, make_sessionmaker
 from storage.core.tokens import create_token
-from storage.ray import bridge as ray
+from storage.ray import bodies as ray_bodies
+from storage.ray import hold as ray_hold
+from storage.ray import reindex as ray_reindex
+from storage.ray import sweep as ray_sweep
 from tests.conftest import new_tenant
 from tests.ray.test_ingest import IDLE, SETTLE, Ray, bodies, ray_job, workload
 
@@ -43,7 +46,7 @@ def _dies(app: Any) -> None:
     """The collector process dies: what it held in memory is gone (its sweeper was
     stopped before it took any)."""
     sw = app.extensions["hindsight.ray_sweeper"]
-    sw.hold = ray.TaskHold(age=sw.hold.age)
+    sw.hold = ray_hold.TaskHold(age=sw.hold.age)
 
 
 def _count(engine: Any, tenant: str, table: str, where: str = "true") -> int:
@@ -96,7 +99,7 @@ def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_end
     inline = Ray(create_app({**stack, "ray_sweeper": False}), tok_inline)
     inline.post_all(bodies(a, 10_000) + bodies(b, 10_000))
     inline.sweep(after=SETTLE + 1)
-    ray.emit_ready(inline.store.sessions, inline.store.blobs)
+    ray_sweep.emit_ready(inline.store.sessions, inline.store.blobs)
 
     # P1 merged body A (no hold needed to show it: its patches went in).
     p1 = Ray(create_app({**stack, "ray_sweeper": False}), tok_held)
@@ -114,13 +117,13 @@ def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_end
     # The survivor's sweeper: passes at +6 s (job settles) and at +11 s (recovery).
     st = p1.store
     now = time.time()
-    assert ray.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1).batches == 0
-    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
-    ray.emit_ready(st.sessions, st.blobs)
-    got = ray.recover_held(st.sessions, st.blobs, now=now + ray.RECOVER_AFTER + 1)
+    assert ray_hold.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1).batches == 0
+    ray_sweep.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
+    ray_sweep.emit_ready(st.sessions, st.blobs)
+    got = ray_hold.recover_held(st.sessions, st.blobs, now=now + ray_hold.RECOVER_AFTER + 1)
     assert got.batches == 1
-    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
-    ray.emit_ready(st.sessions, st.blobs)
+    ray_sweep.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
+    ray_sweep.emit_ready(st.sessions, st.blobs)
 
     want, have = inline.view(), p1.view()
     engine.dispose()
@@ -196,7 +199,7 @@ def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(
     hold = apps[0].extensions["hindsight.ray_sweeper"].hold
     hold.flush(live.store.sessions, live.store.blobs, force=True)  # the live collector's flush
     st = dead.store  # the dead one's bodies (and the refused flush's): from their blobs
-    ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
+    ray_hold.recover_held(st.sessions, st.blobs, now=time.time() + ray_hold.RECOVER_AFTER + 1)
     started = "x.defined AND x.running_at IS NOT NULL"
     n_live, n_dead = (_count(engine, t, "ray_tasks", started) for t in (t_live, t_dead))
     engine.dispose()
@@ -224,7 +227,7 @@ def test_reindex_merges_the_bodies_a_dead_collector_held(pg_url, s3_url, moto_en
     _dies(app)
     after = create_app({**stack, "ray_sweeper": False})  # restarted without a sweeper
     st = after.extensions["hindsight"]
-    counts = ray.reindex(st.blobs, st.sessions, settle=SETTLE, idle=IDLE)
+    counts = ray_reindex.reindex(st.blobs, st.sessions, settle=SETTLE, idle=IDLE)
     assert counts["ray_recovered"] == len(bodies(events, 10_000))
     q = text(
         "SELECT (SELECT count(*) FROM ray_tasks t WHERE t.session_id=s.id),"
@@ -266,12 +269,12 @@ def test_a_job_waits_for_a_live_collector_whose_flush_failed(pg_url, s3_url, mot
     assert _count(engine, tenant, "ray_bodies", "NOT x.tasks_merged") > 0
     st = p1.store
     now = time.time()
-    ray.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1)  # too early to recover
-    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
+    ray_hold.recover_held(st.sessions, st.blobs, now=now + SETTLE + 1)  # too early to recover
+    ray_sweep.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + SETTLE + 1)
     assert p1.run(1)["status"] == "running"  # not closed while the ends are held
-    ray.recover_held(st.sessions, st.blobs, now=now + ray.RECOVER_AFTER + 1)
-    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
-    ray.emit_ready(st.sessions, st.blobs)
+    ray_hold.recover_held(st.sessions, st.blobs, now=now + ray_hold.RECOVER_AFTER + 1)
+    ray_sweep.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=now + 60)
+    ray_sweep.emit_ready(st.sessions, st.blobs)
     summary = p1.run(1)
     engine.dispose()
     assert summary["error_count"] == 8  # every 7th of 60 fails
@@ -295,14 +298,14 @@ def test_a_session_whose_held_bodies_cannot_be_read_does_not_hold_up_the_others(
     Ray(app, good_tok).post_all(bodies(events, 10_000))  # then 1 body, held
     _dies(app)
     st = app.extensions["hindsight"]
-    for key in list(st.blobs.list(f"{ray.RAW_PREFIX}/{bad}/")):
+    for key in list(st.blobs.list(f"{ray_bodies.RAW_PREFIX}/{bad}/")):
         path = tmp_path / "blobs" / key
         path.unlink()
         path.mkdir()  # a directory where the blob goes: reading it fails
-    later = time.time() + ray.RECOVER_AFTER + 1
-    first = ray.recover_held(st.sessions, st.blobs, now=later, limit=5)
+    later = time.time() + ray_hold.RECOVER_AFTER + 1
+    first = ray_hold.recover_held(st.sessions, st.blobs, now=later, limit=5)
     assert first.failed == 1 and first.batches == 0  # the bad session, then left alone
-    second = ray.recover_held(st.sessions, st.blobs, now=later, limit=5)
+    second = ray_hold.recover_held(st.sessions, st.blobs, now=later, limit=5)
     assert second.batches == 1 and second.failed == 0  # the good session's body
     merged = _count(engine, good, "ray_tasks")
     engine.dispose()
@@ -372,10 +375,10 @@ def test_a_job_waits_for_ends_acknowledged_within_its_settle_time(pg_url, s3_url
             {"t": acked - SETTLE + 0.5, "tenant": tenant},
         )  # fmt: skip
     st = held.store
-    ray.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=acked + 0.6)
+    ray_sweep.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=acked + 0.6)
     assert held.run(1)["status"] == "running"  # waits for the held ends
     sw.hold.flush(st.sessions, st.blobs, force=True)  # the live collector's next flush
-    ray.emit_ready(st.sessions, st.blobs)
+    ray_sweep.emit_ready(st.sessions, st.blobs)
     held.sweep(after=SETTLE + 1)
     engine.dispose()
     assert held.view()["runs"][ray_job(1)] == inline.view()["runs"][ray_job(1)]
@@ -401,7 +404,7 @@ def test_a_held_session_that_cannot_be_written_does_not_hold_up_the_others(pg_ur
         sessions.append(sim.session)
         held.append(len(sw.hold) - sum(held))
     st = clients[0].store
-    (broken,) = (blobs / ray.DERIVED_PREFIX).glob(f"{tenants[1]}/rc/{sessions[1]}")
+    (broken,) = (blobs / ray_bodies.DERIVED_PREFIX).glob(f"{tenants[1]}/rc/{sessions[1]}")
     aside = broken.with_name(broken.name + ".aside")
     broken.rename(aside)
     broken.write_bytes(b"")  # a file where the session's directory goes
@@ -415,8 +418,8 @@ def test_a_held_session_that_cannot_be_written_does_not_hold_up_the_others(pg_ur
     assert _count(engine, tenants[1], "ray_bodies", "NOT x.tasks_merged") > 0  # for recovery
     broken.unlink()
     aside.rename(broken)  # the store takes writes again
-    ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
-    ray.emit_ready(st.sessions, st.blobs)  # what recovery merged and queued
+    ray_hold.recover_held(st.sessions, st.blobs, now=time.time() + ray_hold.RECOVER_AFTER + 1)
+    ray_sweep.emit_ready(st.sessions, st.blobs)  # what recovery merged and queued
     assert clients[1].run(1)["task_count"] == 60
     for tenant, n in zip(tenants, held, strict=True):
         assert _count(engine, tenant, "ray_tasks", "emitted") == n
@@ -466,10 +469,10 @@ def test_two_processes_flushes_of_one_session_do_not_wait_for_each_other(
     sid = _sid(engine, tenant)
     other = make_sessionmaker(engine)
     with r.store.sessions.begin() as first:
-        assert ray._session_kept(first, sid)  # one process's flush, under way
+        assert ray_hold._session_kept(first, sid)  # one process's flush, under way
         with other.begin() as second:  # the other process's flush of the same session
             second.execute(text("SET LOCAL lock_timeout = '2s'"))
-            assert ray._session_kept(second, sid)
+            assert ray_hold._session_kept(second, sid)
             second.execute(text("UPDATE sessions SET last_seen = last_seen WHERE id = :s"),
                            {"s": sid})  # fmt: skip
         with other.begin() as retention:
@@ -504,18 +507,18 @@ def test_an_interrupted_flush_puts_back_the_sessions_it_had_not_merged(
     assert s1 < s2  # flushed in this order
     held2 = len(sw.hold._tasks[s2])
     sw.hold.age = 3600.0  # only complete tasks are due
-    real = ray._merge_and_write
+    real = ray_hold._merge_and_write
 
     def interrupted(db, blobs, sid, *a, **k):
         if sid == s1:
             raise KeyboardInterrupt
         return real(db, blobs, sid, *a, **k)
 
-    monkeypatch.setattr(ray, "_merge_and_write", interrupted)
+    monkeypatch.setattr(ray_hold, "_merge_and_write", interrupted)
     st = c1.store
     with pytest.raises(KeyboardInterrupt):
         sw.hold.flush(st.sessions, st.blobs)
-    monkeypatch.setattr(ray, "_merge_and_write", real)
+    monkeypatch.setattr(ray_hold, "_merge_and_write", real)
     sw.hold.flush(st.sessions, st.blobs, force=True)
     assert len(sw.hold) == 0
     rows = _count(engine, t2, "ray_tasks")
@@ -539,7 +542,7 @@ def test_a_body_left_to_recovery_stays_so_when_a_later_flush_is_put_back(
     c.post_all(_half_ended(41))
     held = len(sw.hold._tasks[_sid(engine, tenant)])
     st = c.store
-    real = ray._merge_and_write
+    real = ray_hold._merge_and_write
     calls = {"n": 0}
 
     def flaky(db, blobs, sid, *a, **k):
@@ -550,14 +553,14 @@ def test_a_body_left_to_recovery_stays_so_when_a_later_flush_is_put_back(
             raise KeyboardInterrupt
         return real(db, blobs, sid, *a, **k)
 
-    monkeypatch.setattr(ray, "_merge_and_write", flaky)
+    monkeypatch.setattr(ray_hold, "_merge_and_write", flaky)
     sw.hold.age = 3600.0
     sw.hold.flush(st.sessions, st.blobs)
     with pytest.raises(KeyboardInterrupt):
         sw.hold.flush(st.sessions, st.blobs, force=True)
     sw.hold.flush(st.sessions, st.blobs, force=True)  # the rest merged, the body not marked
     assert _count(engine, tenant, "ray_bodies", "NOT x.tasks_merged") == 1
-    ray.recover_held(st.sessions, st.blobs, now=time.time() + ray.RECOVER_AFTER + 1)
+    ray_hold.recover_held(st.sessions, st.blobs, now=time.time() + ray_hold.RECOVER_AFTER + 1)
     rows = _count(engine, tenant, "ray_tasks")
     engine.dispose()
     assert rows == held
@@ -576,7 +579,7 @@ def test_a_session_that_cannot_be_written_does_not_fail_other_tenants_requests(p
     c1, c2 = (Ray(app, tok) for tok in _tokens(engine, t1, t2))
     sim, _, events = workload(seed=51)
     c1.post_all(bodies(events, 100_000))
-    (broken,) = (tmp_path / "blobs" / ray.DERIVED_PREFIX).glob(f"{t1}/rc/{sim.session}")
+    (broken,) = (tmp_path / "blobs" / ray_bodies.DERIVED_PREFIX).glob(f"{t1}/rc/{sim.session}")
     broken.rename(broken.with_name(broken.name + ".aside"))
     broken.write_bytes(b"")  # the session's derived prefix refuses writes
     sw.hold.limit = len(sw.hold)  # the broken session's patches stand for 200,000
@@ -650,8 +653,8 @@ def test_recovery_and_retention_of_one_session_do_not_deadlock(pg_url, tmp_path)
                 c.rollback()
                 time.sleep(0.01)
 
-    hook = _ReadHook(st.blobs, f"{ray.RAW_PREFIX}/{tenant}/", start_retention)
-    got = ray.recover_held(st.sessions, hook, now=time.time() + ray.RECOVER_AFTER + 1)
+    hook = _ReadHook(st.blobs, f"{ray_bodies.RAW_PREFIX}/{tenant}/", start_retention)
+    got = ray_hold.recover_held(st.sessions, hook, now=time.time() + ray_hold.RECOVER_AFTER + 1)
     retention.join(30)
     left = _count(engine, tenant, "ray_bodies")
     engine.dispose()

@@ -22,7 +22,9 @@ from bench.lib_ray import RaySim, bodies
 from storage.core.db import make_engine, make_sessionmaker, upgrade
 from storage.core.tokens import create_token
 from storage.jobs.reindex import reindex
-from storage.ray import bridge as ray
+from storage.ray import bodies as ray_bodies
+from storage.ray import hold as ray_hold
+from storage.ray import sweep as ray_sweep
 from tests.conftest import new_tenant
 from tests.dask.conftest import wait_until
 from tests.test_reindex import fresh_index
@@ -74,8 +76,8 @@ class Ray:
             r = self.post(b)
             assert r.status_code == 200, r.json
 
-    def sweep(self, after: float = 0.0) -> ray.SweepCounts:
-        return ray.run_due(self.store.sessions, self.store.blobs, settle=SETTLE, idle=IDLE,
+    def sweep(self, after: float = 0.0) -> ray_sweep.SweepCounts:
+        return ray_sweep.run_due(self.store.sessions, self.store.blobs, settle=SETTLE, idle=IDLE,
                            now=time.time() + after)  # fmt: skip
 
     def get(self, path: str, **params: Any) -> Any:
@@ -204,7 +206,7 @@ def test_a_retried_body_is_stored_and_counted_once(app, token):
     assert detail["completeness"]["batches_received"] == len(chunks) + len(bodies(shuffled, 77))
     assert sum(p["count"] for p in detail["prefixes"]) == 60
     assert sum(w["tasks"] for w in detail["workers"]) == 60
-    keys = list(r.store.blobs.list(f"{ray.RAW_PREFIX}/"))
+    keys = list(r.store.blobs.list(f"{ray_bodies.RAW_PREFIX}/"))
     assert len(keys) == len(chunks) + len(bodies(shuffled, 77))
 
 
@@ -226,8 +228,10 @@ def test_an_unknown_event_type_is_stored_and_the_rest_indexed(app, token):
     resp = r.post(body)
     assert resp.status_code == 200, resp.json
     assert resp.json["skipped"] == {"QUANTUM_EVENT": 1, "malformed": 3}
-    (key,) = [k for k in r.store.blobs.list(f"{ray.RAW_PREFIX}/")]
-    assert ray.read_stored(r.store.blobs.get(key)) == body  # stored as sent, odd events and all
+    (key,) = [k for k in r.store.blobs.list(f"{ray_bodies.RAW_PREFIX}/")]
+    assert (
+        ray_bodies.read_stored(r.store.blobs.get(key)) == body
+    )  # stored as sent, odd events and all
     r.post_all(bodies(events[200:]))
     r.sweep(after=SETTLE + 1)
     run = r.run(1)
@@ -375,7 +379,9 @@ def test_rate_limited_bodies_get_429(stack, token):
     assert r.post(json.dumps(events[:10]).encode()).status_code == 200
     resp = r.post(json.dumps(events[10:30]).encode())
     assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
-    assert not list(r.store.blobs.list(f"{ray.RAW_PREFIX}/"))[1:], "a refused body was stored"
+    assert not list(r.store.blobs.list(f"{ray_bodies.RAW_PREFIX}/"))[1:], (
+        "a refused body was stored"
+    )
 
 
 # ------------------------------------------------------------------ order, loss, lateness
@@ -451,7 +457,7 @@ def test_a_session_that_cannot_be_written_does_not_hold_up_the_others(stack, app
                       if x["session"] == sessions[seed])  # fmt: skip
 
     assert state(1) == state(2) == [("running", 3), ("running", 54)]
-    derived = Path(stack["blob_url"][len("file://") :]) / ray.DERIVED_PREFIX
+    derived = Path(stack["blob_url"][len("file://") :]) / ray_bodies.DERIVED_PREFIX
     (broken,) = derived.glob(f"*/{r.cluster}/{sessions[1]}")
     aside = broken.with_name(broken.name + ".aside")
     broken.rename(aside)
@@ -557,9 +563,9 @@ def test_a_task_running_when_its_job_ends_ends_as_ray_says_live_and_rebuilt(
     r.post_all(bodies(death(soon, end + 9)))
     r.sweep(after=SETTLE + 1)
     assert r.run(1)["status"] == "running"  # the other one's has not come
-    r.sweep(after=ray.WORKER_DEATH_WINDOW_S + SETTLE + 1)
+    r.sweep(after=ray_sweep.WORKER_DEATH_WINDOW_S + SETTLE + 1)
     r.post_all(bodies(death(late, end + 27)))  # after its job closed
-    r.sweep(after=ray.WORKER_DEATH_WINDOW_S + SETTLE + 1)
+    r.sweep(after=ray_sweep.WORKER_DEATH_WINDOW_S + SETTLE + 1)
     run = r.run(1)
     assert run["status"] == "finished" and run["task_count"] == 2
     tasks = {t["group"]: t for t in r.tasks(run["id"])}
@@ -656,8 +662,8 @@ def test_a_value_postgres_refuses_is_stored_and_skipped_not_refused(stack, tmp_p
     assert resp.status_code == 200, resp.json
     assert resp.json["skipped"] == {"unindexable": len(started)}
     assert resp.json["duplicate"] is False
-    (key,) = r.store.blobs.list(f"{ray.RAW_PREFIX}/")
-    assert ray.read_stored(r.store.blobs.get(key)) == body  # stored as sent
+    (key,) = r.store.blobs.list(f"{ray_bodies.RAW_PREFIX}/")
+    assert ray_bodies.read_stored(r.store.blobs.get(key)) == body  # stored as sent
     _, _, events = workload()
     r.post_all(bodies(events))
     r.sweep(after=SETTLE + 1)
@@ -868,8 +874,8 @@ def test_retention_removes_a_ray_session_and_reindex_does_not_bring_it_back(app,
         db.execute(update(m.Session).values(last_seen=time.time() - 40 * 86400))
     done = apply(r.store.blobs, r.store.sessions, tenant, max_age=30 * 86400)
     assert len(done.sessions) == 1 and done.blobs_deleted > 0
-    assert not list(r.store.blobs.list(f"{ray.RAW_PREFIX}/{tenant}/"))
-    assert not list(r.store.blobs.list(f"{ray.DERIVED_PREFIX}/{tenant}/"))
+    assert not list(r.store.blobs.list(f"{ray_bodies.RAW_PREFIX}/{tenant}/"))
+    assert not list(r.store.blobs.list(f"{ray_bodies.DERIVED_PREFIX}/{tenant}/"))
     assert r.runs() == []
     reindex(r.store.blobs, r.store.sessions)
     assert r.runs() == []
@@ -888,7 +894,8 @@ def test_a_body_of_many_sessions_is_split_and_bounded(app, token):
     assert len(resp.json["sessions"]) == 16
     assert resp.json["skipped"] == {"too_many_sessions": len(events) * 4 // 20}
     stored = [
-        ray.read_stored(r.store.blobs.get(k)) for k in r.store.blobs.list(f"{ray.RAW_PREFIX}/")
+        ray_bodies.read_stored(r.store.blobs.get(k))
+        for k in r.store.blobs.list(f"{ray_bodies.RAW_PREFIX}/")
     ]
     assert sum(len(json.loads(b)) for b in stored) == len(events)  # every event kept
 
@@ -953,8 +960,8 @@ def test_task_patches_a_killed_collector_held_are_merged_from_the_stored_bodies(
     after = create_app({**stack, "ray_sweeper": False})
     st = after.extensions["hindsight"]
     now = time.time()
-    assert ray.recover_held(st.sessions, st.blobs, now=now).batches == 0  # not yet: held
-    got = ray.recover_held(st.sessions, st.blobs, now=now + ray.RECOVER_AFTER + 1)
+    assert ray_hold.recover_held(st.sessions, st.blobs, now=now).batches == 0  # not yet: held
+    got = ray_hold.recover_held(st.sessions, st.blobs, now=now + ray_hold.RECOVER_AFTER + 1)
     assert got.batches == held and got.failed == 0
     survivor = Ray(after, held_token)
     survivor.sweep(after=SETTLE + 1)
