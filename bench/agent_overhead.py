@@ -61,7 +61,7 @@ import zstandard
 from distributed import Client, LocalCluster, span
 
 from bench.lib_results import report
-from hindsight.dask import _task_event
+from hindsight.dask.records import task_event
 from hindsight.schema import ProfileEvent, decode_batch, encode_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,7 +251,7 @@ def item_bytes() -> int:
     before = tracemalloc.take_snapshot()
     items = [
         (
-            _task_event,
+            task_event,
             f"inc-{i:032x}",
             "inc",
             "inc",

@@ -107,7 +107,7 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
     root = directory or settings.spool_dir
     if directory is None and not os.environ.get("HINDSIGHT_SPOOL_DIR") and not os.path.exists(root):
         # No agent ever spooled here: nothing to push, not a failure (exit 1 says batches
-        # were lost; found by a new user).
+        # were lost).
         click.echo(f"{root}: no spool here, nothing to push")
         return
     if not os.path.isdir(root):

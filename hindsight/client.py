@@ -37,8 +37,8 @@ def _pd() -> Any:
     return pd
 
 
-# The columns of a frame with no rows (found by a new user: ``c.runs(cluster="x").id``
-# failed on an empty answer, a frame without columns). A frame with rows has the answer's.
+# The columns of a frame with no rows, so ``c.runs(cluster="x").id`` works on an empty
+# answer too (a frame without columns has none). A frame with rows has the answer's.
 RUN_COLUMNS = (
     "id",
     "name",

@@ -135,7 +135,7 @@ def _coerce(name: str, raw: Any) -> Any:
 def _cluster_name(value: str, source: str) -> str:
     """A cluster name made valid (runs of other characters become ``-``), with a warning
     saying what it became: ``my cluster`` is recorded as ``my-cluster``, not under
-    ``default`` (found by a new user, who could not tell where the run went)."""
+    ``default``, where a user could not tell the run went."""
     name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", value)
     name = re.sub(r"\.{2,}", ".", name).lstrip(".-")[:128]
     if name:

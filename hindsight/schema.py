@@ -418,3 +418,11 @@ def replace_nul(body: bytes) -> bytes:
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of a batch, generated from these classes."""
     return msgspec.json.schema(Batch)
+
+
+def agent_name_prefix(prefix: str) -> str:
+    """What every agent name made of ``prefix`` starts with (an agent instance's name adds
+    a random part: ``hindsight.agent.core.new_agent_name``). A naming rule of the wire: the
+    index tells a Dask worker's agent by it (``storage.query.runs.completeness``)."""
+    safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
+    return f"{safe[:90] or 'agent'}-"

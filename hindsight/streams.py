@@ -1,6 +1,6 @@
 """``hindsight.emit(stream, value)``: custom values recorded from inside tasks.
 
-The worker-side agent (:class:`hindsight.dask.WorkerAgentPlugin`) registers itself here
+The worker-side agent (:class:`hindsight.dask.worker.WorkerAgentPlugin`) registers itself here
 when it is set up on a worker; ``emit`` then attaches the worker address, the current
 task key and its run, and queues a :class:`~hindsight.schema.CustomEvent`.  Outside a
 worker with the plugin, ``emit`` does nothing and returns False, so library code can

@@ -29,9 +29,16 @@ from hindsight.agent.adopt import Adoption, DirLock, agent_meta, create_owned
 from hindsight.agent.buffer import EventBuffer, Item
 from hindsight.agent.kinds import UNKNOWN_KIND, decompress, kind_of
 from hindsight.agent.spool import Spool, SpooledBatch
-from hindsight.agent.transport import Outcome, Transport, retry_delay
+from hindsight.agent.transport import MISADDRESSED, Outcome, Transport, retry_delay
 from hindsight.config import Settings
-from hindsight.schema import LATER_KINDS, SCHEMA_VERSION, Batch, decode_batch, replace_nul
+from hindsight.schema import (
+    LATER_KINDS,
+    SCHEMA_VERSION,
+    Batch,
+    agent_name_prefix,
+    decode_batch,
+    replace_nul,
+)
 from hindsight.sender import compress
 
 logger = logging.getLogger(__name__)
@@ -53,13 +60,6 @@ def _event_of(item: Item) -> Any:
     if isinstance(item, tuple):
         return item[0](*item[1:])
     return item
-
-
-def agent_name_prefix(prefix: str) -> str:
-    """What every name :func:`new_agent_name` makes of ``prefix`` starts with (the index
-    tells a Dask worker's agent by it: ``storage.query.runs.completeness``)."""
-    safe = "".join(c if c.isalnum() or c in "_.-" else "-" for c in prefix).strip(".-")
-    return f"{safe[:90] or 'agent'}-"
 
 
 def new_agent_name(prefix: str) -> str:
@@ -236,11 +236,16 @@ class Agent:
         try:
             # Try at once, whatever backoff an outage left (up to 30 s, or a Retry-After):
             # the collector may be back, and waiting it out outlived the close budget (a
-            # nanny kills its worker 4 s into closing). Found by a held-out check: after a
-            # collector restart, closing workers' agents never tried, and their batches
-            # waited in the spool for a later agent.
+            # nanny kills its worker 4 s into closing): after a collector restart, closing
+            # workers' agents would never try, and their batches would wait in the spool
+            # for a later agent.
             self._retry_at = 0.0
             self._attempts = 0
+            if self._transport is not None:
+                # A collector that does not answer must not hold up the close longer than
+                # its budget: no request waits past it.
+                remaining = self._close_deadline - time.monotonic()
+                self._transport.limit_timeout(max(0.5, remaining))
             # Deliver first, then cut the final batch: drops counted during this last
             # delivery (rejections, splits) still make it into the final batch.
             self._cut(force=True)
@@ -250,6 +255,8 @@ class Agent:
             self._park_outbox()
             if self._spool is not None and not len(self._spool):
                 self._spool.remove_directory()
+            elif self._spool is not None and self.settings.url:
+                self._warn_left_in_spool()
         except Exception:
             logger.exception("hindsight: agent close error")
         finally:
@@ -259,6 +266,34 @@ class Agent:
                 # Closed with batches left: they are another agent's to adopt from now on.
                 self._spool_lock.release()
             self._idle.set()
+
+    def _warn_left_in_spool(self) -> None:
+        """Say once, at close, where the batches that did not get through are and how to
+        send them."""
+        assert self._spool is not None
+        where = self._spool.directory
+        if where is None:
+            logger.warning(
+                "hindsight: agent %s closed with %d batches (%d events) not delivered to %s;"
+                " its spool directory was unusable, so they are lost with this process",
+                self.name,
+                len(self._spool),
+                self._spool.events(),
+                self.settings.url,
+            )
+            return
+        logger.warning(
+            "hindsight: agent %s closed with %d batches (%d events) not delivered to %s;"
+            " they are kept in %s. Send them with: hindsight spool push %s --url %s"
+            " (an agent started later with this spool directory sends them by itself)",
+            self.name,
+            len(self._spool),
+            self._spool.events(),
+            self.settings.url,
+            where,
+            self.settings.spool_dir,
+            self.settings.url,
+        )
 
     def _has_backlog(self) -> bool:
         return bool(self._outbox) or (self._spool is not None and len(self._spool) > 0)
@@ -419,9 +454,13 @@ class Agent:
                     self._park_outbox()
                 if deadline is None:
                     return
-                # Closing: keep retrying (after the backoff) until the close budget is spent.
-                # Returning here gave up after one failed attempt however large the budget,
-                # leaving batches in the spool of an agent that will never run again.
+                if outcome.status is None or outcome.status in MISADDRESSED:
+                    # Closing, and no collector answers at that URL: what is left waits in
+                    # the spool now. Retrying would hold up the cluster's close (a nanny
+                    # kills its worker 4 s into closing) for nothing.
+                    return
+                # Closing, and the collector answered but is busy (429, 503): keep
+                # retrying after the backoff until the close budget is spent.
                 continue
             if outcome.verdict == "too_large":
                 self._pop_head(batch, spooled)
@@ -496,12 +535,15 @@ class Agent:
         if self._closed and outcome.retry_after is None:
             delay = min(delay, CLOSING_BACKOFF_MAX)  # few seconds are left: try often
         self._retry_at = time.monotonic() + delay
+        where = self._spool.directory if self._spool is not None else None
         self._warn(
             f"retry_{outcome.status}",
-            "hindsight: collector unavailable (%s %s); retrying in %.1fs",
+            "hindsight: collector unavailable (%s %s); retrying in %.1fs; batches meanwhile"
+            " wait in %s",
             outcome.status or "no answer",
             outcome.message,
             delay,
+            where or "memory (then the spool directory)",
         )
 
     def _split(self, batch: SpooledBatch, spooled: bool) -> None:

@@ -14,8 +14,7 @@ import msgspec
 from sqlalchemy import Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from hindsight.agent.core import agent_name_prefix
-from hindsight.schema import TaskEvent
+from hindsight.schema import TaskEvent, agent_name_prefix
 from storage.analysis.runfacts import (
     display_name,
     fingerprint,

@@ -249,7 +249,7 @@ def test_reduce_of_a_tree(recorded, hindsight_server):
 def test_keys_past_the_protocols_limit_stay_distinct(recorded, hindsight_server):
     """Found by a fresh pair of eyes: keys longer than 4,096 characters were cut there, so
     keys sharing their first 4,096 characters came back as one task."""
-    from hindsight.dask import KEY_MAX, _key
+    from hindsight.dask.records import KEY_MAX, key_text
 
     client, cluster = recorded
     keys = [f"long-{'x' * 5000}-{i}" for i in range(3)]
@@ -260,11 +260,11 @@ def test_keys_past_the_protocols_limit_stay_distinct(recorded, hindsight_server)
     run = wait_for_run(hindsight_server, cluster, "long-keys", len(ts.data))
     recorded_keys = {t["key"] for t in hindsight_server.tasks(run["id"])}
     assert len(recorded_keys) == 4  # three long keys and the total
-    assert recorded_keys == {_key(k) for k in keys} | {"long-total"}
-    assert all(_key(k).startswith(k[:4000]) for k in keys)
+    assert recorded_keys == {key_text(k) for k in keys} | {"long-total"}
+    assert all(key_text(k).startswith(k[:4000]) for k in keys)
     assert all(len(k) <= KEY_MAX for k in recorded_keys)
     edges = graph_of(stored_events(hindsight_server, cluster), run["run_key"])
-    assert edges["long-total"] == {_key(k) for k in keys}
+    assert edges["long-total"] == {key_text(k) for k in keys}
 
 
 def late_boom(x: int) -> int:
@@ -292,14 +292,15 @@ def test_numbers_past_what_the_protocol_holds_do_not_cost_the_batch():
     """Found by a fresh pair of eyes: a result whose sizeof passed 2**53 (a lazy table
     reporting 10 PB) had the collector refuse the whole batch (400), and the agent dropped
     it: 307 events, a run's name and most of its tasks. A worker metric of inf likewise."""
-    from hindsight.dask import _number, _task_event
+    from hindsight.dask.records import task_event
+    from hindsight.dask.values import put_number
     from hindsight.schema import Batch, decode_batch, encode_batch
 
-    ev = _task_event("huge-0", "huge", "huge", "r", "memory", "tcp://w:1", 2**60, 10**16,
+    ev = task_event("huge-0", "huge", "huge", "r", "memory", "tcp://w:1", 2**60, 10**16,
                      "Table", [], None, None)  # fmt: skip
     values: dict[str, float] = {}
     for name, value in (("memory.managed", float("inf")), ("cpu", 50), ("nan", float("nan"))):
-        _number(values, name, value)
+        put_number(values, name, value)
     assert values == {"cpu": 50.0}
     batch = Batch(schema=1, cluster="c", session="s", agent="a", seq=0, events=[ev])
     (got,) = decode_batch(encode_batch(batch)).events  # what the collector validates
@@ -312,9 +313,9 @@ def test_a_graph_is_stamped_when_the_scheduler_received_it():
     graph submitted at once look submitted after their dependencies had ended."""
     import time
 
-    from hindsight.dask import _received
+    from hindsight.dask.records import received_at
 
-    assert _received("update-graph-1795000000.5") == 1795000000.5
+    assert received_at("update-graph-1795000000.5") == 1795000000.5
     for other in (None, "update-graph-soon", "update-graph-1e99", "client-retry-1.0", 3.0):
         before = time.time()
-        assert before <= _received(other) <= time.time()
+        assert before <= received_at(other) <= time.time()

@@ -23,7 +23,7 @@ def test_make_dist_builds_a_wheel_of_the_sdk_alone(tmp_path):
         meta = next(z.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"hindsight"}
-    assert "hindsight/dask/__init__.py" in names or "hindsight/dask.py" in names
+    assert "hindsight/dask/__init__.py" in names
     required = [line for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     assert not [r for r in required if any(s in r.lower() for s in SERVER)], required
 

@@ -1,31 +1,10 @@
-"""The Dask agent: record every run of a Dask cluster in Hindsight.
-
-Four ways to turn it on (see docs/dask.md):
-
-* ``dask scheduler --preload hindsight.dask [--hindsight-url URL --hindsight-cluster NAME]``
-* ``LocalCluster(scheduler_kwargs={"preload": ["hindsight.dask"]})``
-* environment ``HINDSIGHT_URL`` / ``HINDSIGHT_TOKEN`` / ``HINDSIGHT_CLUSTER`` (or Dask config
-  ``hindsight.url`` / ``hindsight.token`` / ``hindsight.cluster``) with either of the above;
-* ``hindsight.dask.install(client, url=..., cluster=...)`` for a cluster already running.
-
-The scheduler plugin records graphs, task records, runs, workers joining and leaving,
-periodic worker samples and the session; it registers the worker plugin, which records
-what only a worker sees: ``hindsight.emit`` streams, log records and spill/disk detail.
-
-Every hook is cheap and guarded: the hot ones (``transition``, ``update_graph``) append
-compact tuples to the agent's bounded buffer and the agent thread builds the protocol
-events.  Nothing here raises into Dask or holds a TaskState.
-"""
+"""The scheduler plugin: records graphs, task records, runs, workers joining and leaving, periodic samples and the session."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
-import math
-import re
-import shutil
 import sys
 import threading
 import time
@@ -35,214 +14,46 @@ from dataclasses import dataclass
 from inspect import iscoroutinefunction
 from typing import Any
 
-import click
-from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import PeriodicCallback
 
 from hindsight.agent import Agent
 from hindsight.config import Settings, load_settings
-from hindsight.dask_perf import ProfileShipper, RunPerf, enable_code_capture
-from hindsight.dask_state import RunStates, worker_state
+from hindsight.dask.logs import SCHEDULER_LOGGERS, LogHandler, json_safe
+from hindsight.dask.perf import RunPerf, enable_code_capture
+from hindsight.dask.records import (
+    GRAPH_CHUNK,
+    LABEL_MAX,
+    PLUGIN_NAME,
+    SESSION_CONFIG_KEYS,
+    WORKER_PLUGIN_NAME,
+    departure_reason,
+    graph_event,
+    key_text,
+    killed_worker_text,
+    label,
+    log_record_event,
+    received_at,
+    session_name,
+    task_event,
+    unstamp,
+)
+from hindsight.dask.state import RunStates, worker_state
+from hindsight.dask.values import scheduler_values, worker_values
+from hindsight.dask.worker import WorkerAgentPlugin
 from hindsight.schema import (
-    MAX_INT,
     MAX_LEFT_KEYS,
-    GraphEvent,
-    LogEvent,
     MetricEvent,
     RunEvent,
     SessionEvent,
-    StartStop,
-    TaskEvent,
     WorkerEvent,
-    valid_name,
-)
-from hindsight.streams import (
-    current_task,
-    owns_record,
-    running_worker,
-    scheduler_time,
-    task_and_run,
-    task_owner,
 )
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "hindsight"
-WORKER_PLUGIN_NAME = "hindsight-worker"
-#: Tasks of a submitted graph turned into graph events per event-loop tick; a larger
-#: graph is walked over several ticks so the scheduler never stalls on us.
-GRAPH_CHUNK = 5000
-
-LABEL_MAX = 1024
-KEY_MAX = 4096
-TEXT_MAX = 65536
-
-# Configuration recorded with the session: what changes how a run behaves.
-SESSION_CONFIG_KEYS = (
-    "distributed.scheduler.worker-saturation",
-    "distributed.scheduler.work-stealing",
-    "distributed.scheduler.allowed-failures",
-    "distributed.worker.memory.target",
-    "distributed.worker.memory.spill",
-    "distributed.worker.memory.pause",
-    "distributed.worker.memory.terminate",
-    "distributed.admin.tick.interval",
-    "distributed.comm.compression",
-)
-
-
-def _label(value: Any) -> str | None:
-    if value is None:
-        return None
-    s = value if type(value) is str else str(value)
-    return s if len(s) <= LABEL_MAX else s[:LABEL_MAX]
-
-
-def _key(key: Any) -> str:
-    s = key if type(key) is str else str(key)
-    return s if len(s) <= KEY_MAX else _long_key(s)
-
-
-def _long_key(s: str) -> str:
-    """A key past the protocol's 4,096 characters: its start, ``#`` and 32 hex digits of its
-    hash, so distinct keys stay distinct (cut alone, keys sharing their first 4,096
-    characters became one task) and the same key always gives the same text (edges)."""
-    digest = hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-    return f"{s[: KEY_MAX - 33]}#{digest}"
-
-
-def _text(value: Any) -> str | None:
-    if not value:
-        return None
-    s = str(value)
-    return s if len(s) <= TEXT_MAX else s[-TEXT_MAX:]
-
-
-# -- deferred event builders (run on the agent thread) ------------------------------
-def _task_event(
-    key: Any,
-    prefix: str,
-    group: str,
-    run: str | None,
-    status: str,
-    worker: Any,
-    thread: Any,
-    nbytes: Any,
-    typename: Any,
-    startstops: Any,
-    exception_text: Any,
-    traceback_text: Any,
-    attrs: dict[str, Any] | None = None,
-) -> TaskEvent:
-    ev = TaskEvent(
-        key=_key(key),
-        prefix=_label(prefix) or "",
-        status=status,
-        group=_label(group),
-        run=run,
-        worker=_label(worker),
-        thread=thread if type(thread) is int and abs(thread) <= MAX_INT else None,
-        # the protocol's integers end at 2**53: a lazy table's sizeof (10 PB) had the
-        # collector refuse the whole batch, and the agent drop it
-        nbytes=nbytes if type(nbytes) is int and 0 <= nbytes <= MAX_INT else None,
-        typename=_label(typename),
-        startstops=[
-            StartStop(
-                action=s["action"], start=s["start"], stop=s["stop"], source=_label(s.get("source"))
-            )
-            for s in startstops or ()
-        ],
-        exception=_text(exception_text),
-        traceback=_text(traceback_text),
-    )
-    if attrs:
-        ev.attrs = attrs
-    return ev
-
-
-def _unstamp(stamped: dict[Any, Any], key: Any, ref: Any) -> None:
-    """A stamped task state was collected: forget it (unless the key was stamped anew)."""
-    if stamped.get(key) is ref:
-        stamped.pop(key, None)
-
-
-def _received(stimulus_id: Any) -> float:
-    """When the scheduler received a graph: Dask stamps ``update-graph-{time}`` on arrival,
-    before it deserialises, materialises and orders the graph (which can take seconds, and
-    runs before this plugin's hook); else now."""
-    if type(stimulus_id) is str and stimulus_id.startswith("update-graph-"):
-        try:
-            t = float(stimulus_id[13:])
-        except ValueError:
-            pass
-        else:
-            if 0 < t <= time.time() + 1:
-                return t
-    return time.time()
-
-
-def _graph_event(
-    key: Any, prefix: str, group: str, run: str | None, deps: list[Any], submitted: float | None
-) -> GraphEvent:
-    return GraphEvent(
-        key=_key(key),
-        prefix=_label(prefix) or "",
-        dependencies=[_key(d) for d in deps],
-        group=_label(group),
-        run=run,
-        time=submitted,
-    )
-
-
-def _log_event(
-    created: float,
-    level: str,
-    message: str,
-    name: str,
-    worker: str | None,
-    key: str | None = None,
-    run: str | None = None,
-) -> LogEvent:
-    return LogEvent(
-        time=created,
-        level=level,
-        message=_text(message) or "",
-        logger=_label(name),
-        worker=worker,
-        key=_key(key) if key is not None else None,
-        run=_label(run),
-    )
-
-
-def _killed_worker_text(key: Any, ts: Any, exception: Any, worker: Any) -> str | None:
-    """The text of the ``KilledWorker`` the scheduler raises itself when a task's worker
-    dies once too often (it passes the pickled exception and no text): Dask's own message,
-    from the scheduler's task state, without unpickling anything."""
-    if not isinstance(exception, bytes) or b"KilledWorker" not in exception:
-        return None
-    return (
-        f"KilledWorker: Attempted to run task {key!r} on {getattr(ts, 'suspicious', '?')} "
-        "different workers, but all those workers died while running it. The last worker "
-        f"that attempt to run the task was {worker}."
-    )
-
-
-def _session_name(value: str) -> str:
-    if valid_name(value):
-        return value
-    safe = re.sub(r"[^A-Za-z0-9_.\-]", "-", value).strip(".-")[:128]
-    return safe if valid_name(safe) else "session"
-
-
-def _reason(stimulus_id: str | None) -> str | None:
-    if not stimulus_id:
-        return None
-    # "handle-worker-cleanup-1795295401.78" -> "handle-worker-cleanup"
-    return re.sub(r"-\d+(\.\d+)?$", "", str(stimulus_id))[:LABEL_MAX]
-
 
 @dataclass
-class _Run:
+class OpenRun:
     name: str
     erred: int = 0
     # the latest stop of an erred task's phases: Dask's Span.stop counts only tasks that
@@ -276,12 +87,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self._tasks: dict[Any, Any] = {}
         self._spans: Any = None
         self._span_runs: dict[str, str] = {}
-        self._open_runs: dict[str, _Run] = {}
+        self._open_runs: dict[str, OpenRun] = {}
         # [keys, next position, client, received] per submission still being walked
         self._pending_graphs: deque[list[Any]] = deque()
         # key -> weak reference to the task state whose submission was stamped: a graph
         # also lists the tasks it touches that the scheduler already had (a persisted key
-        # still queued), which were not submitted then (found by a held-out check)
+        # still queued), which were not submitted then
         self._stamped: dict[Any, Any] = {}
         self._pump_scheduled = False
         self._workers: dict[str, str] = {}
@@ -289,7 +100,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         # and the "remove-worker" event of a worker being removed (read by remove_worker)
         self._worker_status: dict[str, str] = {}
         self._removing: dict[str, dict[str, Any]] = {}
-        self._log_handler: _LogHandler | None = None
+        self._log_handler: LogHandler | None = None
         self._sampler: PeriodicCallback | None = None
         self._perf: RunPerf | None = None
         self._states: RunStates | None = None
@@ -324,7 +135,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self._tasks = scheduler.tasks
         self._spans = scheduler.extensions.get("spans")
-        self.session = _session_name(str(scheduler.id))
+        self.session = session_name(str(scheduler.id))
         self.agent = Agent(settings, session=self.session, name="scheduler")
         self.agent.before_exit.append(self._at_exit)
         self.agent.add(self._session_event(scheduler))
@@ -335,7 +146,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
         self._watch_retries(scheduler)
-        self._log_handler = _LogHandler(
+        self._log_handler = LogHandler(
             self.agent, None, logging.getLevelName(settings.log_level.upper()), SCHEDULER_LOGGERS
         )
         logging.getLogger("distributed").addHandler(self._log_handler)
@@ -353,7 +164,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         """Record the attempts Dask's ``retries=`` runs again. Dask passes nothing of such
         an attempt to plugins (``stimulus_task_erred`` sends the task back to ``waiting``
         without its times or error), so it was in no record, nor in Dask's task stream:
-        its thread's seconds read as idle (found by a trial). The worker's ``task-erred``
+        its thread's seconds would read as idle. The worker's ``task-erred``
         message has it all: its handler is wrapped to look at the message and then hand it
         on unchanged."""
         handlers = getattr(scheduler, "stream_handlers", None)
@@ -404,7 +215,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             )
             agent.add(
                 (
-                    _task_event,
+                    task_event,
                     *record,
                     get("thread"),
                     None,
@@ -438,7 +249,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         config: dict[str, Any] = {}
         for key in SESSION_CONFIG_KEYS:
             try:
-                config[key] = _json_safe(dask.config.get(key))
+                config[key] = json_safe(dask.config.get(key))
             except (KeyError, ValueError):
                 pass
         assert self.settings is not None
@@ -446,7 +257,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         config["hindsight.cluster"] = self.settings.cluster
         config["hindsight.sample-interval"] = self.settings.sample_interval
         return SessionEvent(
-            time=time.time(), versions=versions, config=config, address=_label(scheduler.address)
+            time=time.time(), versions=versions, config=config, address=label(scheduler.address)
         )
 
     def _record_final(self) -> None:
@@ -510,7 +321,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             return
         try:
             self._pending_graphs.append(
-                [list(tasks), 0, str(client) if client else None, _received(kw.get("stimulus_id"))]
+                [
+                    list(tasks),
+                    0,
+                    str(client) if client else None,
+                    received_at(kw.get("stimulus_id")),
+                ]
             )
             self._pump_graph(limit=GRAPH_CHUNK)
         except Exception:
@@ -554,11 +370,11 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     gname = group.name
                 ref = stamped.get(key)
                 if ref is None or ref() is not ts:  # first seen in this task state
-                    stamped[key] = weakref.ref(ts, functools.partial(_unstamp, stamped, key))
+                    stamped[key] = weakref.ref(ts, functools.partial(unstamp, stamped, key))
                     when = submitted
                 else:
                     when = None
-                add((_graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies], when))
+                add((graph_event, key, prefix, gname, run, [d.key for d in ts.dependencies], when))
             if forgotten:
                 agent.drop("graph_forgotten", forgotten)
         if self._pending_graphs and not self._pump_scheduled and self.scheduler is not None:
@@ -593,7 +409,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
         if span_id:
             self._span_runs[span_id] = run
         if run not in self._open_runs and self.agent is not None:
-            self._open_runs[run] = _Run(name)
+            self._open_runs[run] = OpenRun(name)
             if self._perf is not None:
                 self._perf.watch(run)
             self.agent.add(
@@ -601,9 +417,9 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     event="started",
                     id=run,
                     time=started,
-                    name=_label(name),
+                    name=label(name),
                     span=[p[:LABEL_MAX] for p in path],
-                    client=_label(client),
+                    client=label(client),
                 )
             )
         return run
@@ -644,17 +460,17 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                 blame = ts.exception_blame
                 if start != "processing" and blame is not None and blame is not ts:
                     # erred because ``blame`` did: its error, and which task it was
-                    attrs = {"blame": _key(blame.key)}
+                    attrs = {"blame": key_text(blame.key)}
                     if exception_text is None:
                         exception_text = blame.exception_text
                         traceback_text = blame.traceback_text
                 elif exception_text is None:
-                    exception_text = _killed_worker_text(key, ts, get("exception"), get("worker"))
+                    exception_text = killed_worker_text(key, ts, get("exception"), get("worker"))
             # Keep only what the record needs: the pickled type bytes and the exception
             # objects in kwargs are dropped here rather than held until the batch is cut.
             agent.add(
                 (
-                    _task_event,
+                    task_event,
                     key,
                     group.prefix.name,
                     group.name,
@@ -695,15 +511,15 @@ class SchedulerAgentPlugin(SchedulerPlugin):
                     event="erred" if erred else "finished",
                     id=run_id,
                     time=stop,
-                    name=_label(state.name),
+                    name=label(state.name),
                 )
             )
             del self._open_runs[run_id]
 
     def restart(self, scheduler: Any) -> None:
         """``client.restart()``: Dask logs it at INFO, below what is recorded by default, and
-        the runs it cut short read as finished with most of their tasks never run (found by
-        a trial). Recorded as a scheduler record in each run it cut short."""
+        the runs it cut short would read as finished with most of their tasks never run.
+        Recorded as a scheduler record in each run it cut short."""
         agent = self.agent
         if agent is None:
             return
@@ -715,7 +531,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             )
             name = "distributed.scheduler"
             for run in list(self._open_runs) or [None]:
-                agent.add((_log_event, now, "WARNING", message, name, "scheduler", None, run))
+                agent.add((log_record_event, now, "WARNING", message, name, "scheduler", None, run))
         except Exception:
             logger.debug("hindsight: recording a restart failed", exc_info=True)
 
@@ -726,12 +542,12 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             return
         try:
             ws = scheduler.workers.get(worker)
-            name = _label(ws.name) if ws is not None else None
+            name = label(ws.name) if ws is not None else None
             self._workers[worker] = name or worker
             self.agent.add(
                 WorkerEvent(
                     event="joined",
-                    address=_label(worker) or "",
+                    address=label(worker) or "",
                     time=time.time(),
                     name=name,
                     nthreads=ws.nthreads if ws is not None else None,
@@ -766,7 +582,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             return
         try:
             if self._states is not None:
-                self._states.left(_label(worker) or "", time.time())
+                self._states.left(label(worker) or "", time.time())
             status = self._worker_status.pop(worker, None)
             removing = self._removing.pop(worker, None) or {}
             processing = list(removing.get("processing-tasks") or ())
@@ -780,15 +596,15 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             self.agent.add(
                 WorkerEvent(
                     event="left",
-                    address=_label(worker) or "",
+                    address=label(worker) or "",
                     time=time.time(),
                     name=self._workers.pop(worker, None),
-                    reason=_reason(stimulus_id),
+                    reason=departure_reason(stimulus_id),
                     expected=bool(expected) if expected is not None else None,
                     status=status[:64] if status else None,
-                    processing=[_key(k) for k in processing[:MAX_LEFT_KEYS]],
-                    erred=[_key(k) for k in erred[:MAX_LEFT_KEYS]],
-                    lost=[_key(k) for k in lost[:MAX_LEFT_KEYS]],
+                    processing=[key_text(k) for k in processing[:MAX_LEFT_KEYS]],
+                    erred=[key_text(k) for k in erred[:MAX_LEFT_KEYS]],
+                    lost=[key_text(k) for k in lost[:MAX_LEFT_KEYS]],
                     counts={k: v for k, v in counts.items() if v},
                 )
             )
@@ -804,7 +620,7 @@ class SchedulerAgentPlugin(SchedulerPlugin):
             now = time.time()
             workers = []
             for ws in list(self.scheduler.workers.values()):
-                address = _label(ws.address) or ""
+                address = label(ws.address) or ""
                 values = worker_values(ws)
                 agent.add(MetricEvent(worker=address, time=now, values=values))
                 workers.append(worker_state(address, values))
@@ -821,344 +637,6 @@ class SchedulerAgentPlugin(SchedulerPlugin):
 
     def _worker_states(self) -> list[Any]:
         return [
-            worker_state(_label(ws.address) or "", worker_values(ws))
+            worker_state(label(ws.address) or "", worker_values(ws))
             for ws in list(self.scheduler.workers.values())
         ]
-
-
-def _number(values: dict[str, float], name: str, value: Any) -> None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        values[name] = float(value)  # inf was encoded as null: the batch refused
-
-
-def worker_values(ws: Any) -> dict[str, float]:
-    """One sample of a worker as the scheduler sees it (memory, cpu, tasks, transfers)."""
-    values: dict[str, float] = {}
-    mem = ws.memory
-    _number(values, "memory.managed", mem.managed)
-    _number(values, "memory.unmanaged", mem.unmanaged)
-    _number(values, "memory.unmanaged_old", mem.unmanaged_old)
-    _number(values, "memory.unmanaged_recent", mem.unmanaged_recent)
-    _number(values, "memory.spilled", mem.spilled)
-    _number(values, "memory.process", mem.process)
-    _number(values, "memory.limit", ws.memory_limit or 0)
-    _number(values, "tasks.processing", len(ws.processing))
-    _number(values, "nthreads", ws.nthreads)
-    m = ws.metrics or {}
-    _number(values, "cpu", m.get("cpu"))
-    _number(values, "event_loop_interval", m.get("event_loop_interval"))
-    _number(values, "num_fds", m.get("num_fds"))
-    for state, count in (m.get("task_counts") or {}).items():
-        _number(values, f"tasks.{state}", count)
-    transfer = m.get("transfer") or {}
-    for name in (
-        "incoming_bytes",
-        "outgoing_bytes",
-        "incoming_count_total",
-        "outgoing_count_total",
-    ):
-        _number(values, f"transfer.{name}", transfer.get(name))
-    spilled = m.get("spilled_bytes") or {}
-    _number(values, "spilled.memory", spilled.get("memory"))
-    _number(values, "spilled.disk", spilled.get("disk"))
-    for io in ("host_net_io", "host_disk_io"):
-        for name, v in (m.get(io) or {}).items():
-            _number(values, f"{io}.{name}", v)
-    return values
-
-
-def scheduler_values(scheduler: Any) -> dict[str, float]:
-    """One sample of the scheduler process itself."""
-    values: dict[str, float] = {}
-    try:
-        last = scheduler.monitor.recent()
-    except Exception:
-        last = {}
-    _number(values, "cpu", last.get("cpu"))
-    _number(values, "memory.process", last.get("memory"))
-    _number(values, "tasks", len(scheduler.tasks))
-    _number(values, "workers", len(scheduler.workers))
-    _number(values, "event_loop_interval", getattr(scheduler, "_tick_interval_observed", None))
-    return values
-
-
-#: The scheduler's own loggers (its process may also hold a client, or workers in-process,
-#: whose records are not the scheduler's).
-SCHEDULER_LOGGERS = (
-    "distributed.scheduler",
-    "distributed.active_memory_manager",
-    "distributed.stealing",
-    "distributed.shuffle._scheduler_plugin",
-)
-
-
-def _json_safe(value: Any) -> Any:
-    """A config value as JSON can hold it: infinities and NaN as text (``inf``), which JSON
-    has no number for. ``worker-saturation: inf`` (root-task queuing off) was recorded as
-    null, as if it were not set (found by a trial)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def _compute_failed(record: logging.LogRecord) -> bool:
-    """Whether ``record`` is Dask's worker's "Compute Failed" of a task (key first)."""
-    msg, args = record.msg, record.args
-    return (
-        isinstance(msg, str)
-        and msg.startswith("Compute Failed\nKey:")
-        and isinstance(args, tuple)
-        and len(args) > 0
-    )
-
-
-class _LogHandler(logging.Handler):
-    """Copies log records at or above the configured level into an agent: a worker's
-    (``worker``; a record logged by a task names the task and its run) or the scheduler's
-    (``worker`` None: records of ``only`` loggers, as worker ``scheduler``)."""
-
-    def __init__(
-        self, agent: Agent, worker: Any, level: int, only: tuple[str, ...] | None = None
-    ) -> None:
-        super().__init__(level)
-        self.agent = agent
-        self.worker = worker
-        self.address = str(worker.address) if worker is not None else "scheduler"
-        self.only = only
-        self._last: logging.LogRecord | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        # Our own warnings about delivery problems must not feed back into delivery.
-        if record.name.startswith("hindsight"):
-            return
-        # On both loggers, this handler sees a record of "distributed" twice where it
-        # propagates to the root logger (Dask's logging config stops it; a host
-        # application's may not: found by a review)
-        if record is self._last:
-            return
-        self._last = record
-        if self.only is not None and not record.name.startswith(self.only):
-            return
-        if self.only is None and record.name.startswith(SCHEDULER_LOGGERS):
-            return  # workers in the scheduler's process: the scheduler's handler has it
-        try:
-            message = record.getMessage()
-            if record.exc_info:
-                message = f"{message}\n{logging.Formatter().formatException(record.exc_info)}"
-            if self.worker is None:
-                at, key, run = record.created, None, None
-            elif _compute_failed(record) and running_worker() is None:
-                # Dask logs a task's failure on the event loop, after its thread let go of
-                # it: the key is the record's first argument. Placed by time alone, a
-                # failure could land in the next run (found by a trial). Of workers that
-                # share a process, the one with the task keeps it (found by a review).
-                owner = task_owner(record.args[0])
-                if not (owner is self.worker if owner is not None else owns_record(self.worker)):
-                    return
-                at = scheduler_time(self.worker, record.created)
-                key, run = task_and_run(self.worker, record.args[0])
-            elif not owns_record(self.worker):
-                return  # another worker's in this process (processes=False): its own handler
-            else:
-                at = scheduler_time(self.worker, record.created)
-                key, run = current_task(self.worker)
-            self.agent.add(
-                (_log_event, at, record.levelname, message, record.name, self.address, key, run)
-            )
-        except Exception:
-            pass
-
-
-class WorkerAgentPlugin(WorkerPlugin):
-    """The worker-side agent: ``hindsight.emit`` streams, log records, spill/disk detail.
-
-    Registered by :class:`SchedulerAgentPlugin`; carries the resolved settings and the
-    scheduler's session so its events join the same session and runs.
-    """
-
-    name = WORKER_PLUGIN_NAME
-    idempotent = True
-
-    def __init__(self, settings: Settings, session: str) -> None:
-        self.settings = settings
-        self.session = session
-        self._runtime: dict[str, Any] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self.settings, "session": self.session}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["settings"], state["session"])
-
-    def setup(self, worker: Any) -> None:
-        """Start the worker's agent, its log handler and its spill/disk sampler."""
-        try:
-            from hindsight.streams import set_worker_context
-
-            agent = Agent(self.settings, session=self.session, name=f"worker-{worker.name}")
-            level = logging.getLevelName(self.settings.log_level.upper())
-            handler = _LogHandler(agent, worker, level)
-            # "distributed" does not propagate to the root logger (Dask's logging
-            # config), so both need the handler, and no record reaches it twice.
-            loggers = [logging.getLogger(), logging.getLogger("distributed")]
-            for lg in loggers:
-                lg.addHandler(handler)
-            set_worker_context(agent, worker)
-            sampler = PeriodicCallback(
-                lambda: self._sample(worker, agent), self.settings.sample_interval * 1000
-            )
-            worker.periodic_callbacks["hindsight-sample"] = sampler
-            sampler.start()
-            self._runtime = {
-                "agent": agent,
-                "handler": handler,
-                "loggers": loggers,
-                "sampler": sampler,
-            }
-            if self.settings.profiles:
-                self._start_profiles(worker, agent)
-        except Exception:
-            logger.exception("hindsight: could not start the worker agent")
-
-    async def teardown(self, worker: Any) -> None:
-        """Stop sampling and log capture; flush the worker agent within its budget."""
-        runtime, self._runtime = self._runtime, {}
-        agent = runtime.get("agent")
-        if agent is None:
-            return
-        try:
-            from hindsight.streams import clear_worker_context
-
-            runtime["sampler"].stop()
-            worker.periodic_callbacks.pop("hindsight-sample", None)
-            profiles = runtime.get("profiles")
-            if profiles is not None:
-                runtime["profiles_pc"].stop()
-                worker.periodic_callbacks.pop("hindsight-profiles", None)
-                profiles.final()
-            for lg in runtime["loggers"]:
-                lg.removeHandler(runtime["handler"])
-            clear_worker_context(agent)
-            self._sample(worker, agent)
-        except Exception:
-            logger.debug("hindsight: worker teardown failed", exc_info=True)
-        await asyncio.get_running_loop().run_in_executor(None, agent.close)
-
-    def _start_profiles(self, worker: Any, agent: Agent) -> None:
-        shipper = ProfileShipper(worker, agent, self.settings.profile_interval)
-
-        def poll() -> None:
-            try:
-                shipper.poll()
-            except Exception:
-                logger.debug("hindsight: profile shipping failed", exc_info=True)
-
-        pc = PeriodicCallback(poll, max(shipper.every, 0.1) * 1000)
-        worker.periodic_callbacks["hindsight-profiles"] = pc
-        pc.start()
-        self._runtime["profiles"] = shipper
-        self._runtime["profiles_pc"] = pc
-
-    def _sample(self, worker: Any, agent: Agent) -> None:
-        try:
-            agent.add(
-                MetricEvent(
-                    worker=_label(worker.address) or "",
-                    time=scheduler_time(worker),
-                    values=spill_values(worker),
-                )
-            )
-        except Exception:
-            logger.debug("hindsight: worker sampling failed", exc_info=True)
-
-
-def spill_values(worker: Any) -> dict[str, float]:
-    """Spill and disk detail only the worker has (the scheduler sees only totals)."""
-    values: dict[str, float] = {}
-    data = worker.data
-    spilled = getattr(data, "spilled_total", None)
-    if spilled is not None:
-        _number(values, "spill.disk_bytes", spilled.disk)
-        _number(values, "spill.disk_memory_bytes", spilled.memory)
-    slow = getattr(data, "slow", None)
-    if slow is not None:
-        _number(values, "spill.disk_keys", len(slow))
-    fast = getattr(data, "fast", None)
-    if fast is not None:
-        _number(values, "spill.memory_keys", len(fast))
-    for (label, unit), v in list(getattr(data, "cumulative_metrics", {}).items()):
-        _number(values, f"spill.{label}.{unit}", v)
-    try:
-        usage = shutil.disk_usage(worker.local_directory)
-        _number(values, "disk.free_bytes", usage.free)
-        _number(values, "disk.total_bytes", usage.total)
-    except (OSError, AttributeError):
-        pass
-    return values
-
-
-# -- set-up paths ------------------------------------------------------------------------
-def install(
-    client: Any,
-    url: str | None = None,
-    cluster: str | None = None,
-    token: str | None = None,
-    **settings: Any,
-) -> None:
-    """Start recording a running cluster: registers the scheduler plugin (which registers
-    the worker plugin).  A no-op if the cluster already records (e.g. via the preload).
-
-    Settings not given here come from the scheduler's Dask config and environment.
-    This client is also made to send the code of each computation (``code_frames``
-    client frames, default 1; see ``distributed.diagnostics.computations.nframes``).
-    """
-    try:
-        frames = settings.get("code_frames")
-        enable_code_capture(
-            load_settings({} if frames is None else {"code_frames": frames}).code_frames
-        )
-    except Exception:
-        logger.warning("hindsight: could not turn on code capture", exc_info=True)
-    client.register_plugin(
-        SchedulerAgentPlugin(url=url, cluster=cluster, token=token, **settings), name=PLUGIN_NAME
-    )
-
-
-@click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--hindsight-url", default=None, help="Collector URL (else HINDSIGHT_URL).")
-@click.option("--hindsight-token", default=None, help="Bearer token (else HINDSIGHT_TOKEN).")
-@click.option("--hindsight-cluster", default=None, help="Cluster name (else HINDSIGHT_CLUSTER).")
-def dask_setup(
-    server: Any,
-    hindsight_url: str | None,
-    hindsight_token: str | None,
-    hindsight_cluster: str | None,
-) -> None:
-    """Preload entry point: ``dask scheduler --preload hindsight.dask``."""
-    from distributed import Scheduler
-
-    if not isinstance(server, Scheduler):
-        logger.warning(
-            "hindsight.dask is a scheduler preload; workers get their plugin from the "
-            "scheduler. Ignoring the preload on %s",
-            type(server).__name__,
-        )
-        return
-    try:
-        server.add_plugin(
-            SchedulerAgentPlugin(
-                url=hindsight_url, token=hindsight_token, cluster=hindsight_cluster
-            ),
-            name=PLUGIN_NAME,
-            idempotent=True,
-        )
-    except Exception:
-        logger.exception("hindsight: could not add the scheduler plugin")
-
-
-def dask_teardown(server: Any) -> None:
-    """Preload teardown: nothing to do, the plugin's ``close`` flushes the agent."""
