@@ -158,7 +158,7 @@ def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
 def test_rollups_do_not_depend_on_order_or_retries(index_url):
     from storage.core.db import make_engine, make_sessionmaker, upgrade
     from tests.conftest import new_tenant
-    from tests.storage.test_index import apply, synthetic_batches
+    from tests.storage.ingest.test_index import apply, synthetic_batches
 
     engine = make_engine(index_url)
     upgrade(engine)

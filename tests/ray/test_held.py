@@ -177,7 +177,7 @@ def test_a_refused_value_in_one_body_keeps_another_bodys_fields_of_the_task(
     died holding them (the task was left out whole before)."""
     from services.embedded import create_app
     from storage.core.db import upgrade
-    from tests.test_reindex import fresh_index
+    from tests.storage.jobs.test_reindex import fresh_index
 
     url = fresh_index({"database_url": pg_url}, tmp_path)
     upgrade(url)

@@ -27,7 +27,7 @@ from storage.ray import hold as ray_hold
 from storage.ray import sweep as ray_sweep
 from tests.conftest import new_tenant
 from tests.dask.conftest import wait_until
-from tests.test_reindex import fresh_index
+from tests.storage.jobs.test_reindex import fresh_index
 
 T0 = 1795383780.0
 SETTLE = 5.0

@@ -14,7 +14,7 @@ from storage.core import models as m
 from storage.core.db import make_engine, make_sessionmaker, upgrade
 from storage.query.replay import state_at
 from tests.conftest import new_tenant
-from tests.storage.test_index import NOW, apply
+from tests.storage.ingest.test_index import NOW, apply
 
 TASKS = {"load": 40, "sum": 4}
 

@@ -14,7 +14,7 @@ from hindsight.schema import (
     CodeFrame,
     RunEvent,
 )
-from tests.storage.test_index import NOW, apply
+from tests.storage.ingest.test_index import NOW, apply
 
 
 def batches() -> list[Batch]:

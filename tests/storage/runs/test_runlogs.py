@@ -15,7 +15,7 @@ from storage.jobs.retention import apply
 from tests.conftest import new_tenant
 from tests.helpers import auth, example, post
 from tests.query.test_runs import T0
-from tests.test_reindex import fresh_index
+from tests.storage.jobs.test_reindex import fresh_index
 
 W1, W2 = "tcp://10.0.0.1:4001", "tcp://10.0.0.2:4001"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from storage.query.replay import exact_counts, with_records
-from tests.query.test_analysis import c, run_data
+from tests.storage.analysis.test_critical_path import c, run_data
 
 
 def test_done_counts_at_any_moment_are_the_records():

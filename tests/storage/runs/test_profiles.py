@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hindsight.dask_perf import MAX_EVENT_NODES, flatten_profile, profile_event
+from hindsight.dask.perf import MAX_EVENT_NODES, flatten_profile, profile_event
 from storage.analysis import flame
 from storage.analysis.profile import Profile, add_flat, merge_into, prune
 
