@@ -336,6 +336,7 @@ def why_slow(run: m.Run) -> dict[str, Any]:
         "hottest": hottest,
         "activity_plot": script_json(why_plots.activity_chart(act["activity"])),
         "activity_totals": [t for t in act["totals"] if t["unit"] == "seconds"],
+        "activity_partial": {p: c for p, c in act["coverage"].items() if c < activity.FULL},
         "code": runcode.run_code(db(), run.id),
     }
 

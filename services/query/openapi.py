@@ -4,91 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.openapi import AUTH_ERRORS, UNAVAILABLE, document, error, ok
-
-_limit = lambda default, hi: {  # noqa: E731
-    "name": "limit",
-    "in": "query",
-    "schema": {"type": "integer", "minimum": 1, "maximum": hi, "default": default},
-}
-_cursor = {"name": "cursor", "in": "query", "schema": {"type": "string", "maxLength": 256}}
-_time = lambda name, what: {  # noqa: E731
-    "name": name,
-    "in": "query",
-    "description": f"{what}: epoch seconds or ISO 8601"
-    + ("; a date alone (2026-11-21) includes that day (UTC)" if name == "until" else ""),
-    "schema": {"type": "string", "maxLength": 256},
-}
-_run_id = {
-    "name": "run_id",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string", "maxLength": 64},
-}
-_not_found = {"404": error("no such run for this tenant")}
-_bad = {"400": error("invalid parameter")}
-
-
-def _get(
-    summary: str, params: list[dict[str, Any]], schema: dict[str, Any], *extra: dict[str, Any]
-) -> dict[str, Any]:
-    responses: dict[str, Any] = {**ok(summary, schema), **_bad, **AUTH_ERRORS, **UNAVAILABLE}
-    for e in extra:
-        responses.update(e)
-    return {"get": {"summary": summary, "parameters": params, "responses": responses}}
-
-
-_run = {"$ref": "#/components/schemas/Run"}
-_q = lambda name, schema, desc=None: {  # noqa: E731
-    "name": name,
-    "in": "query",
-    "schema": schema,
-    **({"description": desc} if desc else {}),
-}
-_str = lambda n=1024: {"type": "string", "maxLength": n}  # noqa: E731
-_obj = {"type": "object"}
-_arr = {"type": "array", "items": _obj}
-_task_filters = [
-    _q("prefix", _str(), "tasks of this prefix"),
-    _q("worker", _str(), "tasks that ran on this worker address"),
-    _q("status", _str(32), "memory, erred, or lost (Ray: no end arrived)"),
-    _time("since", "tasks that stopped at or after"),
-    _time("until", "tasks that started before"),
-    _q(
-        "sort",
-        {"type": "string", "enum": ["duration", "-duration", "start", "-start"]},
-        "duration is compute seconds; '-' for descending",
-    ),
-]
-_action = _q("action", _str(64), "compute (default), transfer, disk-read, disk-write")
-
-
-def _json(summary: str, props: dict[str, Any]) -> dict[str, Any]:
-    return _get(summary, [_run_id], {"type": "object", "properties": props}, _not_found)
-
-
-_stats = {
-    "type": "object",
-    "properties": {
-        k: {"type": ["number", "null"]}
-        for k in ("count", "total", "mean", "min", "p50", "p90", "p99", "max")
-    },
-}
-_time_props = {
-    k: {"type": "number"} for k in ("capacity", "compute", "transfer", "spill", "other", "idle")
-} | {"workers": _arr}
-
-
-def _binary(summary: str, mime: str, params: list[dict[str, Any]]) -> dict[str, Any]:
-    op = _get(summary, params, _obj, _not_found)
-    op["get"]["responses"]["200"]["content"] = {
-        mime: {"schema": {"type": "string", "format": "binary"}}
-    }
-    return op
-
+from services.common.openapi import document
+from services.query.openapi_lake import LAKE_PATHS
+from services.query.openapi_parts import (
+    ACTION,
+    ARRAY,
+    CURSOR,
+    NOT_FOUND,
+    OBJECT,
+    RUN_ID,
+    RUN_REF,
+    STATS,
+    TASK_FILTERS,
+    TIME_PROPS,
+    binary_op,
+    get_op,
+    limit_param,
+    query_param,
+    run_json_op,
+    string_schema,
+    time_param,
+)
 
 PATHS = {
-    "/v1/clusters": _get(
+    "/v1/clusters": get_op(
         "Clusters of the caller's tenant",
         [],
         {
@@ -96,7 +35,7 @@ PATHS = {
             "properties": {"clusters": {"type": "array", "items": {"type": "object"}}},
         },
     ),
-    "/v1/runs": _get(
+    "/v1/runs": get_op(
         "Runs with filters, sort and cursor pagination (newest first by default)",
         [
             {"name": "cluster", "in": "query", "schema": {"type": "string", "maxLength": 128}},
@@ -105,16 +44,20 @@ PATHS = {
                 "in": "query",
                 "schema": {"type": "string", "enum": ["running", "finished", "erred", "lost"]},
             },
-            _time("since", "runs started at or after"),
-            _time("until", "runs started before"),
-            _q("name", _str(), "exact run name; a trailing * matches a name prefix"),
-            _q("min_duration", {"type": "number", "minimum": 0}, "makespan at least (seconds)"),
-            _q(
+            time_param("since", "runs started at or after"),
+            time_param("until", "runs started before"),
+            query_param(
+                "name", string_schema(), "exact run name; a trailing * matches a name prefix"
+            ),
+            query_param(
+                "min_duration", {"type": "number", "minimum": 0}, "makespan at least (seconds)"
+            ),
+            query_param(
                 "has_errors",
                 {"type": "boolean"},
                 "only runs with (true) or without (false) erred tasks",
             ),
-            _q(
+            query_param(
                 "sort",
                 {
                     "type": "string",
@@ -130,27 +73,27 @@ PATHS = {
                     ],
                 },
             ),
-            _limit(100, 1000),
-            _cursor,
+            limit_param(100, 1000),
+            CURSOR,
         ],
         {
             "type": "object",
             "properties": {
-                "runs": {"type": "array", "items": _run},
+                "runs": {"type": "array", "items": RUN_REF},
                 "next_cursor": {"type": ["string", "null"]},
             },
         },
     ),
-    "/v1/runs/{run_id}": _get(
+    "/v1/runs/{run_id}": get_op(
         "One run: status, times, counts, seconds by action, workers used, fingerprint, "
         "per-prefix rollups, completeness, finished-run work (compacted copy: pending or done)",
-        [_run_id],
-        _run,
-        _not_found,
+        [RUN_ID],
+        RUN_REF,
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/tasks": _get(
+    "/v1/runs/{run_id}/tasks": get_op(
         "A run's task records (from its compacted copy), filtered, sorted, paginated",
-        [_run_id, *_task_filters, _limit(1000, 10000), _cursor],
+        [RUN_ID, *TASK_FILTERS, limit_param(1000, 10000), CURSOR],
         {
             "type": "object",
             "properties": {
@@ -159,28 +102,28 @@ PATHS = {
                 "next_cursor": {"type": ["string", "null"]},
             },
         },
-        _not_found,
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/tasks/stream": _binary(
+    "/v1/runs/{run_id}/tasks/stream": binary_op(
         "Every matching task record as NDJSON (one JSON object per line), streamed",
         "application/x-ndjson",
-        [_run_id, *_task_filters],
+        [RUN_ID, *TASK_FILTERS],
     ),
-    "/v1/runs/{run_id}/tasks.parquet": _binary(
+    "/v1/runs/{run_id}/tasks.parquet": binary_op(
         "The run's tasks as Parquet (the compacted copy: one row per task, seconds per action, "
         "startstops as JSON)",
         "application/vnd.apache.parquet",
         [
-            _run_id,
-            *_task_filters,
-            _q(
+            RUN_ID,
+            *TASK_FILTERS,
+            query_param(
                 "limit",
                 {"type": "integer", "minimum": 1, "maximum": 2**62},
                 "at most this many rows (default: all)",
             ),
         ],
     ),
-    "/v1/runs/{run_id}/summary": _json(
+    "/v1/runs/{run_id}/summary": run_json_op(
         "Per prefix: count, errors, bytes and per action count/total/mean/min/p50/p90/p99/max "
         "(quantiles from mergeable histograms, within 4.5%)",
         {
@@ -190,120 +133,138 @@ PATHS = {
                     "type": "object",
                     "properties": {
                         "prefix": {"type": "string"},
-                        "actions": {"type": "object", "additionalProperties": _stats},
+                        "actions": {"type": "object", "additionalProperties": STATS},
                     },
                 },
             }
         },
     ),
-    "/v1/runs/{run_id}/metrics": _get(
+    "/v1/runs/{run_id}/metrics": get_op(
         "Worker metric series during the run, each downsampled to at most `points` points",
         [
-            _run_id,
-            _q("points", {"type": "integer", "minimum": 2, "maximum": 10000, "default": 500}),
-            _q("worker", _str()),
-            _q("name", _str(256), "metric name, e.g. memory.managed"),
+            RUN_ID,
+            query_param(
+                "points", {"type": "integer", "minimum": 2, "maximum": 10000, "default": 500}
+            ),
+            query_param("worker", string_schema()),
+            query_param("name", string_schema(256), "metric name, e.g. memory.managed"),
         ],
-        {"type": "object", "properties": {"series": _arr}},
-        _not_found,
+        {"type": "object", "properties": {"series": ARRAY}},
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/progress": _get(
+    "/v1/runs/{run_id}/progress": get_op(
         "Completed tasks per prefix per time bucket",
-        [_run_id, _q("buckets", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50})],
-        {"type": "object", "properties": {"times": {"type": "array"}, "prefixes": _obj}},
-        _not_found,
+        [
+            RUN_ID,
+            query_param(
+                "buckets", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}
+            ),
+        ],
+        {"type": "object", "properties": {"times": {"type": "array"}, "prefixes": OBJECT}},
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/graph": _json(
+    "/v1/runs/{run_id}/graph": run_json_op(
         "The task graph: nodes with duration, worker, nbytes, typename, status; edges",
-        {"nodes": _arr, "edges": _arr},
+        {"nodes": ARRAY, "edges": ARRAY},
     ),
-    "/v1/runs/{run_id}/errors": _json(
-        "Erred tasks grouped by exception text, numbers and hex ids set aside", {"groups": _arr}
+    "/v1/runs/{run_id}/errors": run_json_op(
+        "Erred tasks grouped by exception text, numbers and hex ids set aside", {"groups": ARRAY}
     ),
-    "/v1/runs/{run_id}/critical-path": _json(
+    "/v1/runs/{run_id}/critical-path": run_json_op(
         "The chain of compute, transfer and waiting through the DAG that set the makespan",
-        {"makespan": {"type": ["number", "null"]}, "segments": _arr, "totals": _obj},
+        {"makespan": {"type": ["number", "null"]}, "segments": ARRAY, "totals": OBJECT},
     ),
-    "/v1/runs/{run_id}/time": _json(
+    "/v1/runs/{run_id}/time": run_json_op(
         "Where the time went: compute / spill / other / idle worker-thread-seconds, and transfer "
         "seconds (on the event loop, beside the threads)",
-        _time_props,
+        TIME_PROPS,
     ),
-    "/v1/runs/{run_id}/regressions": _get(
+    "/v1/runs/{run_id}/regressions": get_op(
         "Prefixes whose p90 moved more than `threshold` % against the previous `baseline` runs "
         "with the same fingerprint",
         [
-            _run_id,
-            _q("baseline", {"type": "integer", "minimum": 1, "maximum": 100, "default": 5}),
-            _q("threshold", {"type": "number", "minimum": 0, "maximum": 10_000, "default": 20}),
-            _action,
-            _q(
+            RUN_ID,
+            query_param(
+                "baseline", {"type": "integer", "minimum": 1, "maximum": 100, "default": 5}
+            ),
+            query_param(
+                "threshold", {"type": "number", "minimum": 0, "maximum": 10_000, "default": 20}
+            ),
+            ACTION,
+            query_param(
                 "same_cluster",
                 {"type": "boolean", "default": False},
                 "baselines from this run's cluster only (else any cluster's runs of the job)",
             ),
         ],
-        {"type": "object", "properties": {"regressions": _arr, "baseline_runs": {"type": "array"}}},
-        _not_found,
+        {
+            "type": "object",
+            "properties": {"regressions": ARRAY, "baseline_runs": {"type": "array"}},
+        },
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/trace": _get(
+    "/v1/runs/{run_id}/trace": get_op(
         "The run as Chrome trace-event JSON (Perfetto): a process per worker, a track per "
         "worker thread and transfer tracks, every phase (a slice that would overlap another "
         "on its track on a further lane of it)",
-        [_run_id],
-        {"type": "object", "properties": {"traceEvents": _arr}},
-        _not_found,
+        [RUN_ID],
+        {"type": "object", "properties": {"traceEvents": ARRAY}},
+        NOT_FOUND,
     ),
-    "/v1/compare": _get(
+    "/v1/compare": get_op(
         "Run b against run a: makespan, per-prefix count and duration deltas, new/missing prefixes",
-        [_q("a", _str(64)) | {"required": True}, _q("b", _str(64)) | {"required": True}, _action],
+        [
+            query_param("a", string_schema(64)) | {"required": True},
+            query_param("b", string_schema(64)) | {"required": True},
+            ACTION,
+        ],
         {
             "type": "object",
             "properties": {
-                "makespan": _obj,
-                "prefixes": _arr,
+                "makespan": OBJECT,
+                "prefixes": ARRAY,
                 "new_prefixes": {"type": "array"},
                 "missing_prefixes": {"type": "array"},
             },
         },
-        _not_found,
+        NOT_FOUND,
     ),
-    "/v1/clusters/{cluster}/time": _get(
+    "/v1/clusters/{cluster}/time": get_op(
         "Where the time went on a cluster over its runs started in the window",
         [
-            {"name": "cluster", "in": "path", "required": True, "schema": _str(128)},
-            _time("since", "runs started at or after"),
-            _time("until", "runs started before"),
+            {"name": "cluster", "in": "path", "required": True, "schema": string_schema(128)},
+            time_param("since", "runs started at or after"),
+            time_param("until", "runs started before"),
         ],
-        {"type": "object", "properties": _time_props},
+        {"type": "object", "properties": TIME_PROPS},
     ),
-    "/v1/history/prefixes": _get(
+    "/v1/history/prefixes": get_op(
         "A prefix's duration quantiles per hour or day across the tenant's clusters"
         " (index rollups)",
         [
-            _q("prefix", _str()) | {"required": True},
-            _action,
-            _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "hour"}),
-            _time("since", "from"),
-            _time("until", "to"),
-            _q("cluster", _str(128)),
+            query_param("prefix", string_schema()) | {"required": True},
+            ACTION,
+            query_param("bucket", {"type": "string", "enum": ["hour", "day"], "default": "hour"}),
+            time_param("since", "from"),
+            time_param("until", "to"),
+            query_param("cluster", string_schema(128)),
         ],
-        {"type": "object", "properties": {"points": _arr}},
+        {"type": "object", "properties": {"points": ARRAY}},
     ),
-    "/v1/history/clusters": _get(
+    "/v1/history/clusters": get_op(
         "Per cluster per hour or day: runs, tasks, errors, compute/transfer/disk seconds",
         [
-            _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "hour"}),
-            _time("since", "from"),
-            _time("until", "to"),
-            _q("cluster", _str(128)),
+            query_param("bucket", {"type": "string", "enum": ["hour", "day"], "default": "hour"}),
+            time_param("since", "from"),
+            time_param("until", "to"),
+            query_param("cluster", string_schema(128)),
         ],
-        {"type": "object", "properties": {"points": _arr}},
+        {"type": "object", "properties": {"points": ARRAY}},
     ),
 }
 
 # -- why a run was slow (issue 9): profiles and fine performance metrics
-_profile_format = _q(
+_profile_format = query_param(
     "format",
     {"type": "string", "enum": ["json", "collapsed", "speedscope"], "default": "json"},
     "json: the call tree and the hottest functions; collapsed: folded stacks "
@@ -354,7 +315,7 @@ _profile = {
 def _profile_op(
     summary: str, params: list[dict[str, Any]], *extra: dict[str, Any]
 ) -> dict[str, Any]:
-    op = _get(summary, [*params, _profile_format], _profile, *extra)
+    op = get_op(summary, [*params, _profile_format], _profile, *extra)
     op["get"]["responses"]["200"]["content"]["text/plain"] = {"schema": {"type": "string"}}
     return op
 
@@ -369,70 +330,81 @@ PATHS |= {
         "The run's statistical profile (Dask's worker profiles, merged): call tree, hottest "
         "functions; of one task prefix and/or one worker",
         [
-            _run_id,
-            _q("prefix", _str(), "only tasks of this prefix"),
-            _q("worker", _str(), "only this worker address"),
+            RUN_ID,
+            query_param("prefix", string_schema(), "only tasks of this prefix"),
+            query_param("worker", string_schema(), "only this worker address"),
         ],
-        _not_found,
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/activity": _json(
+    "/v1/runs/{run_id}/activity": run_json_op(
         "Dask's fine performance metrics of the run (its span's cumulative_worker_metrics, "
-        "as of the last heartbeat after it ended), and totals by activity and unit",
+        "as of the last heartbeat after it ended), and totals by activity and unit. "
+        "`coverage`: per prefix with at least 0.5 s of compute, the share of its task "
+        "records' compute seconds the metrics hold as thread seconds; `partial` is true when "
+        "one is below 0.85 (a worker left before its next heartbeat), null without metrics",
         {
             "activity": {"type": "array", "items": _metric},
-            "totals": _arr,
+            "totals": ARRAY,
             "as_of": {"type": ["number", "null"]},
+            "coverage": {"type": "object", "additionalProperties": {"type": "number"}},
+            "partial": {"type": ["boolean", "null"]},
         },
     ),
     "/v1/profiles": _profile_op(
         "The merged profile of a task prefix, or of a job's runs, over the runs started in a "
         "window (newest `runs` runs)",
         [
-            _q("prefix", _str(), "the task prefix (without it: whole runs; then `name` is needed)"),
-            _q("name", _str(), "only runs of this job name"),
-            _q("cluster", _str(128)),
-            _time("since", "runs started at or after"),
-            _time("until", "runs started before"),
-            _q(
+            query_param(
+                "prefix",
+                string_schema(),
+                "the task prefix (without it: whole runs; then `name` is needed)",
+            ),
+            query_param("name", string_schema(), "only runs of this job name"),
+            query_param("cluster", string_schema(128)),
+            time_param("since", "runs started at or after"),
+            time_param("until", "runs started before"),
+            query_param(
                 "runs",
                 {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1000},
                 "at most this many runs, newest first",
             ),
         ],
     ),
-    "/v1/compare/profile": _get(
+    "/v1/compare/profile": get_op(
         "What changed in the hot path: run b's profile against run a's, frame by frame (samples "
         "and share of each run's samples); `format=collapsed` gives `stack A B` lines "
         "(flamegraph.pl's differential input)",
         [
-            _q("a", _str(64)) | {"required": True},
-            _q("b", _str(64)) | {"required": True},
-            _q("prefix", _str(), "one task prefix"),
-            _q("format", {"type": "string", "enum": ["json", "collapsed"], "default": "json"}),
+            query_param("a", string_schema(64)) | {"required": True},
+            query_param("b", string_schema(64)) | {"required": True},
+            query_param("prefix", string_schema(), "one task prefix"),
+            query_param(
+                "format", {"type": "string", "enum": ["json", "collapsed"], "default": "json"}
+            ),
         ],
         {
             "type": "object",
             "properties": {
                 "samples_a": {"type": "integer"},
                 "samples_b": {"type": "integer"},
-                "tree": _obj,
+                "tree": OBJECT,
             },
         },
-        _not_found,
+        NOT_FOUND,
     ),
-    "/v1/history/activity": _get(
+    "/v1/history/activity": get_op(
         "Fine performance metrics over time: per hour or day of run start, the runs and per "
         "activity the total and the mean per run (of a prefix, of a job name, or both)",
         [
-            _q("prefix", _str()),
-            _q("name", _str(), "job name"),
-            _q("bucket", {"type": "string", "enum": ["hour", "day"], "default": "day"}),
-            _q("unit", _str(64), "seconds (default), bytes or count"),
-            _time("since", "runs started at or after"),
-            _time("until", "runs started before"),
-            _q("cluster", _str(128)),
+            query_param("prefix", string_schema()),
+            query_param("name", string_schema(), "job name"),
+            query_param("bucket", {"type": "string", "enum": ["hour", "day"], "default": "day"}),
+            query_param("unit", string_schema(64), "seconds (default), bytes or count"),
+            time_param("since", "runs started at or after"),
+            time_param("until", "runs started before"),
+            query_param("cluster", string_schema(128)),
         ],
-        {"type": "object", "properties": {"points": _arr}},
+        {"type": "object", "properties": {"points": ARRAY}},
     ),
 }
 PATHS["/v1/compare/profile"]["get"]["responses"]["200"]["content"]["text/plain"] = {
@@ -441,7 +413,7 @@ PATHS["/v1/compare/profile"]["get"]["responses"]["200"]["content"]["text/plain"]
 
 _int = {"type": "integer"}
 _num_or_null = {"type": ["number", "null"]}
-PATHS["/v1/runs/{run_id}/state"] = _get(
+PATHS["/v1/runs/{run_id}/state"] = get_op(
     "Replay: the run at a moment as Dask's status page showed it, from the latest state "
     "sample at or before `at` (the agent samples every sampling interval and at the run's "
     "end): bytes and tasks processing per worker, task states per prefix (waiting counts "
@@ -452,7 +424,7 @@ PATHS["/v1/runs/{run_id}/state"] = _get(
     "session's memory fractions (Dask colours managed memory orange from `target`); "
     "`samples` the run's sample range. An `at` outside the run (before its start, after "
     "its end and last sample) is a 400",
-    [_run_id, _time("at", "the moment (default: now), within the run")],
+    [RUN_ID, time_param("at", "the moment (default: now), within the run")],
     {
         "type": "object",
         "required": ["time", "workers", "prefixes"],
@@ -494,7 +466,7 @@ PATHS["/v1/runs/{run_id}/state"] = _get(
             },
         },
     },
-    _not_found,
+    NOT_FOUND,
 )
 
 
@@ -568,7 +540,7 @@ _lifecycle_worker = {
                 "rescheduled": _took,
                 "recomputed": _took,
                 "lost": {"type": "array", "items": {"type": "string"}},
-                "worker_totals": _obj,
+                "worker_totals": OBJECT,
             },
         },
     },
@@ -578,24 +550,28 @@ _session_info = {
     "properties": {
         "time": {"type": "number"},
         "address": _str_or_null,
-        "versions": _obj,
-        "config": _obj,
+        "versions": OBJECT,
+        "config": OBJECT,
     },
 }
-_stream_name = {"name": "stream", "in": "path", "required": True, "schema": _str(256)}
+_stream_name = {"name": "stream", "in": "path", "required": True, "schema": string_schema(256)}
 PATHS |= {
-    "/v1/runs/{run_id}/logs": _get(
+    "/v1/runs/{run_id}/logs": get_op(
         "The run's log records (workers' and the scheduler's), oldest first: records its tasks "
         "logged, and records outside any task stamped within its time window",
         [
-            _run_id,
-            _q("level", _str(32), "this level and above (DEBUG, INFO, WARNING, ERROR, CRITICAL)"),
-            _q("worker", _str(), "one worker's address, or `scheduler`"),
-            _time("since", "records at or after"),
-            _time("until", "records before"),
-            _q("q", _str(), "text in the message or logger name, any case"),
-            _limit(100, 1000),
-            _cursor,
+            RUN_ID,
+            query_param(
+                "level",
+                string_schema(32),
+                "this level and above (DEBUG, INFO, WARNING, ERROR, CRITICAL)",
+            ),
+            query_param("worker", string_schema(), "one worker's address, or `scheduler`"),
+            time_param("since", "records at or after"),
+            time_param("until", "records before"),
+            query_param("q", string_schema(), "text in the message or logger name, any case"),
+            limit_param(100, 1000),
+            CURSOR,
         ],
         {
             "type": "object",
@@ -608,9 +584,9 @@ PATHS |= {
                 },
             },
         },
-        _not_found,
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/streams": _json(
+    "/v1/runs/{run_id}/streams": run_json_op(
         "The streams the run's tasks emitted values on (`hindsight.emit`): values, numeric "
         "values, workers, first and last times",
         {
@@ -630,20 +606,20 @@ PATHS |= {
             }
         },
     ),
-    "/v1/runs/{run_id}/streams/{stream}": _get(
+    "/v1/runs/{run_id}/streams/{stream}": get_op(
         "One stream's values in time order (paged), and its numeric values aggregated per "
         "interval (count, sum, mean, min, max); a stream the run never emitted on has none",
         [
-            _run_id,
+            RUN_ID,
             _stream_name,
-            _limit(100, 1000),
-            _cursor,
-            _q(
+            limit_param(100, 1000),
+            CURSOR,
+            query_param(
                 "buckets",
                 {"type": "integer", "minimum": 1, "maximum": 10000, "default": 100},
                 "intervals over the stream's time span",
             ),
-            _q(
+            query_param(
                 "interval",
                 {"type": "number", "minimum": 0.001, "maximum": 86400},
                 "interval in seconds instead (widened to answer at most 10,000 points)",
@@ -665,9 +641,9 @@ PATHS |= {
                 },
             },
         },
-        _not_found,
+        NOT_FOUND,
     ),
-    "/v1/runs/{run_id}/lifecycle": _json(
+    "/v1/runs/{run_id}/lifecycle": run_json_op(
         "The session's facts (versions, config excerpt, scheduler address) and the workers "
         "present during the run: joined, left, why, and the run's tasks a departure took down",
         {"session": _session_info, "workers": {"type": "array", "items": _lifecycle_worker}},
@@ -675,111 +651,7 @@ PATHS |= {
 }
 
 
-# ---------------------------------------------------------------- the history lake (docs/lake.md)
-
-_lake_table = {
-    "name": "table",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string", "enum": ["tasks", "metrics", "runs", "streams"]},
-}
-_many = lambda name, desc, n=1024: {  # noqa: E731
-    "name": name,
-    "in": "query",
-    "description": desc + " (repeat the parameter for several)",
-    "schema": {"type": "array", "items": {"type": "string", "maxLength": n}, "maxItems": 100},
-    "style": "form",
-    "explode": True,
-}
-_number = lambda name, desc: _q(name, {"type": "number"}, desc)  # noqa: E731
-_lake_filters = [
-    _many("cluster", "partitions of these clusters", 128),
-    _time("since", "rows overlapping the window from (tasks: stopped at or after)"),
-    _time("until", "rows overlapping the window to (tasks: started before)"),
-    _many("run", "rows of these runs (ids)", 64),
-    _many("session", "rows of these sessions"),
-    _many("prefix", "tasks: of these prefixes"),
-    _many("status", "tasks, runs: of these statuses", 32),
-    _many("worker", "tasks, metrics, streams: on these workers"),
-    _many("name", "metrics: these metric names; runs: these run names"),
-    _many("stream", "streams: these emit() streams", 256),
-    _many("key", "tasks, streams: these task keys", 4096),
-    _number("min_duration", "tasks: duration (compute seconds) at least"),
-    _number("max_duration", "tasks: duration (compute seconds) at most"),
-    _number("min_nbytes", "tasks, runs: bytes at least"),
-    _number("max_nbytes", "tasks, runs: bytes at most"),
-    _number("min_value", "metrics: value at least"),
-    _number("max_value", "metrics: value at most"),
-    _number("min_makespan", "runs: makespan at least (seconds)"),
-    _q("columns", _str(2048), "comma-separated columns (default: all, with cluster and day)"),
-]
-_lake_rows = _get(
-    "Rows of a lake table across runs and clusters: filters, columns, sort, limit. JSON (at "
-    "most 10,000 rows) or, with format=arrow|parquet, streamed Arrow IPC / Parquet of any size",
-    [
-        _lake_table,
-        *_lake_filters,
-        _q("sort", _str(64), "a column, '-' for descending"),
-        {
-            "name": "limit",
-            "in": "query",
-            "schema": {"type": "integer", "minimum": 1},
-            "description": "JSON: 1,000 by default, at most 10,000; sorted Arrow/Parquet: "
-            "at most 1,000,000; unsorted Arrow/Parquet: every row by default",
-        },
-        _q("format", {"type": "string", "enum": ["json", "arrow", "parquet"]}),
-    ],
-    {
-        "type": "object",
-        "properties": {
-            "table": {"type": "string"},
-            "rows": _arr,
-            "count": {"type": "integer"},
-            "truncated": {"type": "boolean"},
-            "scan": _obj,
-        },
-    },
-    {"404": error("no such lake table")},
-)
-_lake_rows["get"]["responses"]["200"]["content"].update(
-    {
-        "application/vnd.apache.arrow.stream": {"schema": {"type": "string", "format": "binary"}},
-        "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary"}},
-    }
-)
-_lake_file = _binary(
-    "One planned lake file's rows matching the filters, as Arrow IPC (a Dask partition's read)",
-    "application/vnd.apache.arrow.stream",
-    [
-        _lake_table,
-        {"name": "cluster", "in": "path", "required": True, "schema": _str(128)},
-        {"name": "day", "in": "path", "required": True, "schema": _str(10)},
-        {"name": "name", "in": "path", "required": True, "schema": _str(64)},
-        *_lake_filters,
-    ],
-)
-_lake_file["get"]["responses"]["404"] = error("no such lake file (or table)")
-PATHS.update(
-    {
-        "/v1/lake/{table}": _lake_rows,
-        "/v1/lake/{table}/files": _get(
-            "The plan of a lake scan: the files its filters keep (partition and statistics "
-            "pruning), each with its rows, bytes, and where to read it",
-            [_lake_table, *_lake_filters],
-            {
-                "type": "object",
-                "properties": {
-                    "table": {"type": "string"},
-                    "columns": {"type": "array"},
-                    "schema": {"type": "string", "description": "Arrow IPC schema, base64"},
-                    "files": _arr,
-                },
-            },
-            {"404": error("no such lake table")},
-        ),
-        "/v1/lake/{table}/files/{cluster}/{day}/{name}": _lake_file,
-    }
-)
+PATHS.update(LAKE_PATHS)
 
 RUN = {
     "type": "object",

@@ -35,6 +35,7 @@ def run_activity(db: Session, run_id: int) -> dict[str, Any]:
         activity.append(dict(zip(FIELDS, (context, prefix, act, unit, value), strict=True)))
         totals[(act, unit)] = totals.get((act, unit), 0.0) + value
         latest = t if latest is None or t > latest else latest
+    coverage = _coverage(db, run_id, activity) if activity else {}
     return {
         "activity": activity,
         "totals": [
@@ -42,7 +43,40 @@ def run_activity(db: Session, run_id: int) -> dict[str, Any]:
             for (a, u), v in sorted(totals.items(), key=lambda kv: (kv[0][1], -kv[1]))
         ],
         "as_of": latest,
+        "coverage": coverage,
+        "partial": None if not activity else any(c < FULL for c in coverage.values()),
     }
+
+
+#: A prefix's fine metrics are whole when its threads' seconds (cpu and noncpu) are at least
+#: this share of its task records' compute seconds.
+FULL = 0.85
+#: Prefixes with fewer compute seconds than this are not judged (rounding, tiny tasks).
+JUDGED_S = 0.5
+
+
+def _coverage(db: Session, run_id: int, activity: list[dict[str, Any]]) -> dict[str, float]:
+    """Per prefix with at least :data:`JUDGED_S` compute seconds in its task records: the
+    share of them Dask's fine metrics hold as thread seconds. Short of :data:`FULL`, the
+    metrics miss tasks (a worker killed before its next heartbeat, the run's last wave
+    lost with its cluster)."""
+    A = m.RunPrefixAction
+    compute = dict(
+        db.execute(
+            select(A.prefix, A.total).where(
+                A.run_id == run_id, A.action == "compute", A.total >= JUDGED_S
+            )
+        ).all()
+    )
+    threads: dict[str, float] = {}
+    for row in activity:
+        if (
+            row["context"] == "execute"
+            and row["unit"] == "seconds"
+            and row["activity"] in ("thread-cpu", "thread-noncpu")
+        ):
+            threads[row["prefix"]] = threads.get(row["prefix"], 0.0) + row["value"]
+    return {p: round(threads.get(p, 0.0) / total, 3) for p, total in sorted(compute.items())}
 
 
 def seconds_by_prefix(activity: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
