@@ -11,8 +11,8 @@ DATA_DIR ?= ./hindsight-data
 PYTEST_ARGS ?=
 # Python 3.11 formats a traceback's ^^^ markers with ast.parse, whose state is shared between
 # threads (CPython gh-106905): a server thread logging an exception while another thread
-# parses can raise "SystemError: AST constructor recursion depth mismatch" in either (seen
-# once in CI). Tests run without the column tables, so tracebacks never parse.
+# parses can raise "SystemError: AST constructor recursion depth mismatch" in either. Tests
+# run without the column tables, so tracebacks never parse.
 PYTEST := PYTHONNODEBUGRANGES=1 $(BIN)/python -m pytest
 
 .PHONY: install browser run test test-slow test-compose lint format schema bench dist clean

@@ -194,7 +194,8 @@ def _metrics() -> tuple[Any, Any]:
     )
     events = Counter(
         "hindsight_ray_events_total",
-        "Events of newly stored Ray bodies, by outcome (indexed, or skipped: stored, not understood)",
+        "Events of newly stored Ray bodies, by outcome"
+        " (indexed, or skipped: stored, not understood)",
         ["outcome"],
     )
     return bodies, events

@@ -149,7 +149,10 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
                 )
                 line = f"  {name}: {done.batches} batches ({done.events} events) delivered{where}"
                 if done.corrupt_files:
-                    line += f"; {done.corrupt_files} corrupted files skipped ({done.corrupt_events} events)"
+                    line += (
+                        f"; {done.corrupt_files} corrupted files skipped"
+                        f" ({done.corrupt_events} events)"
+                    )
                 if done.rejected:
                     line += f"; {done.rejected} refused ({done.rejected_events} events)"
                 if done.left:

@@ -1,4 +1,5 @@
-"""The ways to turn the agent on: ``install(client)``, and ``--preload hindsight.dask`` (``dask_setup``)."""
+"""The ways to turn the agent on: ``install(client)``, and ``--preload hindsight.dask``
+(``dask_setup``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""How the Dask agent turns what Dask hands its hooks into protocol records: names, limits, and the builders the agent thread runs."""
+"""How the Dask agent turns what Dask hands its hooks into protocol records: names, limits, and
+the builders the agent thread runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The scheduler plugin: records graphs, task records, runs, workers joining and leaving, periodic samples and the session."""
+"""The scheduler plugin: records graphs, task records, runs, workers joining and leaving,
+periodic samples and the session."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def prefix_states(span: Any) -> dict[str, list[int]]:
 
 
 def worker_state(address: str, values: dict[str, float]) -> tuple[Any, ...]:
-    """A worker's replay figures from its metric sample (``hindsight.dask.values.worker_values``)."""
+    """A worker's replay figures from its metric sample
+    (``hindsight.dask.values.worker_values``)."""
     get = values.get
     return (
         address,

@@ -1,4 +1,5 @@
-"""The worker plugin: what only a worker sees (``hindsight.emit`` streams, log records, spill and disk detail, profiles)."""
+"""The worker plugin: what only a worker sees (``hindsight.emit`` streams, log records, spill
+and disk detail, profiles)."""
 
 from __future__ import annotations
 

@@ -304,8 +304,8 @@ def replay_slider(run: m.Run, detail: dict[str, Any], origin: float) -> dict[str
         "start": first,
         "last": last,
         "origin": origin,
-        # "s into the run" counts from the run's start, not the first sample (a new user
-        # saw the label say 1.5 s where the cursor stood at 2.0)
+        # "s into the run" counts from the run's start, not the first sample: the label
+        # reads where the cursor stands on the task stream's axis
         "run_start": run.started_at if run.started_at is not None else first,
         "colours": {name: plots.colour_of(name) for name in sorted(names)},
     }

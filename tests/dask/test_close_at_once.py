@@ -102,9 +102,7 @@ def test_fine_metrics_of_a_script_that_closes_at_once_are_whole(
     assert activity["partial"] is False, activity["coverage"]
 
 
-def test_closing_with_the_collector_unreachable_costs_no_more_than_unrecorded(
-    tmp_path, caplog
-):
+def test_closing_with_the_collector_unreachable_costs_no_more_than_unrecorded(tmp_path, caplog):
     unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     spool = tmp_path / "spool"
     config = {

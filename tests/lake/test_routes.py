@@ -135,9 +135,7 @@ def test_another_tenants_partitions_are_never_read(stack, storage, make_token, l
     tid, cid = make_cluster(storage, b_tenant, "prod")
     with storage.sessions.begin() as db:
         part = lakewrite.Partition(b_tenant, "prod", layout.day_of(T0), tid, cid)
-        lakewrite.commit(
-            db, storage.blobs, part, add=[synthetic("b-run", 50, T0)], now=T0 + DAY
-        )
+        lakewrite.commit(db, storage.blobs, part, add=[synthetic("b-run", 50, T0)], now=T0 + DAY)
     b_keys = list(storage.blobs.list(f"lake/v1/tasks/tenant={b_tenant}/"))
     assert b_keys
     spoil(storage, b_keys)

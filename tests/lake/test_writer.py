@@ -169,9 +169,7 @@ def partition(storage):
 
 def commit(storage: Any, part: lakewrite.Partition, **kwargs: Any) -> Any:
     with storage.sessions.begin() as db:
-        return lakewrite.commit(
-            db, storage.blobs, part, now=kwargs.pop("now", T0 + 3600), **kwargs
-        )
+        return lakewrite.commit(db, storage.blobs, part, now=kwargs.pop("now", T0 + 3600), **kwargs)
 
 
 def task_keys(storage: Any, manifest: Any) -> list[str]:
