@@ -24,7 +24,7 @@ a profile cycle batch every 5 s (one ``profile`` event per prefix it ran, a tree
 the rest jobs of 5-120 s (log-uniform), 20-150 tasks/s, a job template of 3-6 prefixes (20
 named jobs): 846 tasks and 29 batches a run on average. Idle clusters send nothing here:
 a long-lived idle cluster adds a manifest row per second to its session, not to any run
-(see docs/architecture.md, "The cost curve").
+(see docs/decisions/0011-the-cost-curve-as-history-grows.md).
 """
 
 from __future__ import annotations

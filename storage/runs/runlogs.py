@@ -1,6 +1,5 @@
 """What the agents send besides tasks, read back per run: log records, the values tasks
-emitted (``hindsight.emit``) and the workers' comings and goings (docs/architecture.md,
-"Logs, streams and worker lifecycle").
+emitted (``hindsight.emit``) and the workers' comings and goings (docs/decisions/0017).
 
 None of it is indexed at ingest (a run may log 100,000 records; ingest must not pay per
 record). When a run has finished, the finisher :func:`finish` reads the batches around the
