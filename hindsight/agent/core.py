@@ -50,6 +50,8 @@ WARN_EVERY = 60.0
 #: The longest backoff while closing (the close budget is seconds; a nanny kills its
 #: worker 4 s into closing).
 CLOSING_BACKOFF_MAX = 1.0
+#: The longest one request may wait for an answer while closing.
+CLOSE_REQUEST_S = 1.0
 
 _encoder = msgspec.json.Encoder()
 # How a collector that predates an event kind names it in its 400 answer.
@@ -241,11 +243,6 @@ class Agent:
             # for a later agent.
             self._retry_at = 0.0
             self._attempts = 0
-            if self._transport is not None:
-                # A collector that does not answer must not hold up the close longer than
-                # its budget: no request waits past it.
-                remaining = self._close_deadline - time.monotonic()
-                self._transport.limit_timeout(max(0.5, remaining))
             # Deliver first, then cut the final batch: drops counted during this last
             # delivery (rejections, splits) still make it into the final batch.
             self._cut(force=True)
@@ -439,6 +436,10 @@ class Agent:
                 self._transport = Transport(
                     self.settings.url, self.settings.token, self.settings.request_timeout
                 )
+            if deadline is not None:
+                # Closing: a collector that does not answer (a host that drops packets) must
+                # not hold up the cluster's close; what it does not take waits in the spool.
+                self._transport.limit_timeout(max(0.1, min(CLOSE_REQUEST_S, deadline - now)))
             outcome = self._transport.post(batch.body, batch.encoding)
             self.stats["posts"] += 1
             if outcome.verdict == "ok":

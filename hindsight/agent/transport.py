@@ -73,8 +73,9 @@ class Transport:
 
     def limit_timeout(self, seconds: float) -> None:
         """Wait at most ``seconds`` for any answer from now on (an open connection too)."""
-        self._sender.timeout = min(self._sender.timeout, seconds)
-        self._sender.close()  # the next request connects with the new timeout
+        if seconds < self._sender.timeout:
+            self._sender.timeout = seconds
+            self._sender.close()  # the next request connects with the new timeout
 
     def post(self, body: bytes, encoding: str) -> Outcome:
         """Send one compressed body; never raises."""
