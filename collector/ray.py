@@ -3,8 +3,8 @@
 Ray's aggregator agent POSTs JSON arrays of events, uncompressed, with no credentials and
 no batch identity, and retries any refused body forever. So:
 
-- a body is acknowledged only once it is stored (``storage.ray.bridge``: split per Ray session,
-  named by its content, so a retry is stored and counted once);
+- a body is acknowledged only once it is stored (``storage.ray.bodies``: split per Ray
+  session, named by its content, so a retry is stored and counted once);
 - nothing short of "not a JSON array" is answered 400: an event we do not understand is
   stored, counted as skipped, and the rest indexed;
 - the tenant comes from a ``ray``-scoped token in the URL (``?token=``), since the exporter
@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from flask import Blueprint, Flask, current_app, g, request
+from prometheus_client import Counter
 from sqlalchemy.exc import DataError
 
 from collector.body import read_body
@@ -30,7 +31,8 @@ from services.common.web import ApiError, db, store
 from storage.core.tokens import Principal
 from storage.ray import bodies
 from storage.ray import merge as ray_merge
-from storage.ray.events import NO_SESSION, TOO_DEEP, NotAnArray, split_array
+from storage.ray.events import NO_SESSION
+from storage.ray.wire import TOO_DEEP, NotAnArray, split_array
 
 logger = logging.getLogger(__name__)
 
@@ -183,25 +185,12 @@ def post_ray_events() -> Any:
     }, 200
 
 
-# ------------------------------------------------------------------ metrics
-
-
-def _metrics() -> tuple[Any, Any]:
-    from prometheus_client import Counter
-
-    bodies = Counter(
-        "hindsight_ray_bodies_total", "Ray exporter bodies acknowledged", ["duplicate"]
-    )
-    events = Counter(
-        "hindsight_ray_events_total",
-        "Events of newly stored Ray bodies, by outcome"
-        " (indexed, or skipped: stored, not understood)",
-        ["outcome"],
-    )
-    return bodies, events
-
-
-_BODIES, _EVENTS = _metrics()
+_BODIES = Counter("hindsight_ray_bodies_total", "Ray exporter bodies acknowledged", ["duplicate"])
+_EVENTS = Counter(
+    "hindsight_ray_events_total",
+    "Events of newly stored Ray bodies, by outcome (indexed, or skipped: stored, not understood)",
+    ["outcome"],
+)
 
 
 def ray_bodies(duplicate: bool) -> Any:
@@ -211,8 +200,6 @@ def ray_bodies(duplicate: bool) -> Any:
 def ray_events(outcome: str) -> Any:
     return _EVENTS.labels(outcome)
 
-
-# ------------------------------------------------------------------ the token in logs
 
 _TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s\"]*")
 

@@ -17,12 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hindsight", "collector", "storage", "services", "migrations")
 SERVER_PACKAGES = ("flask", "sqlalchemy", "boto3", "botocore", "psycopg2", "alembic", "werkzeug")
-#: storage/'s layers, lowest first: a module imports from its own layer or lower ones. The
-#: schedulers' vocabularies (what their reasons and exit types mean) sit just above core,
-#: where the generic readers of stored records may read them.
+#: storage/'s layers, lowest first: a module imports from its own layer or lower ones. Dask's
+#: vocabulary (what its reasons mean) sits just above core, where the generic readers of
+#: stored records may read it.
 LAYERS = (
     "storage.core",
-    ("storage.dask", "storage.ray.exits"),
+    "storage.dask",
     "storage.analysis",
     "storage.ingest",
     "storage.runs",

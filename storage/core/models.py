@@ -409,7 +409,7 @@ class RunProfile(Base):
 
 # ---------------------------------------------------------------- Ray (issue 12)
 # What Ray's event exporter tells about a session, merged from events that arrive in any
-# order, more than once, from different nodes (``storage/ray/bridge.py``). Every column merges
+# order, more than once, from different nodes (``storage/ray/``). Every column merges
 # commutatively (set while NULL, min, max, OR), so a retried or reordered body changes
 # nothing; ``ray_tasks.emitted`` is the one transition that happens once: a task reaches
 # the writer (as a derived batch of protocol records) exactly once.
@@ -436,7 +436,7 @@ class RayBody(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     received_at: Mapped[float] = mapped_column(Float)
     # False while its task patches are held by the collector that took it (TaskHold in
-    # storage/ray/bridge.py); a sweeper merges a body left so by a dead process from its blob.
+    # storage/ray/hold.py); a sweeper merges a body left so by a dead process from its blob.
     tasks_merged: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 

@@ -84,7 +84,7 @@ def reindex(
         if on_progress:
             on_progress(1)
     if prefix == "v1/":
-        # Ray's exporter bodies live beside the batches (``storage/ray/bridge.py``).
+        # Ray's exporter bodies live beside the batches (``storage/ray/``).
         ray_counts = ray_reindex.reindex(blobs, sessions, settle=ray_settle, idle=ray_idle)
         if ray_counts["ray_bodies"]:
             counts.update(ray_counts)

@@ -295,7 +295,7 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     would otherwise not be listed at all, and completeness would read whole. A worker still
     in the cluster may not have sent yet; it is not listed."""
     if not any(a.startswith("scheduler-") for a in agents):
-        return []  # not Dask's agents (Ray's bridge, another scheduler's): no worker agents
+        return []  # not Dask's agents (Ray's, another scheduler's): no worker agents
     W = m.Worker
     rows = db.execute(
         select(W.address, W.name, W.left_at).where(

@@ -28,7 +28,8 @@ STORE_LEVEL = 3
 # smaller (48 vs 51 bytes an event) than 3 on Ray's JSON.
 RAW_LEVEL = 1
 RAW_KEY_RE = re.compile(
-    r"^ray/v1/(?P<tenant>[^/]+)/(?P<cluster>[^/]+)/(?P<session>[^/]+)/(?P<sha>[0-9a-f]{64})\.json\.zst$"
+    r"^ray/v1/(?P<tenant>[^/]+)/(?P<cluster>[^/]+)/(?P<session>[^/]+)"
+    r"/(?P<sha>[0-9a-f]{64})\.json\.zst$"
 )
 # Keys per statement when a list of task keys is bound (SQLite allows 32,766 parameters).
 CHUNK = 2000

@@ -1,6 +1,7 @@
 """The read side of Ray runs: what the run detail adds for a run recorded from Ray's event
-exporter (``storage/ray/bridge.py`` writes it). Ray sends no sequence numbers, so completeness
-is told from what is known about each task instead of from counted batches."""
+exporter (``storage.ray.merge`` and ``storage.ray.sweep`` write it). Ray sends no sequence
+numbers, so completeness is told from what is known about each task instead of from counted
+batches."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def completeness(db: Session, job: m.RayJob) -> dict[str, Any]:
     events stored but not understood (``events_skipped``)."""
     T = m.RayTask
     # A task not ended when its job did (its driver exited) was written FAILED with the
-    # job, as Ray's State API lists it (storage/ray/bridge.py failed_with_job): Ray sends no end
-    # for it, so none is missing. Not one that came after that close (written as it was).
+    # job, as Ray's State API lists it (``storage.ray.sweep.failed_with_job``): Ray sends no
+    # end for it, so none is missing. Not one that came after that close (written as it was).
     ended_by_job = (
         (
             T.defined.is_(True)

@@ -1,4 +1,8 @@
-"""Ray's merged rows as protocol records: tasks, jobs and worker processes."""
+"""Ray's merged rows as protocol records: tasks, jobs and worker processes.
+
+Ray's vocabulary is translated here: a worker's exit type becomes the protocol's departure
+(``expected``, the worker's last ``status``, and the exit type with its detail as the
+reason), which the run page reads as one of its causes (``storage.runs.runlogs.CAUSES``)."""
 
 from __future__ import annotations
 
@@ -14,13 +18,25 @@ from hindsight.schema import (
     TaskEvent,
     WorkerEvent,
 )
-from storage.ray import exits
-from storage.ray.events import (
-    clean,
-    error_summary,
-)
+from storage.ray.wire import clean, error_summary
 
 logger = logging.getLogger(__name__)
+
+#: What each of Ray's worker exit types means, as the protocol's cause of a departure.
+EXIT_CAUSES = {
+    "INTENDED_SYSTEM_EXIT": "retired",  # Ray let it go (idle, or its job ended)
+    "INTENDED_USER_EXIT": "closed",  # it exited on purpose (exit_actor, sys.exit)
+    "SYSTEM_ERROR": "lost",  # crashed or killed
+    "USER_ERROR": "lost",  # an actor's constructor raised, or the process exited with an error
+    "NODE_OUT_OF_MEMORY": "lost",  # killed by Ray's memory monitor
+}
+#: Each cause as the departure's ``expected`` and last ``status`` that read as it (a lost
+#: worker was running; its reason, the exit type, says it ended on its own: crashed).
+DEPARTURES: dict[str, tuple[bool | None, str | None]] = {
+    "retired": (True, None),
+    "closed": (False, "closed"),
+    "lost": (False, "running"),
+}
 
 
 def session_started(session: str) -> float | None:
@@ -182,7 +198,8 @@ def worker_events(w: Any, ip: str | None) -> list[WorkerEvent]:
         )
     if time_ok(w.ended_at):
         reason = ": ".join(x for x in (w.exit_type, w.exit_detail) if x) or None
-        expected, status = exits.DEPARTURES.get(w.exit_type or "", (None, None))
+        cause = EXIT_CAUSES.get(w.exit_type or "")
+        expected, status = DEPARTURES[cause] if cause else (None, None)
         out.append(
             WorkerEvent(
                 event="left",

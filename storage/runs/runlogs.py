@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,6 @@ from storage import dask
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, stored_json
 from storage.core.blobs import BlobStore
-from storage.ray import exits as ray_exits
 from storage.runs.context import FinishedRun
 from storage.runs.runfile import RecentCache, _parquet, batch_keys, compact_prefix, prune_tags
 
@@ -407,9 +407,17 @@ PAUSED_TEXT = (
 )
 
 
+#: A reason that is the worker's own exit as its runtime reported it: an upper-case exit
+#: kind, alone or before its detail (``KIND: detail``). A scheduler's stimulus, which says
+#: why the scheduler removed a worker, is lower-case; a worker that exited on its own while
+#: running, neither expected nor closing, crashed or was killed.
+EXIT_REPORTED = re.compile(r"[A-Z][A-Z0-9_]*(?::|$)")
+
+
 def cause_of(reason: str | None, expected: bool | None, status: str | None) -> str:
-    """A departure as one of :data:`CAUSES`, from what the scheduler's agent said of it in
-    its own vocabulary (``storage.dask``, ``storage.ray.exits``)."""
+    """A departure as one of :data:`CAUSES`, from what the agent said of it: whether it was
+    expected, the worker's last status, and the reason (Dask's stimuli, ``storage.dask``;
+    a worker's own exit, :data:`EXIT_REPORTED`)."""
     if expected:
         return "retired"
     if status in dask.CLOSING_STATUSES:
@@ -418,7 +426,7 @@ def cause_of(reason: str | None, expected: bool | None, status: str | None) -> s
         return "timed-out"
     if expected is None and status is None:
         return "unknown"
-    if reason in dask.LOST_REASONS or ray_exits.crashed(reason):
+    if reason in dask.LOST_REASONS or EXIT_REPORTED.match(reason or ""):
         return "lost"
     return "removed"
 

@@ -1,7 +1,7 @@
-"""Task patches a collector holds (storage.ray.bridge.TaskHold) and what happens when it cannot
+"""Task patches a collector holds (storage.ray.hold.TaskHold) and what happens when it cannot
 merge them: it dies, its index connection fails, retention removes the session, a value
 is refused, the index is rebuilt. In every case users see what merging each body at once
-gives. Found by a review of the change; each test failed before its fix."""
+gives."""
 
 from __future__ import annotations
 
@@ -37,9 +37,16 @@ def _split(events):
 
 
 def _stack(db_url: str, blob_url: str, s3_endpoint: str | None = None) -> dict[str, Any]:
-    return {"database_url": db_url, "blob_url": blob_url, "s3_endpoint_url": s3_endpoint,
-            "auth": "required", "access_log": False, "finish_worker": False,
-            "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE}  # fmt: skip
+    return {
+        "database_url": db_url,
+        "blob_url": blob_url,
+        "s3_endpoint_url": s3_endpoint,
+        "auth": "required",
+        "access_log": False,
+        "finish_worker": False,
+        "ray_settle_seconds": SETTLE,
+        "ray_idle_close_seconds": IDLE,
+    }
 
 
 def _dies(app: Any) -> None:
@@ -53,10 +60,13 @@ def _count(engine: Any, tenant: str, table: str, where: str = "true") -> int:
     """Rows of a session-keyed table (ray_tasks, ray_bodies) of ``tenant`` matching ``where``."""
     with engine.connect() as c:
         return c.execute(
-            text(f"SELECT count(*) FROM {table} x JOIN sessions s ON s.id = x.session_id"
-                 " JOIN clusters c ON c.id = s.cluster_id JOIN tenants n ON n.id = c.tenant_id"
-                 f" WHERE n.name = :t AND {where}"), {"t": tenant},
-        ).scalar_one()  # fmt: skip
+            text(
+                f"SELECT count(*) FROM {table} x JOIN sessions s ON s.id = x.session_id"
+                " JOIN clusters c ON c.id = s.cluster_id JOIN tenants n ON n.id = c.tenant_id"
+                f" WHERE n.name = :t AND {where}"
+            ),
+            {"t": tenant},
+        ).scalar_one()
 
 
 def _tokens(engine: Any, *tenants: str) -> list[str]:
@@ -68,9 +78,12 @@ def _tokens(engine: Any, *tenants: str) -> list[str]:
 def _sid(engine: Any, tenant: str) -> int:
     with engine.connect() as c:
         return c.execute(
-            text("SELECT s.id FROM sessions s JOIN clusters c ON c.id = s.cluster_id"
-                 " JOIN tenants t ON t.id = c.tenant_id WHERE t.name = :t"), {"t": tenant},
-        ).scalar_one()  # fmt: skip
+            text(
+                "SELECT s.id FROM sessions s JOIN clusters c ON c.id = s.cluster_id"
+                " JOIN tenants t ON t.id = c.tenant_id WHERE t.name = :t"
+            ),
+            {"t": tenant},
+        ).scalar_one()
 
 
 def _held_app(pg_url: str, tmp_path: Any) -> tuple[Any, Any]:
@@ -133,8 +146,8 @@ def test_a_job_waits_for_the_ends_a_dead_collector_held(pg_url, s3_url, moto_end
 @pytest.mark.postgres
 def test_a_flush_after_retention_removed_the_session_writes_nothing(pg_url, s3_url, moto_endpoint):
     """Retention removes a session while a collector holds patches of its bodies: the
-    flush then merges nothing into ray_tasks / ray_ready (no foreign key there), where it
-    left rows of a session that no longer existed, which the sweeper failed on forever."""
+    flush then merges nothing into ray_tasks / ray_ready (no foreign key there): rows of a
+    session that does not exist would fail the sweeper forever."""
     from services.embedded import create_app
     from storage.jobs import retention
 
@@ -318,7 +331,7 @@ def test_a_full_hold_is_merged_before_the_request_that_filled_it_is_acknowledged
 ):
     """Back-pressure, never a drop, never an unbounded hold: a request that takes the hold
     past its limit merges everything it holds first, young patches of tasks not yet ended
-    too (only complete and aged ones were merged, so a hold of young ones grew on)."""
+    too (merging only complete and aged ones, a hold of young ones would grow on)."""
     from services.embedded import create_app
 
     engine = make_engine(pg_url)
@@ -342,9 +355,9 @@ def test_a_full_hold_is_merged_before_the_request_that_filled_it_is_acknowledged
 def test_a_job_waits_for_ends_acknowledged_within_its_settle_time(pg_url, s3_url, moto_endpoint):
     """No crash: the tasks' ends come in a body acknowledged shortly before the job's
     settle time is up, and a live collector holds them (under half a second). The job
-    does not close until they are merged (it closed, writing every one of its tasks as
-    failed with the job, found by a held-out check: the hold only counted a body as held
-    once it was a second old)."""
+    does not close until they are merged (closed before, it would write every one of its
+    tasks as failed with the job): a body counts as held from its acknowledgement, not
+    only once it is a second old."""
     from services.embedded import create_app
 
     stack = _stack(pg_url, s3_url, moto_endpoint)
@@ -369,11 +382,13 @@ def test_a_job_waits_for_ends_acknowledged_within_its_settle_time(pg_url, s3_url
     acked = time.time()
     with engine.begin() as c:  # the job's end as if it had come 0.5 s short of settling
         c.execute(
-            text("UPDATE ray_jobs j SET end_seen = :t FROM sessions s, clusters c, tenants n"
-                 " WHERE s.id = j.session_id AND c.id = s.cluster_id AND n.id = c.tenant_id"
-                 " AND n.name = :tenant"),
+            text(
+                "UPDATE ray_jobs j SET end_seen = :t FROM sessions s, clusters c, tenants n"
+                " WHERE s.id = j.session_id AND c.id = s.cluster_id AND n.id = c.tenant_id"
+                " AND n.name = :tenant"
+            ),
             {"t": acked - SETTLE + 0.5, "tenant": tenant},
-        )  # fmt: skip
+        )
     st = held.store
     ray_sweep.run_due(st.sessions, st.blobs, settle=SETTLE, idle=IDLE, now=acked + 0.6)
     assert held.run(1)["status"] == "running"  # waits for the held ends
@@ -473,8 +488,9 @@ def test_two_processes_flushes_of_one_session_do_not_wait_for_each_other(
         with other.begin() as second:  # the other process's flush of the same session
             second.execute(text("SET LOCAL lock_timeout = '2s'"))
             assert ray_hold._session_kept(second, sid)
-            second.execute(text("UPDATE sessions SET last_seen = last_seen WHERE id = :s"),
-                           {"s": sid})  # fmt: skip
+            second.execute(
+                text("UPDATE sessions SET last_seen = last_seen WHERE id = :s"), {"s": sid}
+            )
         with other.begin() as retention:
             retention.execute(text("SET LOCAL lock_timeout = '200ms'"))
             with pytest.raises(OperationalError, match="lock timeout"):
@@ -492,11 +508,11 @@ def _half_ended(seed: int) -> list[bytes]:
 def test_an_interrupted_flush_puts_back_the_sessions_it_had_not_merged(
     pg_url, tmp_path, monkeypatch
 ):
-    """Found by a review: a flush takes every session's due patches, then merges them a
-    session at a time. Interrupted in the first session (KeyboardInterrupt, SystemExit: not
-    an Exception), it put back only that session's: the second's were dropped with their
-    bodies' counts already lowered, and a later flush marked the body merged without
-    them (recovery never looks at it again)."""
+    """A flush takes every session's due patches, then merges them a session at a time.
+    Interrupted in the first session (KeyboardInterrupt, SystemExit: not an Exception), it
+    puts back every session's patches, not only the first's: the second's, dropped with
+    their bodies' counts already lowered, would let a later flush mark the body merged
+    without them (recovery never looks at it again)."""
     app, sw = _held_app(pg_url, tmp_path)
     engine = make_engine(pg_url)
     t1, t2 = new_tenant(), new_tenant()
@@ -531,10 +547,10 @@ def test_an_interrupted_flush_puts_back_the_sessions_it_had_not_merged(
 def test_a_body_left_to_recovery_stays_so_when_a_later_flush_is_put_back(
     pg_url, tmp_path, monkeypatch
 ):
-    """Found by a review: the index refused some of a body's held patches (the body is left
-    to recovery); the flush that took its last patches was interrupted and put them back,
-    and the body lost its mark there: the flush after it marked it merged, and the refused
-    patches were never merged again."""
+    """The index refuses some of a body's held patches (the body is left to recovery); the
+    flush that takes its last patches is interrupted and puts them back. The body keeps its
+    mark: were it lost, the flush after would mark the body merged, and the refused patches
+    would never be merged again."""
     app, sw = _held_app(pg_url, tmp_path)
     engine = make_engine(pg_url)
     tenant = new_tenant()
@@ -568,11 +584,10 @@ def test_a_body_left_to_recovery_stays_so_when_a_later_flush_is_put_back(
 
 @pytest.mark.postgres
 def test_a_session_that_cannot_be_written_does_not_fail_other_tenants_requests(pg_url, tmp_path):
-    """Found by a review: a session whose tasks cannot be stored had its patches put back
-    on every flush, so they piled up in the hold; past its limit every request of the
-    process flushed everything, the broken session included, and failed with it (500 to
-    every tenant for as long as the session stayed broken). Its patches now leave the
-    hold for recovery, which bounds it."""
+    """A session whose tasks cannot be stored leaves the hold for recovery, which bounds
+    it: put back on every flush, its patches would pile up in the hold, and past its limit
+    every request of the process would flush everything, the broken session included, and
+    fail with it (500 to every tenant for as long as the session stayed broken)."""
     app, sw = _held_app(pg_url, tmp_path)
     engine = make_engine(pg_url)
     t1, t2 = new_tenant(), new_tenant()
@@ -610,11 +625,10 @@ class _ReadHook:
 
 @pytest.mark.postgres
 def test_recovery_and_retention_of_one_session_do_not_deadlock(pg_url, tmp_path):
-    """Retention deletes a session while recovery merges one of its held bodies. Found by
-    a review: recovery locked the body's row, then the session's (KEY SHARE), the reverse
-    of retention, whose delete of the session cascades to its bodies; the two deadlocked
-    and Postgres aborted one. Recovery now takes the session's row first: retention's
-    delete waits for the merge, and both complete."""
+    """Retention deletes a session while recovery merges one of its held bodies. Recovery
+    takes the session's row (KEY SHARE) before the body's, in retention's order (its delete
+    of the session cascades to the bodies): retention's delete waits for the merge, and
+    both complete. In the reverse order the two deadlock and Postgres aborts one."""
     app, sw = _held_app(pg_url, tmp_path)
     engine = make_engine(pg_url)
     tenant = new_tenant()
@@ -646,8 +660,10 @@ def test_recovery_and_retention_of_one_session_do_not_deadlock(pg_url, tmp_path)
         with engine.connect() as c:  # until the delete waits on a lock, or is done
             deadline = time.monotonic() + 10
             while retention.is_alive() and time.monotonic() < deadline:
-                waits = c.execute(text("SELECT wait_event_type FROM pg_stat_activity"
-                                       " WHERE pid = :p"), {"p": pid[0]}).scalar()  # fmt: skip
+                waits = c.execute(
+                    text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :p"),
+                    {"p": pid[0]},
+                ).scalar()
                 if waits == "Lock":
                     break
                 c.rollback()

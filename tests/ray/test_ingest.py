@@ -38,8 +38,15 @@ IDLE = 900.0
 def app(stack: dict[str, Any]) -> Any:
     from services.embedded import create_app
 
-    return create_app({**stack, "ray_sweeper": False, "access_log": True,
-                       "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE})  # fmt: skip
+    return create_app(
+        {
+            **stack,
+            "ray_sweeper": False,
+            "access_log": True,
+            "ray_settle_seconds": SETTLE,
+            "ray_idle_close_seconds": IDLE,
+        }
+    )
 
 
 @pytest.fixture
@@ -67,9 +74,11 @@ class Ray:
             body = json.dumps(body).encode()
         query = {"cluster": self.cluster, **params}
         return self.client.post(
-            "/v1/ray/events", query_string=query, data=body,
+            "/v1/ray/events",
+            query_string=query,
+            data=body,
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"},
-        )  # fmt: skip
+        )
 
     def post_all(self, chunks: list[bytes]) -> None:
         for b in chunks:
@@ -77,8 +86,9 @@ class Ray:
             assert r.status_code == 200, r.json
 
     def sweep(self, after: float = 0.0) -> ray_sweep.SweepCounts:
-        return ray_sweep.run_due(self.store.sessions, self.store.blobs, settle=SETTLE, idle=IDLE,
-                           now=time.time() + after)  # fmt: skip
+        return ray_sweep.run_due(
+            self.store.sessions, self.store.blobs, settle=SETTLE, idle=IDLE, now=time.time() + after
+        )
 
     def get(self, path: str, **params: Any) -> Any:
         r = self.client.get(
@@ -106,17 +116,38 @@ class Ray:
         for r in self.runs():
             d = self.get(f"/v1/runs/{r['id']}")
             tasks = sorted(
-                (t["key"], t["attrs"]["attempt"], t["status"], t["prefix"], t["group"], t["worker"],
-                 json.dumps(t["startstops"]), t["exception"], json.dumps(t["attrs"], sort_keys=True))
+                (
+                    t["key"],
+                    t["attrs"]["attempt"],
+                    t["status"],
+                    t["prefix"],
+                    t["group"],
+                    t["worker"],
+                    json.dumps(t["startstops"]),
+                    t["exception"],
+                    json.dumps(t["attrs"], sort_keys=True),
+                )
                 for t in self.tasks(r["id"])
-            )  # fmt: skip
+            )
             out["runs"][r["run_key"]] = {
-                "summary": {k: r[k] for k in ("name", "status", "started_at", "finished_at",
-                                              "makespan", "task_count", "error_count")},
-                "detail": {k: d[k] for k in ("tasks_by_status", "workers", "prefixes", "seconds_by_action")},
+                "summary": {
+                    k: r[k]
+                    for k in (
+                        "name",
+                        "status",
+                        "started_at",
+                        "finished_at",
+                        "makespan",
+                        "task_count",
+                        "error_count",
+                    )
+                },
+                "detail": {
+                    k: d[k] for k in ("tasks_by_status", "workers", "prefixes", "seconds_by_action")
+                },
                 "tasks": tasks,
                 "quantiles": self.get(f"/v1/runs/{r['id']}/summary")["prefixes"],
-            }  # fmt: skip
+            }
         return out
 
 
@@ -168,8 +199,13 @@ def test_a_job_becomes_a_run_with_its_tasks(app, token):
     recorded = {t["key"]: t for t in r.tasks(run["id"])}
     for t in tasks[:60]:
         rec = recorded[t.hex]
-        assert rec["startstops"] == [{"action": "compute", "start": pytest.approx(t.start, abs=1e-6),
-                                      "stop": pytest.approx(t.stop, abs=1e-6)}]  # fmt: skip
+        assert rec["startstops"] == [
+            {
+                "action": "compute",
+                "start": pytest.approx(t.start, abs=1e-6),
+                "stop": pytest.approx(t.stop, abs=1e-6),
+            }
+        ]
         assert rec["status"] == ("erred" if t.failed else "memory")
         assert rec["worker"] == f"{sim.ip}:{sim.pids[sim.worker_of(t)]}"
         assert rec["prefix"] == "work" and rec["group"] == t.name
@@ -241,19 +277,23 @@ def test_an_unknown_event_type_is_stored_and_the_rest_indexed(app, token):
 
 
 def test_values_the_index_cannot_hold_are_skipped_not_refused(app, token):
-    """Found by a fresh pair of eyes: an attempt past 2**31 or an id longer than any Ray id
-    passed the reader, then failed the index: 503 on every retry of the body (Ray retries
-    forever) and ``reindex`` stopped at it. Such an event is now unreadable: counted and
-    skipped, the body stored, the rest indexed."""
+    """An attempt past 2**31 or an id longer than any Ray id is unreadable: counted and
+    skipped, the body stored, the rest indexed. Passed to the index, it would fail it: 503
+    on every retry of the body (Ray retries forever), and ``reindex`` would stop at it."""
     r = Ray(app, token)
     sim, tasks, events = workload()
     defn = next(e for e in events if e["eventType"] == "TASK_DEFINITION_EVENT")
     odd = [
         {**defn, "taskDefinitionEvent": {**defn["taskDefinitionEvent"], "taskAttempt": 2**31}},
         {**defn, "taskDefinitionEvent": {**defn["taskDefinitionEvent"], "taskAttempt": -1}},
-        {**defn, "taskDefinitionEvent": {**defn["taskDefinitionEvent"],
-                                         "taskId": base64.b64encode(b"\x01" * 40).decode()}},
-    ]  # fmt: skip
+        {
+            **defn,
+            "taskDefinitionEvent": {
+                **defn["taskDefinitionEvent"],
+                "taskId": base64.b64encode(b"\x01" * 40).decode(),
+            },
+        },
+    ]
     resp = r.post(odd + events[:100])
     assert resp.status_code == 200, resp.json
     assert resp.json["skipped"] == {"malformed": 2, "TASK_DEFINITION_EVENT": 1}
@@ -265,15 +305,19 @@ def test_values_the_index_cannot_hold_are_skipped_not_refused(app, token):
 
 
 def test_what_ray_reports_of_odd_tasks_and_worker_exits(app, token):
-    """Found by a fresh pair of eyes on a real Ray cluster: a task cancelled before it ran
-    lost its end; an actor's creation task had no ``attrs.actor``; a restarted actor's
-    creation task (a RUNNING alone for attempt 1) was named "unknown"; every Ray worker's
-    exit was "an older agent did not say how"."""
+    """What a real Ray cluster sends: a task cancelled before it ran keeps its end; an
+    actor's creation task has ``attrs.actor``; a restarted actor's creation task (a RUNNING
+    alone for attempt 1) is named after its function; a Ray worker's exit reads as its
+    cause (lost, retired), not "an older agent did not say how"."""
     r = Ray(app, token)
     sim = RaySim(seed=3)
     events = sim.node_events(T0 - 5) + sim.worker_events(T0 - 4, ended=T0 + 5)
-    deaths = [e for e in events if e["eventType"] == "WORKER_LIFECYCLE_EVENT"
-              and e["workerLifecycleEvent"]["stateTransitions"][0]["state"] == "DEAD"]  # fmt: skip
+    deaths = [
+        e
+        for e in events
+        if e["eventType"] == "WORKER_LIFECYCLE_EVENT"
+        and e["workerLifecycleEvent"]["stateTransitions"][0]["state"] == "DEAD"
+    ]
     for e, exit_type in zip(deaths, ("SYSTEM_ERROR", "INTENDED_SYSTEM_EXIT"), strict=False):
         e["workerLifecycleEvent"]["stateTransitions"][0]["deathInfo"]["exitType"] = exit_type
     # a user error's detail comes coloured for a terminal (it reached the page raw)
@@ -284,19 +328,22 @@ def test_what_ray_reports_of_odd_tasks_and_worker_exits(app, token):
     cancelled = sim.task(1, "slow", T0 + 0.5, 0.3, failed=True)
     ended = sim.submitter(cancelled)
     ended["taskLifecycleEvent"]["stateTransitions"] = [
-        s for s in ended["taskLifecycleEvent"]["stateTransitions"]
+        s
+        for s in ended["taskLifecycleEvent"]["stateTransitions"]
         if s["state"] not in ("SUBMITTED_TO_WORKER",)
-    ]  # fmt: skip
+    ]
     # no worker ever had it (Ray 2.60 sends such a task's end with no worker, as seen live)
     ended["taskLifecycleEvent"].update(workerId="", nodeId="", workerPid=0)
     events += [sim.definition(cancelled), ended]
     actor = b"\x42" * 12 + (1).to_bytes(4, "little")
-    create = sim.task(1, "Fragile.__init__", T0 + 0.2, 0.01, func="Fragile.__init__",
-                      task_id=b"\xff" * 8 + actor)  # fmt: skip
+    create = sim.task(
+        1, "Fragile.__init__", T0 + 0.2, 0.01, func="Fragile.__init__", task_id=b"\xff" * 8 + actor
+    )
     define = sim.definition(create)
     define["taskDefinitionEvent"]["taskType"] = "ACTOR_CREATION_TASK"
     define["taskDefinitionEvent"]["taskFunc"]["pythonFunctionDescriptor"].update(
-        className="Fragile", functionName="__init__")  # as Ray sends a creation task's  # fmt: skip
+        className="Fragile", functionName="__init__"
+    )  # as Ray sends a creation task's
     events += [define, sim.running(create), sim.submitter(create)]
     restarted = sim.task(1, "Fragile.__init__", T0 + 1.0, 0.01, attempt=1, task_id=create.task_id)
     events += [sim.running(restarted)] + sim.job_end(1, T0 + 2)
@@ -308,8 +355,8 @@ def test_what_ray_reports_of_odd_tasks_and_worker_exits(app, token):
     c = tasks[(cancelled.hex, 0)]
     assert c["status"] == "erred" and c["startstops"] == []
     assert c["attrs"]["ended_at"] == pytest.approx(cancelled.stop, abs=1e-6)
-    # it never reached a worker: no RUNNING is missing (it counted as one, and the run as
-    # 70% recorded where one task in ten lacked anything; a fresh pair of eyes on Ray)
+    # it never reached a worker: no RUNNING is missing (counted as one, a run where one
+    # task in ten lacked anything would read 70% recorded)
     complete = r.get(f"/v1/runs/{run['id']}")["completeness"]["tasks"]
     assert complete["without_running"] == 0
     assert complete["complete"] == complete["total"] - 1  # the restarted creation: no end
@@ -345,8 +392,8 @@ def test_only_a_body_that_is_not_an_array_is_refused(app, token, body, status, c
 
 
 def test_what_the_answers_say_of_an_empty_or_too_deep_body(app, token):
-    """Found by a trial: an array nested past what the reader takes was refused as not an
-    array, which it is; the first empty array ever sent was answered as a duplicate."""
+    """An array nested past what the reader takes is refused saying so (it is an array);
+    the first empty array ever sent is not answered as a duplicate."""
     r = Ray(app, token)
     deep = r.post(b'[{"a":' * 600 + b"1" + b"}]" * 600)
     assert deep.status_code == 400 and "nested too deeply" in deep.json["error"]["message"]
@@ -362,8 +409,11 @@ def test_bad_cluster_name_type_and_size(stack, token):
     assert r.post(b"[]").status_code == 400
     r.cluster = "ok"
     assert r.post(b"[" + b" " * 5000 + b"]").status_code == 413
-    resp = r.client.post("/v1/ray/events", data=b"[]", headers={"Content-Type": "text/csv",
-                         "Authorization": f"Bearer {token}"})  # fmt: skip
+    resp = r.client.post(
+        "/v1/ray/events",
+        data=b"[]",
+        headers={"Content-Type": "text/csv", "Authorization": f"Bearer {token}"},
+    )
     assert resp.status_code == 415
 
 
@@ -453,8 +503,9 @@ def test_a_session_that_cannot_be_written_does_not_hold_up_the_others(stack, app
         sessions[seed] = sim.session
 
     def state(seed: int) -> list[tuple[str, int]]:
-        return sorted((x["status"], x["task_count"]) for x in r.runs()
-                      if x["session"] == sessions[seed])  # fmt: skip
+        return sorted(
+            (x["status"], x["task_count"]) for x in r.runs() if x["session"] == sessions[seed]
+        )
 
     assert state(1) == state(2) == [("running", 3), ("running", 54)]
     derived = Path(stack["blob_url"][len("file://") :]) / ray_bodies.DERIVED_PREFIX
@@ -477,13 +528,12 @@ def test_a_session_that_cannot_be_written_does_not_hold_up_the_others(stack, app
 
 
 def test_tasks_unfinished_when_their_driver_exits_fail_with_the_job_as_ray_says(app, token):
-    """Found by a held-out check on a real cluster: a driver that exits with tasks pending
-    or running ends its job, and Ray's State API lists those tasks FAILED (WORKER_DIED);
-    Ray sends no event for it, and the run read ``lost`` tasks and no error. A pending one
-    ends at the job's end; a running one when its worker died, which Ray force-exits a few
-    ms later (found by a later trial: they ended at the job's end, 9-22 ms early). An
-    attempt whose definition never came (a restarted actor's creation task, which the
-    State API does not list) stays lost."""
+    """A driver that exits with tasks pending or running ends its job, and Ray's State
+    API lists those tasks FAILED (WORKER_DIED); Ray sends no event for it, so without this
+    rule the run would read ``lost`` tasks and no error. A pending one ends at the job's
+    end; a running one when its worker died, which Ray force-exits a few ms later (not at
+    the job's end, 9-22 ms early). An attempt whose definition never came (a restarted
+    actor's creation task, which the State API does not list) stays lost."""
     r = Ray(app, token)
     sim = RaySim(seed=11)
     events = sim.node_events(T0 - 5) + sim.worker_events(T0 - 4) + sim.job_start(1, T0)
@@ -508,17 +558,23 @@ def test_tasks_unfinished_when_their_driver_exits_fail_with_the_job_as_ray_says(
     for t in running + pending:
         got = tasks[t.name]
         assert (got["status"], got["attrs"]["state"], got["attrs"]["error_type"]) == (
-            "erred", "FAILED", "WORKER_DIED")  # fmt: skip
+            "erred",
+            "FAILED",
+            "WORKER_DIED",
+        )
     for t in pending:
         assert tasks[t.name]["exception"].startswith("Job finishes (01000000) as driver exits.")
     for t in running:  # ran from RUNNING until its worker died (Ray sends that end in ms)
         (phase,) = tasks[t.name]["startstops"]
-        assert (phase["start"], phase["stop"]) == (pytest.approx(t.start, abs=1e-6),
-                                                   pytest.approx(int(died * 1000) / 1000, abs=1e-6))  # fmt: skip
+        assert (phase["start"], phase["stop"]) == (
+            pytest.approx(t.start, abs=1e-6),
+            pytest.approx(int(died * 1000) / 1000, abs=1e-6),
+        )
         assert tasks[t.name]["exception"].startswith("Worker running the task (")
         assert tasks[t.name]["exception"].endswith(
             "died with exit_type: 3 with error_message: Worker force exited because its job"
-            " has finished")  # fmt: skip
+            " has finished"
+        )
     for t in pending:  # never ran: no phase, the end Ray reports
         assert tasks[t.name]["startstops"] == []
         assert tasks[t.name]["attrs"]["ended_at"] == pytest.approx(job_end, abs=1e-6)
@@ -530,18 +586,22 @@ def test_tasks_unfinished_when_their_driver_exits_fail_with_the_job_as_ray_says(
     # (they read as 4 tasks without their end, the pending ones also without RUNNING).
     c = r.get(f"/v1/runs/{run['id']}")["completeness"]["tasks"]
     assert (c["complete"], c["without_definition"], c["without_running"], c["without_end"]) == (
-        6, 1, 0, 1)  # fmt: skip
+        6,
+        1,
+        0,
+        1,
+    )
 
 
 def test_a_task_running_when_its_job_ends_ends_as_ray_says_live_and_rebuilt(
     stack, app, token, tmp_path
 ):
-    """Found by a trial on a real cluster: a call still running on a detached actor (whose
-    worker outlives the job) when the job's driver exited. Ray's GCS ends such a task when
-    its worker dies if that is within 14 s of the job's end (it fails a finished job's
-    tasks 15 s on, a dead worker's 1 s on), else at the job's end. The live index ended
-    one at the job's end, 9 s before Ray, while a rebuild from the same bodies ended
-    another at its worker's death 27 s on, where Ray used the job's end."""
+    """A call still running on a detached actor (whose worker outlives the job) when the
+    job's driver exited. Ray's GCS ends such a task when its worker dies if that is within
+    14 s of the job's end (it fails a finished job's tasks 15 s on, a dead worker's 1 s
+    on), else at the job's end. The live index and a rebuild from the same bodies both end
+    it so: not at the job's end 9 s before Ray, nor at a worker's death 27 s on where Ray
+    uses the job's end."""
     r = Ray(app, token)
     sim = RaySim(seed=12)
     end = T0 + 4
@@ -550,9 +610,12 @@ def test_a_task_running_when_its_job_ends_ends_as_ray_says_live_and_rebuilt(
 
     def death(t: Any, at: float) -> list[dict[str, Any]]:
         wid = base64.b64encode(sim.worker_ids[sim.worker_of(t)]).decode()
-        return [e for e in sim.worker_events(T0 - 4, ended=at)
-                if e.get("workerLifecycleEvent", {}).get("workerId") == wid
-                and e["workerLifecycleEvent"]["stateTransitions"][0]["state"] == "DEAD"]  # fmt: skip
+        return [
+            e
+            for e in sim.worker_events(T0 - 4, ended=at)
+            if e.get("workerLifecycleEvent", {}).get("workerId") == wid
+            and e["workerLifecycleEvent"]["stateTransitions"][0]["state"] == "DEAD"
+        ]
 
     events = sim.node_events(T0 - 5) + sim.worker_events(T0 - 4) + sim.job_start(1, T0)
     events += [e for t in (soon, late) for e in (sim.definition(t), sim.running(t))]
@@ -598,8 +661,7 @@ def test_a_job_that_never_finishes_closes_when_idle(app, token):
     assert detail["completeness"]["job_finished_event"] is False
     assert detail["tasks_by_status"] == {"memory": 19, "lost": 1}
     # Ray's FINISHED comes after all (a notebook's driver idled, then ran more and ended):
-    # the run ends then. It kept the idle close's end, 37 s before the job's (found by a
-    # fresh pair of eyes on a real Ray cluster).
+    # the run ends then, not at the idle close's end, 37 s before the job's.
     r.post_all(bodies(sim.job_end(1, T0 + 60)))
     r.sweep(after=SETTLE + 1)
     detail = r.get(f"/v1/runs/{run['id']}")
@@ -631,7 +693,9 @@ def test_events_after_the_job_closed_are_still_written_once(app, token):
     assert run["task_count"] == 12 and len(r.tasks(run["id"])) == 12
 
 
-def narrowed_index(stack: dict[str, Any], tmp_path: Any, table: str, column: str, n: int) -> tuple[str, Any, str]:  # fmt: skip
+def narrowed_index(
+    stack: dict[str, Any], tmp_path: Any, table: str, column: str, n: int
+) -> tuple[str, Any, str]:
     """A fresh Postgres index whose ``table.column`` holds at most ``n`` characters (a value
     the reader's bounds let through that the index still refuses), its engine and a
     ray,read token; skips on SQLite, which does not hold strings to a column's length."""
@@ -718,10 +782,10 @@ def test_reindex_rebuilds_the_same_runs(stack, app, token, tmp_path):
 
 
 def test_reindex_on_a_live_index_leaves_a_job_that_just_ended_to_settle(app, token):
-    """Found by a fresh pair of eyes: reindex swept with no settle time, so on a live index
-    it closed a job whose end had just arrived and wrote its tasks still under way (one
-    with only its definition: lost; one without its RUNNING: timed from its submission),
-    for good. It now settles as the collector's sweeper does."""
+    """Reindex settles as the collector's sweeper does: sweeping with no settle time, on a
+    live index it would close a job whose end had just arrived and write its tasks still
+    under way (one with only its definition: lost; one without its RUNNING: timed from its
+    submission), for good."""
     r = Ray(app, token)
     sim = RaySim(seed=3)
     t0 = time.time() - 2
@@ -775,8 +839,15 @@ def test_a_collector_with_a_sweeper_writes_the_same_as_with_each_body(stack, app
     inline.post_all(bodies(events, 30))
     inline.sweep(after=SETTLE + 1)
 
-    swept_app = create_app({**stack, "ray_sweeper": True, "access_log": False,
-                            "ray_settle_seconds": 0.5, "ray_idle_close_seconds": IDLE})  # fmt: skip
+    swept_app = create_app(
+        {
+            **stack,
+            "ray_sweeper": True,
+            "access_log": False,
+            "ray_settle_seconds": 0.5,
+            "ray_idle_close_seconds": IDLE,
+        }
+    )
     try:
         swept = Ray(swept_app, swept_token)
         answers = [swept.post(b) for b in bodies(events, 30)]
@@ -800,8 +871,14 @@ def test_concurrent_collectors_write_each_task_once(pg_url, s3_url, moto_endpoin
     the rollups add up to the task count."""
     from services.embedded import create_app
 
-    stack = {"database_url": pg_url, "blob_url": s3_url, "s3_endpoint_url": moto_endpoint,
-             "auth": "required", "ray_sweeper": False, "access_log": False}  # fmt: skip
+    stack = {
+        "database_url": pg_url,
+        "blob_url": s3_url,
+        "s3_endpoint_url": moto_endpoint,
+        "auth": "required",
+        "ray_sweeper": False,
+        "access_log": False,
+    }
     engine = make_engine(pg_url)
     tenant = new_tenant()
     with make_sessionmaker(engine).begin() as db:
@@ -905,15 +982,22 @@ def test_task_patches_a_killed_collector_held_are_merged_from_the_stored_bodies(
     pg_url, s3_url, moto_endpoint, tmp_path
 ):
     """A collector holds acknowledged bodies' task patches a moment before merging them
-    (storage.ray.bridge.TaskHold). Killed (SIGKILL) while it holds them, nothing acknowledged is
+    (storage.ray.hold.TaskHold). Killed (SIGKILL) while it holds them, nothing acknowledged is
     lost: another collector's sweeper merges those bodies again from their stored blobs,
     and users see what a collector that merged each body at once shows."""
     from services.embedded import create_app
     from tests.test_cli import Served, env
 
-    stack = {"database_url": pg_url, "blob_url": s3_url, "s3_endpoint_url": moto_endpoint,
-             "auth": "required", "access_log": False, "finish_worker": False,
-             "ray_settle_seconds": SETTLE, "ray_idle_close_seconds": IDLE}  # fmt: skip
+    stack = {
+        "database_url": pg_url,
+        "blob_url": s3_url,
+        "s3_endpoint_url": moto_endpoint,
+        "auth": "required",
+        "access_log": False,
+        "finish_worker": False,
+        "ray_settle_seconds": SETTLE,
+        "ray_idle_close_seconds": IDLE,
+    }
     engine = make_engine(pg_url)
     tenants = new_tenant(), new_tenant()
     with make_sessionmaker(engine).begin() as db:
@@ -926,18 +1010,30 @@ def test_task_patches_a_killed_collector_held_are_merged_from_the_stored_bodies(
 
     # A collector with a sweeper that holds patches for a minute (its settle time allows
     # it), so the kill surely comes while it holds them.
-    server = Served(tmp_path, environ=env(
-        HINDSIGHT_DATABASE_URL=pg_url, HINDSIGHT_BLOB_URL=s3_url,
-        HINDSIGHT_S3_ENDPOINT_URL=moto_endpoint, HINDSIGHT_AUTH="required",
-        HINDSIGHT_FINISH_WORKER="false", HINDSIGHT_RAY_SETTLE_SECONDS="600",
-        HINDSIGHT_RAY_HOLD_SECONDS="60",
-    ))  # fmt: skip
+    server = Served(
+        tmp_path,
+        environ=env(
+            HINDSIGHT_DATABASE_URL=pg_url,
+            HINDSIGHT_BLOB_URL=s3_url,
+            HINDSIGHT_S3_ENDPOINT_URL=moto_endpoint,
+            HINDSIGHT_AUTH="required",
+            HINDSIGHT_FINISH_WORKER="false",
+            HINDSIGHT_RAY_SETTLE_SECONDS="600",
+            HINDSIGHT_RAY_HOLD_SECONDS="60",
+        ),
+    )
     try:
         for chunk in chunks:
-            r = requests.post(f"{server.url}/v1/ray/events", params={"cluster": "rc"},
-                              data=chunk, headers={"Authorization": f"Bearer {held_token}",
-                                                   "Content-Type": "application/json"},
-                              timeout=30)  # fmt: skip
+            r = requests.post(
+                f"{server.url}/v1/ray/events",
+                params={"cluster": "rc"},
+                data=chunk,
+                headers={
+                    "Authorization": f"Bearer {held_token}",
+                    "Content-Type": "application/json",
+                },
+                timeout=30,
+            )
             assert r.status_code == 200, r.text
     finally:
         server.proc.kill()
@@ -979,18 +1075,34 @@ def test_a_held_task_postgres_refuses_is_left_out_and_the_others_merge(stack, tm
     from services.embedded import create_app
 
     url, engine, t = narrowed_index(stack, tmp_path, "ray_tasks", "name", 12)
-    app = create_app({**stack, "database_url": url, "ray_sweeper": True, "access_log": False,
-                      "ray_settle_seconds": 0.5, "ray_idle_close_seconds": IDLE})  # fmt: skip
+    app = create_app(
+        {
+            **stack,
+            "database_url": url,
+            "ray_sweeper": True,
+            "access_log": False,
+            "ray_settle_seconds": 0.5,
+            "ray_idle_close_seconds": IDLE,
+        }
+    )
     try:
         r = Ray(app, t)
         sim, tasks, events = workload(seed=9)
         odd = sim.task(1, "a-name-longer-than-twelve", T0 + 1, 0.01, func="work")
         r.post_all(bodies(events[:-2] + sim.task_events(odd) + events[-2:], 30))
-        wait_until(lambda: any(x["run_key"] == ray_job(1) and x["status"] != "running"
-                               for x in r.runs()), 60, "job 1 to be written and closed")  # fmt: skip
+        wait_until(
+            lambda: any(x["run_key"] == ray_job(1) and x["status"] != "running" for x in r.runs()),
+            60,
+            "job 1 to be written and closed",
+        )
         assert r.run(1)["task_count"] == 60
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT count(*) FROM ray_bodies WHERE NOT tasks_merged")).scalar() == 0  # fmt: skip
+            assert (
+                conn.execute(
+                    text("SELECT count(*) FROM ray_bodies WHERE NOT tasks_merged")
+                ).scalar()
+                == 0
+            )
     finally:
         app.extensions["hindsight.ray_sweeper"].stop()
         engine.dispose()

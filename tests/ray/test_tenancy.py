@@ -16,14 +16,40 @@ from tests.test_cli import Served, env, run
 
 
 def test_a_token_for_ray_in_the_url_files_runs_under_its_tenant(tmp_path):
-    made = run("tokens", "create", "--tenant", "acme", "--for", "ray", "--cluster", "prod",
-               "--url", "http://collector.example:8700", "--data-dir", str(tmp_path), env=env())  # fmt: skip
+    made = run(
+        "tokens",
+        "create",
+        "--tenant",
+        "acme",
+        "--for",
+        "ray",
+        "--cluster",
+        "prod",
+        "--url",
+        "http://collector.example:8700",
+        "--data-dir",
+        str(tmp_path),
+        env=env(),
+    )
     assert made.returncode == 0, made.stderr
     url = made.stdout.strip().splitlines()[-1]
     assert url.startswith("http://collector.example:8700/v1/ray/events?cluster=prod&token=hs_")
     token = url.rsplit("token=", 1)[1]
-    wide = run("tokens", "create", "--tenant", "acme", "--scopes", "ingest,read", "--data-dir",
-               str(tmp_path), env=env()).stdout.strip().splitlines()[-1]  # fmt: skip
+    wide = (
+        run(
+            "tokens",
+            "create",
+            "--tenant",
+            "acme",
+            "--scopes",
+            "ingest,read",
+            "--data-dir",
+            str(tmp_path),
+            env=env(),
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     server = Served(tmp_path, environ=env(HINDSIGHT_AUTH="required"))
     try:
         export = url.replace("http://collector.example:8700", server.url)
@@ -42,16 +68,23 @@ def test_a_token_for_ray_in_the_url_files_runs_under_its_tenant(tmp_path):
             assert resp.status_code == status
             assert "hs_" not in resp.text and wide not in resp.text
         # An ingest token in a header (a proxy adding it) is fine: the same body, stored once.
-        again = requests.post(f"{server.url}/v1/ray/events?cluster=prod", data=body, timeout=30,
-                              headers={**hdr, "Authorization": f"Bearer {wide}"})  # fmt: skip
+        again = requests.post(
+            f"{server.url}/v1/ray/events?cluster=prod",
+            data=body,
+            timeout=30,
+            headers={**hdr, "Authorization": f"Bearer {wide}"},
+        )
         assert again.status_code == 200 and again.json()["duplicate"] is True
-        runs = requests.get(f"{server.url}/v1/runs", headers={"Authorization": f"Bearer {wide}"},
-                            timeout=30).json()["runs"]  # fmt: skip
+        runs = requests.get(
+            f"{server.url}/v1/runs", headers={"Authorization": f"Bearer {wide}"}, timeout=30
+        ).json()["runs"]
         assert [(r["cluster"], r["task_count"]) for r in runs] == [("prod", 5)]
         metrics = requests.get(f"{server.url}/metrics", timeout=30).text
         assert "hindsight_ray_bodies_total" in metrics and token not in metrics
-        assert requests.get(f"{server.url}/v1/runs", timeout=30,
-                            params={"token": token}).status_code == 401  # fmt: skip
+        assert (
+            requests.get(f"{server.url}/v1/runs", timeout=30, params={"token": token}).status_code
+            == 401
+        )
     finally:
         out = server.stop()
     assert "/v1/ray/events" in out  # the request lines are logged ...
@@ -61,10 +94,20 @@ def test_a_token_for_ray_in_the_url_files_runs_under_its_tenant(tmp_path):
 
 def test_werkzeug_request_lines_lose_their_token():
     record = logging.LogRecord(
-        "werkzeug", logging.INFO, __file__, 1, '%s - - [%s] "%s" %s %s',
-        ("127.0.0.1", "now", "POST /v1/ray/events?cluster=a&token=hs_secret&x=1 HTTP/1.1", "200", "-"),
+        "werkzeug",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - - [%s] "%s" %s %s',
+        (
+            "127.0.0.1",
+            "now",
+            "POST /v1/ray/events?cluster=a&token=hs_secret&x=1 HTTP/1.1",
+            "200",
+            "-",
+        ),
         None,
-    )  # fmt: skip
+    )
     assert RedactTokens().filter(record)
     text = record.getMessage()
     assert "hs_secret" not in text and "token=[redacted]&x=1" in text
@@ -75,8 +118,12 @@ def test_the_access_log_has_the_path_not_the_query(tmp_path, caplog):
 
     app = create_app({"data_dir": str(tmp_path), "auth": "disabled", "ray_sweeper": False})
     with caplog.at_level(logging.INFO, logger="hindsight.access"):
-        app.test_client().post("/v1/ray/events?cluster=a&token=hs_secret", data=json.dumps([]),
-                               headers={"Content-Type": "application/json"})  # fmt: skip
+        app.test_client().post(
+            "/v1/ray/events?cluster=a&token=hs_secret",
+            data=json.dumps([]),
+            headers={"Content-Type": "application/json"},
+        )
     lines = [r for r in caplog.records if r.name == "hindsight.access"]
-    assert lines and all("hs_secret" not in r.getMessage() and "hs_secret" not in str(vars(r))
-                         for r in lines)  # fmt: skip
+    assert lines and all(
+        "hs_secret" not in r.getMessage() and "hs_secret" not in str(vars(r)) for r in lines
+    )
