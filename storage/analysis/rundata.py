@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -15,3 +15,6 @@ class RunData:
     metrics: Any
     tag: str
     source: str  # "compact" (read from the compacted copy), "raw" (decoded batches)
+    #: What analyses derive from these tables once and read on every request (the tables
+    #: are cached per run by their reader, and never change).
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
