@@ -1,8 +1,10 @@
 """Query a Hindsight server from Python: ``hindsight.Client(url, token=None)``.
 
 Every method maps to one REST endpoint and returns a pandas DataFrame (or a dict where the
-answer is one object). pandas and pyarrow are imported when first needed, so the SDK that
-runs inside Dask workers stays light: ``pip install 'hindsight[client]'`` for them.
+answer is one object). A DataFrame's moments (``started_at``, ``time``, ``start``...) are
+UTC datetimes; durations stay seconds. The lake's tables keep their columns as stored.
+pandas and pyarrow are imported when first needed, so the SDK that runs inside Dask workers
+stays light: ``pip install 'hindsight[client]'`` for them.
 """
 
 from __future__ import annotations
@@ -106,10 +108,41 @@ CLUSTER_HISTORY_COLUMNS = (
 )
 
 
-def _frame(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
-    """``rows`` as a DataFrame; with no rows, one with ``columns`` (and none)."""
+#: Columns that hold a moment (epoch seconds on the wire): a DataFrame gives them as UTC
+#: datetimes, which plot, filter and resample as times. Durations stay seconds.
+TIME_COLUMN_NAMES = frozenset(
+    {
+        "started_at",
+        "finished_at",
+        "first_seen",
+        "last_seen",
+        "last_run_started_at",
+        "time",
+        "start",
+        "stop",
+        "compute_start",
+        "compute_stop",
+        "joined_at",
+        "left_at",
+        "first",
+        "last",
+    }
+)
+
+
+def _times(df: Any) -> Any:
+    """``df`` with its moments (:data:`TIME_COLUMN_NAMES`) as UTC datetimes."""
     pd = _pd()
-    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(columns))
+    for column in TIME_COLUMN_NAMES & set(df.columns):
+        df[column] = pd.to_datetime(df[column], unit="s", utc=True)
+    return df
+
+
+def _frame(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
+    """``rows`` as a DataFrame, moments as UTC datetimes; with no rows, one with
+    ``columns`` (and none)."""
+    pd = _pd()
+    return _times(pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(columns)))
 
 
 class Client:
@@ -210,7 +243,7 @@ class Client:
             limit = max(limit, 0)
             filters = {**filters, "limit": max(limit, 1)}
         with self._open(f"/v1/runs/{run_id}/tasks.parquet", filters) as resp:
-            frame = _pd().read_parquet(io.BytesIO(resp.read()))
+            frame = _times(_pd().read_parquet(io.BytesIO(resp.read())))
         return frame if limit is None else frame.head(limit)
 
     def summary(self, run_id: str) -> Any:
@@ -237,12 +270,15 @@ class Client:
             for s in body["series"]
             for p in s["points"]
         ]
-        return _pd().DataFrame(rows, columns=["worker", "name", "time", "value", "max"])
+        return _times(_pd().DataFrame(rows, columns=["worker", "name", "time", "value", "max"]))
 
     def progress(self, run_id: str, buckets: int = 50) -> Any:
         """Completed tasks per prefix (columns) per time bucket (index: bucket end)."""
         body = self.get(f"/v1/runs/{run_id}/progress", buckets=buckets)
-        return _pd().DataFrame(body["prefixes"], index=body["times"])
+        pd = _pd()
+        return pd.DataFrame(
+            body["prefixes"], index=pd.to_datetime(body["times"], unit="s", utc=True)
+        )
 
     def graph(self, run_id: str) -> tuple[Any, Any]:
         """(nodes, edges) DataFrames of the run's task graph."""
@@ -359,9 +395,9 @@ class Client:
         """Replay: the run at ``at`` (epoch seconds, ISO 8601 or a datetime; default now,
         as on the route) as Dask's
         status page showed it. A dict: ``time``, ``sampled_at`` (the sample it comes
-        from), ``workers`` (DataFrame: worker, managed, unmanaged, spilled, limit bytes,
-        processing), ``prefixes`` (DataFrame: prefix, waiting, processing, memory,
-        released, erred), ``thresholds`` (the session's memory fractions) and
+        from; both UTC datetimes), ``workers`` (DataFrame: worker, managed, unmanaged,
+        spilled, limit bytes, processing), ``prefixes`` (DataFrame: prefix, waiting,
+        processing, memory, released, erred), ``thresholds`` (the session's memory fractions) and
         ``samples`` (the run's first and last sample times)."""
         body = self.get(f"/v1/runs/{run_id}/state", at=at)
         pd = _pd()
@@ -369,8 +405,13 @@ class Client:
             {"worker": w["worker"], **w["memory"], "processing": w["processing"]}
             for w in body["workers"]
         ]
+        moments = {
+            k: None if body.get(k) is None else pd.Timestamp(body[k], unit="s", tz="UTC")
+            for k in ("time", "sampled_at")
+        }
         return {
             **body,
+            **moments,
             "workers": pd.DataFrame(
                 workers,
                 columns=["worker", "managed", "unmanaged", "spilled", "limit", "processing"],
@@ -393,7 +434,7 @@ class Client:
             for p in body["points"]
             for a, v in p["activity"].items()
         ]
-        return _pd().DataFrame(rows, columns=["time", "runs", "activity", "total", "mean"])
+        return _times(_pd().DataFrame(rows, columns=["time", "runs", "activity", "total", "mean"]))
 
     def trace(self, run_id: str) -> dict[str, Any]:
         """The run as Chrome trace-event JSON (save it and open it in ui.perfetto.dev)."""
@@ -409,16 +450,18 @@ class Client:
         rows = list(
             self._pages(f"/v1/runs/{run_id}/logs", "logs", {**filters, "limit": 1000}, limit)
         )
-        return _pd().DataFrame(
-            rows, columns=["time", "level", "worker", "logger", "message", "key"]
+        return _times(
+            _pd().DataFrame(rows, columns=["time", "level", "worker", "logger", "message", "key"])
         )
 
     def streams(self, run_id: str) -> Any:
         """The streams the run's tasks emitted values on (``hindsight.emit``): stream,
         count, numeric (values that are numbers), workers, first, last."""
-        return _pd().DataFrame(
-            self.get(f"/v1/runs/{run_id}/streams")["streams"],
-            columns=["stream", "count", "numeric", "workers", "first", "last"],
+        return _times(
+            _pd().DataFrame(
+                self.get(f"/v1/runs/{run_id}/streams")["streams"],
+                columns=["stream", "count", "numeric", "workers", "first", "last"],
+            )
         )
 
     def stream(self, run_id: str, stream: str, limit: int | None = None) -> Any:
@@ -428,13 +471,15 @@ class Client:
         path = f"/v1/runs/{run_id}/streams/{urllib.parse.quote(stream, safe='')}"
         first: list[dict[str, Any]] = []
         rows = list(self._pages(path, "values", {"limit": 1000}, limit, first))
-        df = _pd().DataFrame(rows, columns=["time", "worker", "key", "value"])
+        df = _times(_pd().DataFrame(rows, columns=["time", "worker", "key", "value"]))
         agg = first[0]["aggregate"]
         df.attrs["aggregate"] = (
             None
             if agg is None
-            else _pd().DataFrame(
-                agg["points"], columns=["time", "count", "sum", "mean", "min", "max"]
+            else _times(
+                _pd().DataFrame(
+                    agg["points"], columns=["time", "count", "sum", "mean", "min", "max"]
+                )
             )
         )
         return df
@@ -449,7 +494,7 @@ class Client:
         for column in ("joined_at", "left_at", "cause", "reason", "took_down"):
             if column not in workers:
                 workers[column] = None
-        return {**body, "workers": workers}
+        return {**body, "workers": _times(workers)}
 
     # ------------------------------------------------------------ the history lake
 

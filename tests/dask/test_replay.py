@@ -182,7 +182,8 @@ def test_replay_equals_the_live_scheduler_at_held_moments(hindsight_server, reco
         # of eyes: state() read it in the machine's zone, runs(since=) as UTC).
         naive = datetime.fromtimestamp(at, UTC).replace(tzinfo=None)
         with local_zone("America/New_York"):
-            assert HindsightClient(server.url).state(rid, at=naive)["time"] == pytest.approx(at)
+            got = HindsightClient(server.url).state(rid, at=naive)["time"]
+            assert got.timestamp() == pytest.approx(at) and str(got.tz) == "UTC"
     first, second = recorded["held"]
     assert first["prefixes"]["hold"]["processing"] == 4
     assert second["prefixes"]["hold"]["memory"] == 2

@@ -406,6 +406,23 @@ def test_python_client_round_trips_every_endpoint(history):
     slowest = c.tasks(a, sort="-duration", limit=2)
     assert list(slowest["compute"]) == sorted(tasks["compute"], reverse=True)[:2]
     assert c.runs(cluster=cluster, limit=0).empty
+    # Moments are UTC datetimes in every frame (epoch floats read as numbers), durations
+    # stay seconds; the run's own detail is the route's JSON.
+    detail = c.run(a)
+    got = runs.set_index("id").loc[a]
+    assert got["started_at"].timestamp() == pytest.approx(detail["started_at"])
+    for frame, column in (
+        (runs, "started_at"),
+        (tasks, "start"),
+        (tasks, "stop"),
+        (c.metrics(a, points=4), "time"),
+        (c.critical_path(a), "start"),
+        (c.clusters(), "last_seen"),
+    ):
+        assert str(frame[column].dt.tz) == "UTC", column
+    assert str(c.progress(a, buckets=5).index.tz) == "UTC"
+    assert tasks["compute"].dtype.kind == "f"  # seconds
+    assert str(c.state(a)["time"].tz) == "UTC"
     # A day alone as until includes that day, as a date or as text, here and in the lake
     # (a date object sent midnight at its start: the day's runs were left out).
     from datetime import UTC, datetime
