@@ -95,6 +95,23 @@ def test_fine_metrics_of_a_script_that_closes_at_once_are_whole(
         got = thread_seconds()
         return got if set(got) >= {"enrich", "call_api", "aggregate"} else None
 
+    # Replay at any moment: each prefix's finished tasks are the records' that ended by then.
+    records = server.tasks(run["id"])
+    ends = sorted(max(ph["stop"] for ph in t["startstops"]) for t in records)
+    samples = server.get(f"/v1/runs/{run['id']}/state")["samples"]
+    hi = max(t for t in (run["finished_at"], samples["last"]) if t is not None)
+    moments = [ends[0] - 0.001, *ends[:: max(1, len(ends) // 6)], ends[-1]]
+    for at in [min(m, hi) for m in moments]:
+        state = server.get(f"/v1/runs/{run['id']}/state", at=repr(at))
+        done = {p["prefix"]: p["memory"] + p["released"] for p in state["prefixes"]}
+        for prefix in {t["prefix"] for t in records}:
+            expected = sum(
+                1
+                for t in records
+                if t["prefix"] == prefix and max(ph["stop"] for ph in t["startstops"]) <= at
+            )
+            assert done.get(prefix, 0) == expected, (prefix, at, state)
+
     got = wait_until(whole, 30, "the run's activity")
     for prefix in ("enrich", "call_api", "aggregate"):
         assert abs(got[prefix] - compute[prefix]) <= 0.15 * compute[prefix], (prefix, got, compute)
