@@ -1,66 +1,36 @@
 """Bokeh figures built from recorded runs, in Dask's visual conventions.
 
-Colours follow ``distributed.diagnostics.task_stream``: a colour per task prefix (md5 of the
-prefix into an 18-colour viridis palette), transfers red, disk reads and writes orange,
-failed computations black.
+A task prefix has one colour on a page, the same in every plot of it (``colours.
+PrefixColours``); transfers are red, disk reads and writes orange, failed computations
+black, as in ``distributed.diagnostics.task_stream``. Every plot of more than one series has
+a legend above it (``legends``); byte and time axes read as "977 KiB" and "2:30"
+(``axes``).
 """
 
 from __future__ import annotations
 
-import base64
 import functools
-import hashlib
-from itertools import chain
+import logging
+import math
 from typing import Any
 
-import msgspec
-import numpy as np
 from bokeh.embed import json_item
-from bokeh.models import ColumnDataSource, HoverTool, NumeralTickFormatter
+from bokeh.models import ColumnDataSource, HoverTool
 from bokeh.plotting import figure
 
-# distributed.utils.palette (viridis, 18 colours)
-PALETTE = (
-    "#440154",
-    "#471669",
-    "#472A79",
-    "#433C84",
-    "#3C4D8A",
-    "#355D8C",
-    "#2E6C8E",
-    "#287A8E",
-    "#23898D",
-    "#1E978A",
-    "#20A585",
-    "#2EB27C",
-    "#45BF6F",
-    "#64CB5D",
-    "#88D547",
-    "#AFDC2E",
-    "#D7E219",
-    "#FDE724",
+from services.dashboard.axes import (
+    byte_hover,
+    bytes_axis,
+    clock_axis,
+    format_bytes,
+    format_seconds,
+    from_zero,
 )
-ACTION_COLOURS = {
-    "transfer": ("red", 0.4),
-    "disk-read": ("orange", 0.4),
-    "disk-write": ("orange", 0.4),
-}
+from services.dashboard.colours import PALETTE, WORKER_PALETTE, PrefixColours
+from services.dashboard.legends import legend_above
+from services.dashboard.task_stream import stream_figure, task_stream_data, wrapping_tooltips
 
-
-@functools.lru_cache(maxsize=4096)
-def colour_of(prefix: str) -> str:
-    """Dask's colour for a task prefix (``distributed.diagnostics.progress_stream.color_of``)."""
-    n = int(hashlib.md5(prefix.encode()).hexdigest()[:8], 16)
-    return PALETTE[n % len(PALETTE)]
-
-
-class _Phase(msgspec.Struct, gc=False):
-    action: str
-    start: float
-    stop: float
-
-
-_phases = msgspec.json.Decoder(list[list[_Phase]])
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -71,247 +41,17 @@ def warm_up() -> None:
     from bokeh.models import DataRange1d
 
     x_range = DataRange1d()
-    stream, _ = _stream_figure("warm-up", ["row"], x_range, name="warm-up", source_name="warm-up")
+    stream, _ = stream_figure(
+        "warm-up", ["row"], x_range, name="warm-up", source_name="warm-up", legend=[("a", "red", 1)]
+    )
     line = _time_figure("warm-up", x_range)
-    line.line(x=[0, 1], y=[0, 1])
+    _series_lines(line, [{"worker": "a", "points": [{"time": 0, "value": 1}]}], 0, {}, "warm-up")
     json_item(column(stream, line, sizing_mode="stretch_width"), "warm-up")
-
-
-def task_stream_data(table: Any, *, keys: bool = True) -> tuple[dict[str, Any], list[str], float]:
-    """A run's task stream, compactly: one rectangle per startstop as typed arrays (base64),
-    with task keys, labels and colours sent once and referenced by index. The page expands
-    it (``expandStream``) into the columns the figure's source wants. Returns the payload,
-    the worker-thread rows, and the time origin.
-
-    Compute phases come straight from the compacted table's columns (vectorised); only
-    tasks that also transferred or touched disk have their startstops parsed."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    t = table.select(
-        [
-            "key",
-            "prefix",
-            "worker",
-            "thread",
-            "status",
-            "compute_start",
-            "compute_stop",
-            "transfer",
-            "disk_read",
-            "disk_write",
-            "startstops",
-        ]
-    )
-    # A row per worker thread ("worker-thread"); per worker process where the scheduler
-    # reports no threads (Ray).
-    worker = pc.fill_null(t["worker"], "?")
-    row_names = pc.if_else(
-        pc.is_null(t["thread"]),
-        worker,
-        pc.binary_join_element_wise(worker, pc.cast(t["thread"], pa.string()), "-"),
-    )
-    # Names, colours and rows per distinct prefix and row, not per task: a 100,000-task run
-    # has a handful of prefixes and a few dozen worker threads.
-    prefix_codes = pc.dictionary_encode(t["prefix"]).combine_chunks()
-    prefix_of = prefix_codes.dictionary.to_pylist()
-    prefix_idx = np.asarray(pc.fill_null(prefix_codes.indices, 0), dtype="i4")
-    erred = np.asarray(pc.fill_null(pc.equal(t["status"], "erred"), False), dtype=bool)
-    cstart = np.asarray(pc.fill_null(t["compute_start"], np.nan), dtype="f8")
-    cstop = np.asarray(pc.fill_null(t["compute_stop"], np.nan), dtype="f8")
-    extra = np.flatnonzero(
-        np.asarray(pc.fill_null(t["transfer"], 0), dtype="f8")
-        + np.asarray(pc.fill_null(t["disk_read"], 0), dtype="f8")
-        + np.asarray(pc.fill_null(t["disk_write"], 0), dtype="f8")
-        > 0
-    )
-    extra_ss = pc.take(t["startstops"], pa.array(extra, type=pa.int64())).to_pylist()
-    extra_phases = _phases.decode(("[" + ",".join(s or "[]" for s in extra_ss) + "]").encode())
-    has_compute = ~np.isnan(cstart)
-
-    # labels and colours: compute phases are labelled by prefix, the rest "action prefix"
-    names: dict[str, int] = {}
-    colours: dict[tuple[str, float], int] = {}
-    name_of = np.asarray([names.setdefault(p, len(names)) for p in prefix_of], dtype="i4")
-    colour_of_prefix = [colours.setdefault((colour_of(p), 1.0), len(colours)) for p in prefix_of]
-    prefix_name = name_of[prefix_idx]
-    prefix_colour = np.asarray(colour_of_prefix, dtype="i4")[prefix_idx]
-    black = colours.setdefault(("black", 1.0), len(colours))
-    compute_c = np.where(erred, black, prefix_colour)
-
-    # Every non-compute phase of those tasks, as arrays: a Python loop over a 100k-task
-    # run's ~30,000 transfers took ~40 ms of the page.
-    counts = np.fromiter(map(len, extra_phases), dtype=np.int64, count=len(extra_phases))
-    flat = list(chain.from_iterable(extra_phases))
-    keep = np.fromiter((ph.action != "compute" for ph in flat), dtype=bool, count=len(flat))
-    kept = [ph.action for ph in flat if ph.action != "compute"]
-    ex_task = np.repeat(extra, counts)[keep]
-    ex_start = np.fromiter((ph.start for ph in flat), dtype="f8", count=len(flat))[keep]
-    ex_stop = np.fromiter((ph.stop for ph in flat), dtype="f8", count=len(flat))[keep]
-    action_of = list(dict.fromkeys(kept))
-    code = {a: i for i, a in enumerate(action_of)}
-    ex_action = np.fromiter(map(code.__getitem__, kept), dtype="i8", count=len(kept))
-    action_c = np.asarray(
-        [colours.setdefault(ACTION_COLOURS.get(a, ("gray", 0.4)), len(colours)) for a in action_of],
-        dtype="i4",
-    )
-    ex_c = action_c[ex_action] if len(ex_task) else np.zeros(0, dtype="i4")
-    # labels "action prefix", one per distinct pair
-    n_prefix = max(len(prefix_of), 1)
-    pairs, pair_idx = np.unique(ex_action * n_prefix + prefix_idx[ex_task], return_inverse=True)
-    pair_name = np.asarray(
-        [
-            names.setdefault(f"{action_of[q // n_prefix]} {prefix_of[q % n_prefix]}", len(names))
-            for q in pairs.tolist()
-        ],
-        dtype="i4",
-    )
-    ex_n = pair_name[pair_idx] if len(ex_task) else np.zeros(0, dtype="i4")
-    ex_x = (ex_start + ex_stop) / 2
-    ex_w = ex_stop - ex_start
-    origin = float(np.nanmin(cstart)) if has_compute.any() else np.inf
-    if len(ex_start):
-        origin = min(origin, float(ex_start.min()))
-    if not np.isfinite(origin):
-        origin = 0.0
-
-    tasks_c = np.flatnonzero(has_compute)
-    task_idx = np.concatenate([tasks_c, np.asarray(ex_task, dtype="i8")]).astype("i4")
-    x = (
-        np.concatenate([(cstart[tasks_c] + cstop[tasks_c]) / 2, np.asarray(ex_x, dtype="f8")])
-        - origin
-    )
-    width = np.concatenate([cstop[tasks_c] - cstart[tasks_c], np.asarray(ex_w, dtype="f8")])
-    c = np.concatenate([compute_c[tasks_c], np.asarray(ex_c, dtype="i4")]).astype("i4")
-    n = np.concatenate([prefix_name[tasks_c], np.asarray(ex_n, dtype="i4")]).astype("i4")
-
-    row_codes = pc.dictionary_encode(row_names).combine_chunks()
-    row_idx = np.asarray(row_codes.indices, dtype="i4")
-    row_of_code = row_codes.dictionary.to_pylist()
-    drawn = np.unique(row_idx[task_idx])  # the codes of rows with a rectangle
-    rows = sorted(row_of_code[i] for i in drawn.tolist())
-    order = {r: i for i, r in enumerate(rows)}
-    code_row = np.asarray([order.get(r, -1) for r in row_of_code], dtype="i4")
-    y = code_row[row_idx[task_idx]] if len(task_idx) else np.zeros(0, dtype="i4")
-
-    def b64(values: Any, dtype: str) -> str:
-        return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode()
-
-    payload = {
-        "count": int(len(x)),
-        "x": b64(x, "<f8"),
-        "width": b64(width, "<f8"),
-        "y": b64(y, "<i4"),
-        "c": b64(c, "<i4"),
-        "k": b64(task_idx, "<i4"),
-        "n": b64(n, "<i4"),
-        "names": list(names),
-        "colours": [list(ca) for ca in colours],
-    }
-    if keys:
-        payload["keys"] = stream_keys(table)
-    else:  # the page requests them (``stream_keys``) while it builds its figures
-        payload["tasks"] = table.num_rows
-    return payload, rows, origin
-
-
-def wrapping_tooltips(rows: list[tuple[str, str]]) -> str:
-    """A hover's rows (label, Bokeh field template) as Bokeh lays them out, but wrapping a
-    value wider than the tooltip may be: Bokeh's own rows never wrap, and a task key longer
-    than the screen (a tuple holding a path or a token) ran off the page. Bokeh escapes the
-    fields' values in an HTML template as it does in its own rows."""
-    row = (
-        '<div style="display:table-row">'
-        '<div class="bk-tooltip-row-label" style="display:table-cell;padding-right:0.5em;'
-        'white-space:nowrap">{}: </div>'
-        '<div class="bk-tooltip-row-value" style="display:table-cell;overflow-wrap:anywhere">'
-        "{}</div></div>"
-    )
-    cells = "".join(row.format(label, field) for label, field in rows)
-    return f'<div style="display:table;max-width:min(40em,45vw);white-space:normal">{cells}</div>'
-
-
-def stream_keys(table: Any) -> list[str]:
-    """The task keys :func:`task_stream_data`'s ``k`` indices refer to (the table's rows)."""
-    return table.column("key").to_pylist()
-
-
-STREAM_HEIGHT = 0.85  # of a row; hindsight.js paints the same
-
-
-def _stream_figure(
-    title: str, rows: list[str], x_range: Any, *, name: str, source_name: str
-) -> tuple[Any, Any]:
-    """A task-stream figure with empty sources: the page fills ``source.data`` from plain
-    arrays after embedding (Bokeh's per-element serialisation of 100k-row columns took
-    seconds in Python and more in the browser), and its painted copy, ``painted-NAME``: an
-    image of them at the screen's resolution (``rasterise`` in hindsight.js). The per-task
-    rectangles are drawn by nothing; they answer the hover."""
-    from bokeh.models import FixedTicker, Range1d
-
-    empty = {k: [] for k in ("x", "width", "y", "colour", "alpha", "key", "name")}
-    source = ColumnDataSource(empty, name=source_name)
-    paint = ColumnDataSource(
-        {"image": [], "x": [], "y": [], "dw": [], "dh": []}, name=f"painted-{source_name}"
-    )
-    fig = figure(
-        title=title,
-        x_range=x_range,
-        y_range=Range1d(len(rows) - 0.5, -0.5),
-        height=max(160, 24 * len(rows) + 80),
-        sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,box_zoom,reset,save",
-        active_scroll="xwheel_zoom",
-        output_backend="canvas",
-        name=name,
-    )
-    fig.image_rgba(image="image", x="x", y="y", dw="dw", dh="dh", source=paint)
-    tasks = fig.rect(
-        x="x",
-        y="y",
-        width="width",
-        height=STREAM_HEIGHT,
-        source=source,
-        fill_color=None,
-        line_color=None,
-    )
-    fig.add_tools(
-        HoverTool(
-            renderers=[tasks],
-            tooltips=wrapping_tooltips(
-                [("task", "@name"), ("key", "@key"), ("seconds", "@width{0.000}")]
-            ),
-        )
-    )
-    fig.yaxis.ticker = FixedTicker(ticks=list(range(len(rows))), name=f"{name}-rows")
-    fig.yaxis.major_label_overrides = {i: r for i, r in enumerate(rows)}
-    fig.yaxis.major_label_text_font_size = "8pt"
-    fig.ygrid.visible = False
-    fig.toolbar.logo = None
-    return fig, source
 
 
 # ------------------------------------------------------------------ the whole run page
 
 DAG_MAX_NODES = 5000
-WORKER_PALETTE = (
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
-    "#aec7e8",
-    "#ffbb78",
-    "#98df8a",
-    "#ff9896",
-    "#c5b0d5",
-    "#c49c94",
-)
 MEMORY_KINDS = (
     ("memory.managed", "managed"),
     ("memory.unmanaged", "unmanaged"),
@@ -319,22 +59,45 @@ MEMORY_KINDS = (
 )
 
 
-#: Bytes on the memory axes and hovers: 1.5 GiB, not Bokeh's 1.5e+9.
-BYTES = "0.[0] ib"
-
-
 def _time_figure(title: str, x_range: Any, height: int = 180, **kw: Any) -> Any:
+    """A plot of non-negative values over the run's time (x: seconds since its start)."""
     fig = figure(
         title=title,
         x_range=x_range,
+        y_range=from_zero(),
         height=height,
         sizing_mode="stretch_width",
         tools="xpan,xwheel_zoom,box_zoom,reset,save",
         active_scroll="xwheel_zoom",
         **kw,
     )
+    clock_axis(fig)
     fig.toolbar.logo = None
     return fig
+
+
+#: A line breaks where the time to its next point is longer than this many times its
+#: points' median spacing: a sample or more is missing there.
+GAP = 1.9
+#: Points of a series drawn as dots too, up to this many: a line between two samples
+#: should read as two samples.
+DOTS = 40
+
+
+def with_gaps(times: list[float], values: list[float]) -> tuple[list[float], list[float]]:
+    """``times``, ``values`` (time-ordered) with a NaN point where samples are missing."""
+    if len(times) < 3:
+        return list(times), list(values)
+    steps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    limit = GAP * steps[len(steps) // 2]
+    xs, ys = [times[0]], [values[0]]
+    for i in range(1, len(times)):
+        if limit > 0 and times[i] - times[i - 1] > limit:
+            xs.append(math.nan)
+            ys.append(math.nan)
+        xs.append(times[i])
+        ys.append(values[i])
+    return xs, ys
 
 
 def _series_lines(
@@ -342,30 +105,78 @@ def _series_lines(
     series: list[dict[str, Any]],
     origin: float,
     colours: dict[str, str],
-    label: Any,
     name: str,
-    number: str = "0.[00]a",
+    *,
+    byte: bool = False,
+    dots: bool = True,
 ) -> int:
-    """One multi-line renderer, a line per series (x: seconds since origin), the series'
-    label on hover; returns how many lines were drawn. (A renderer per line cost ~25 ms
-    each to build and serialise: 80 of them on a 16-worker run.)"""
+    """One multi-line renderer, a line per series (``worker`` names it; x: seconds since
+    origin) broken where samples are missing, ``dots`` on its samples when they are few, a
+    legend naming each line and its name on hover; returns how many lines were drawn. (A
+    renderer per line cost ~25 ms each to build and serialise: 80 of them on a 16-worker
+    run.)"""
     drawn = [s for s in series if s["points"]]
     if not drawn:
         return 0
-    src = ColumnDataSource(
-        {
-            "xs": [[p["time"] - origin for p in s["points"]] for s in drawn],
-            "ys": [[p["value"] for p in s["points"]] for s in drawn],
-            "colour": [colours.get(s["worker"], "#555") for s in drawn],
-            "label": [label(s) for s in drawn],
-        },
-        name=name,
+    cols: dict[str, list[Any]] = {"xs": [], "ys": [], "colour": [], "label": []}
+    marks: dict[str, list[Any]] = {"x": [], "y": [], "colour": [], "label": []}
+    for s in drawn:
+        pts = sorted(s["points"], key=lambda p: p["time"])
+        xs, ys = with_gaps([p["time"] - origin for p in pts], [p["value"] for p in pts])
+        colour = colours.get(s["worker"], "#555")
+        cols["xs"].append(xs)
+        cols["ys"].append(ys)
+        cols["colour"].append(colour)
+        cols["label"].append(s["worker"])
+        if dots and len(pts) <= DOTS:
+            marks["x"] += [p["time"] - origin for p in pts]
+            marks["y"] += [p["value"] for p in pts]
+            marks["colour"] += [colour] * len(pts)
+            marks["label"] += [s["worker"]] * len(pts)
+    lines = fig.multi_line(
+        "xs", "ys", source=ColumnDataSource(cols, name=name), line_color="colour", line_width=1.5
     )
-    fig.multi_line("xs", "ys", source=src, line_color="colour", line_width=1.5)
+    renderers = [lines]
+    if marks["x"]:
+        renderers.append(
+            fig.scatter(
+                "x",
+                "y",
+                source=ColumnDataSource(marks, name=f"{name}-dots"),
+                size=4,
+                fill_color="colour",
+                line_color=None,
+            )
+        )
+    value = ("value", "$y{custom}" if byte else "$y{0.[00]a}")
     fig.add_tools(
-        HoverTool(tooltips=[("", "@label"), ("value", f"$y{{{number}}}")], line_policy="nearest")
+        HoverTool(
+            renderers=renderers,
+            tooltips=[("", "@label"), value],
+            formatters={"$y": byte_hover()} if byte else {},
+            line_policy="nearest",
+        )
+    )
+    legend_above(
+        fig, [(label, lines, i) for i, label in enumerate(cols["label"])], f"{name}-legend"
     )
     return len(drawn)
+
+
+def progress_series(progress: dict[str, Any]) -> list[dict[str, Any]]:
+    """Completed tasks per prefix over time (cumulative), each prefix's line from the
+    bucket before its first completion (a flat zero until a prefix starts said nothing)."""
+    times = progress.get("times") or []
+    width = progress.get("bucket_seconds") or 0.0
+    series = []
+    for prefix, counts in sorted(progress.get("prefixes", {}).items()):
+        first = next((i for i, c in enumerate(counts) if c), 0)
+        total, points = 0, [{"time": times[first] - width, "value": 0}]
+        for t, c in zip(times[first:], counts[first:], strict=True):
+            total += c
+            points.append({"time": t, "value": total})
+        series.append({"worker": prefix, "points": points})
+    return series
 
 
 def run_page_items(
@@ -375,24 +186,32 @@ def run_page_items(
     metrics: list[dict[str, Any]],
     *,
     inline_keys: bool = False,
+    colours: PrefixColours | None = None,
 ) -> dict[str, Any]:
-    """Every plot of a run page as Bokeh JSON items: the time plots share one x axis. The
-    task stream's keys (the hover's) are left out unless ``inline_keys`` (a running run,
-    whose tasks change between requests)."""
+    """Every plot of a run page as Bokeh JSON items: the time plots share one x axis,
+    from the run's first task. The task stream's keys (the hover's) are left out unless
+    ``inline_keys`` (a running run, whose tasks change between requests). ``colours``: the
+    page's prefix colours (by default the run's own)."""
     from bokeh.layouts import column
-    from bokeh.models import DataRange1d
+    from bokeh.models import DataRange1d, Span
 
+    if colours is None:
+        colours = PrefixColours(data.tasks.column("prefix").to_pylist())
     # Without the task keys (the hover's; half of a 100k-task run's page): the page fetches
     # them from /runs/<id>/stream-keys while it builds its figures.
-    cols, rows, origin = task_stream_data(data.tasks, keys=inline_keys)
-    x_range = DataRange1d(name="run-time")
-    stream, _ = _stream_figure(
-        "Task stream", rows, x_range, name="task-stream", source_name="task-stream-source"
+    cols, rows, origin, legend = task_stream_data(data.tasks, keys=inline_keys, colours=colours)
+    # from the run's first task: a worker's sample taken before it is not drawn at -0.45 s
+    x_range = DataRange1d(name="run-time", start=0)
+    stream, _ = stream_figure(
+        "Task stream",
+        rows,
+        x_range,
+        name="task-stream",
+        source_name="task-stream-source",
+        legend=legend,
     )
 
     # Replay's cursor (services/dashboard/static/replay.js moves it to the slider's time)
-    from bokeh.models import Span
-
     stream.add_layout(
         Span(
             location=0,
@@ -404,38 +223,22 @@ def run_page_items(
         )
     )
     figs = [stream]
-    # Progress: completed tasks per prefix over time (cumulative), Dask's prefix colours.
     prog = _time_figure("Progress by prefix (tasks completed)", x_range, height=200)
     prog.name = "progress"
-    n_prog = 0
-    if progress.get("times"):
-        xs = [t - origin for t in progress["times"]]
-        series = []
-        for prefix, counts in sorted(progress["prefixes"].items()):
-            total, ys = 0, []
-            for c in counts:
-                total += c
-                ys.append(total)
-            series.append(
-                {
-                    "worker": prefix,
-                    "points": [
-                        {"time": x + origin, "value": y} for x, y in zip(xs, ys, strict=True)
-                    ],
-                }
-            )
-        n_prog = _series_lines(
-            prog,
-            series,
-            origin,
-            {p: colour_of(p) for p in progress["prefixes"]},
-            lambda s: s["worker"],
-            "progress",
-        )
+    series = progress_series(progress)
+    n_prog = _series_lines(
+        prog,
+        series,
+        origin,
+        {s["worker"]: colours[s["worker"]] for s in series},
+        "progress",
+        dots=False,  # buckets, not samples
+    )
+    if n_prog:
         figs.append(prog)
 
     workers = sorted({s["worker"] for s in metrics if s["worker"] != "scheduler"})
-    colours = {w: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, w in enumerate(workers)}
+    by_worker = {w: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, w in enumerate(workers)}
     by_name: dict[str, list[dict[str, Any]]] = {}
     for s in metrics:
         if s["worker"] != "scheduler":
@@ -444,18 +247,11 @@ def run_page_items(
     for metric, label in MEMORY_KINDS:
         fig = _time_figure(f"Memory: {label} bytes per worker", x_range)
         fig.name = f"memory-{label}"
-        # bytes as 1.5 GiB, not 1.5e+9 (Bokeh's default ticks for large numbers)
-        fig.yaxis.formatter = NumeralTickFormatter(format=BYTES)
-        counts[f"memory-{label}"] = _series_lines(
-            fig,
-            by_name.get(metric, []),
-            origin,
-            colours,
-            lambda s: s["worker"],
-            f"memory-{label}",
-            BYTES,
+        bytes_axis(fig)
+        counts[fig.name] = _series_lines(
+            fig, by_name.get(metric, []), origin, by_worker, fig.name, byte=True
         )
-        if counts[f"memory-{label}"]:
+        if counts[fig.name]:
             figs.append(fig)
     for metric, title, key in (
         ("cpu", "CPU % per worker", "cpu"),
@@ -463,16 +259,12 @@ def run_page_items(
     ):
         fig = _time_figure(title, x_range)
         fig.name = key
-        counts[key] = _series_lines(
-            fig, by_name.get(metric, []), origin, colours, lambda s: s["worker"], key
-        )
+        counts[key] = _series_lines(fig, by_name.get(metric, []), origin, by_worker, key)
         if counts[key]:  # no empty panel: a run without worker metrics (Ray), a metric
             figs.append(fig)  # no sample of the run has (an empty one also logged a warning)
-    for f in figs[1:]:
-        f.xaxis.axis_label = None
-    figs[-1].xaxis.axis_label = "seconds since the run's first task"
+    figs[-1].xaxis.axis_label = "time since the run's first task"
 
-    dag, dag_nodes = dag_item(data, critical)
+    dag, dag_nodes = dag_item(data, critical, colours)
     return {
         "timeline": json_item(column(*figs, sizing_mode="stretch_width"), "timeline"),
         "stream": cols,
@@ -488,31 +280,65 @@ def run_page_items(
     }
 
 
-def _ramp(values: list[float | None]) -> list[str]:
-    """Viridis colours for numbers (log scale); grey for missing."""
-    import math
+#: Bins of the task graph's colours by a number (duration, bytes): viridis, log scale.
+RAMP = (PALETTE[0], PALETTE[4], PALETTE[8], PALETTE[11], PALETTE[14], PALETTE[17])
+MISSING = "#cccccc"
 
+#: A colouring of the task graph: each node's colour, and the legend's entries (label, the
+#: first node of that colour).
+Colouring = tuple[list[str], list[tuple[str, int]]]
+
+
+def _firsts(groups: list[Any], avoid: set[int]) -> dict[Any, int]:
+    """The first index of each group, one not in ``avoid`` where the group has one."""
+    first: dict[Any, int] = {}
+    for i, g in enumerate(groups):
+        if g not in first or (first[g] in avoid and i not in avoid):
+            first[g] = i
+    return first
+
+
+def _ramp(values: list[float | None], label: Any, avoid: set[int]) -> Colouring:
+    """Colours for numbers in :data:`RAMP`'s bins (log scale), grey for missing; an entry
+    per bin drawn, its range written by ``label``, its swatch a node not in ``avoid``."""
     logs = [math.log10(v) if v and v > 0 else None for v in values]
     present = [v for v in logs if v is not None]
     if not present:
-        return ["#cccccc"] * len(values)
+        return [MISSING] * len(values), ([("missing", 0)] if values else [])
     lo, hi = min(present), max(present)
     span = (hi - lo) or 1.0
-    return [
-        "#cccccc" if v is None else PALETTE[min(17, int((v - lo) / span * 17.999))] for v in logs
+    bins = [
+        None if v is None else min(len(RAMP) - 1, int((v - lo) / span * len(RAMP))) for v in logs
     ]
+    first = _firsts([-1 if b is None else b for b in bins], avoid)
+    entries = []
+    for b in sorted(k for k in first if k >= 0):
+        a, z = lo + span * b / len(RAMP), lo + span * (b + 1) / len(RAMP)
+        entries.append((f"{label(10**a)} to {label(10**z)}", first[b]))
+    if -1 in first:
+        entries.append(("missing", first[-1]))
+    return [MISSING if b is None else RAMP[b] for b in bins], entries
 
 
-def _categories(values: list[Any]) -> list[str]:
-    index: dict[Any, int] = {}
-    return [WORKER_PALETTE[index.setdefault(v, len(index)) % len(WORKER_PALETTE)] for v in values]
+def _categories(values: list[Any], avoid: set[int], colour: Any = None) -> Colouring:
+    """A colour per value (``colour(value)``, by default the worker palette in turn, values
+    sorted); an entry per value, sorted, its swatch a node not in ``avoid``."""
+    names = sorted({str(v or "") for v in values})
+    if colour is None:
+        index = {v: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, v in enumerate(names)}
+        colour = index.__getitem__
+    first = _firsts([str(v or "") for v in values], avoid)
+    return [colour(str(v or "")) for v in values], [(n or "none", first[n]) for n in names]
 
 
-def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
+def dag_item(
+    data: Any, critical: dict[str, Any], colours: PrefixColours | None = None
+) -> tuple[dict[str, Any] | None, int]:
     """The task graph laid out by depth (longest chain from a root), coloured by an attribute
-    picked from a dropdown (as the Dask Log Server prototype did); the critical path in red."""
+    picked from a dropdown (as the Dask Log Server prototype did), its legend following the
+    pick; the critical path in red. Prefixes take the page's ``colours``."""
     from bokeh.layouts import column
-    from bokeh.models import CustomJS, Select
+    from bokeh.models import CustomJS, LegendItem, Select
 
     if data.tasks.num_rows > DAG_MAX_NODES or data.graph.num_rows > DAG_MAX_NODES:
         return None, max(data.tasks.num_rows, data.graph.num_rows)
@@ -562,12 +388,20 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
         "nbytes": [x.get("nbytes") for x in a],
         "typename": [x.get("typename") or "" for x in a],
         "line": ["red" if k in on_path else None for k in keys],
-        "c_prefix": [colour_of(x.get("prefix") or "") for x in a],
-        "c_duration": _ramp([x.get("compute") for x in a]),
-        "c_worker": _categories([x.get("worker") for x in a]),
-        "c_nbytes": _ramp([x.get("nbytes") for x in a]),
-        "c_typename": _categories([x.get("typename") for x in a]),
     }
+    if colours is None:
+        colours = PrefixColours(node_cols["prefix"])
+    # the legend's swatches are nodes off the critical path (outlined red)
+    outlined = {i for i, k in enumerate(keys) if k in on_path}
+    by: dict[str, Colouring] = {
+        "prefix": _categories(node_cols["prefix"], outlined, colours.__getitem__),
+        "duration": _ramp(node_cols["duration"], format_seconds, outlined),
+        "worker": _categories(node_cols["worker"], outlined),
+        "nbytes": _ramp(node_cols["nbytes"], format_bytes, outlined),
+        "typename": _categories(node_cols["typename"], outlined),
+    }
+    for option, (node_colours, _) in by.items():
+        node_cols[f"c_{option}"] = node_colours
     node_cols["colour"] = list(node_cols["c_prefix"])
     edges: dict[str, list[Any]] = {
         "x0": [],
@@ -605,7 +439,7 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
         line_color="colour",
         line_width="width",
     )
-    fig.scatter(
+    dots = fig.scatter(
         "x", "y", source=nodes, size=9, fill_color="colour", line_color="line", line_width=2
     )
     fig.add_tools(
@@ -624,19 +458,28 @@ def dag_item(data: Any, critical: dict[str, Any]) -> tuple[dict[str, Any] | None
     fig.axis.visible = False
     fig.grid.visible = False
     fig.toolbar.logo = None
+    legend = legend_above(fig, [(label, dots, i) for label, i in by["prefix"][1]], "dag-legend")
+    items = {
+        option: [LegendItem(label=label, renderers=[dots], index=i) for label, i in entries]
+        for option, (_, entries) in by.items()
+        if option != "prefix"
+    }
+    items["prefix"] = legend.items
     pick = Select(
         title="colour by",
         value="prefix",
-        options=["prefix", "duration", "worker", "nbytes", "typename"],
+        options=list(by),
         name="dag-colour-by",
     )
     pick.js_on_change(
         "value",
         CustomJS(
-            args={"src": nodes},
+            args={"src": nodes, "legend": legend, "items": items},
             code="""
         src.data.colour = src.data['c_' + cb_obj.value].slice();
+        legend.items = items[cb_obj.value];
         src.change.emit();
+        if (typeof fitLegends === "function") fitLegends();
     """,
         ),
     )
@@ -667,6 +510,7 @@ def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] |
         sizing_mode="stretch_width",
         tools="hover",
         tooltips=[("run", "@id"), ("makespan", "@makespan s")],
+        y_range=from_zero(),
         name="trend",
     )
     fig.line("i", "makespan", source=src, line_color="#1f77b4")
@@ -684,16 +528,21 @@ def side_by_side(
     from bokeh.layouts import column
     from bokeh.models import DataRange1d
 
-    x_range = DataRange1d(name="compare-time")
+    x_range = DataRange1d(name="compare-time", start=0)
+    # a prefix of both runs has one colour in both streams
+    colours = PrefixColours(
+        a_tasks.column("prefix").to_pylist() + b_tasks.column("prefix").to_pylist()
+    )
     figs, data = [], {}
     for i, (label, tasks) in enumerate(((a_name, a_tasks), (b_name, b_tasks))):
-        cols, rows, _ = task_stream_data(tasks)
-        fig, _ = _stream_figure(
+        cols, rows, _, legend = task_stream_data(tasks, colours=colours)
+        fig, _ = stream_figure(
             f"Task stream: {label}",
             rows,
             x_range,
             name=f"compare-{i}",
             source_name=f"compare-stream-{i}",
+            legend=legend,
         )
         figs.append(fig)
         data[f"compare-stream-{i}"] = cols
@@ -740,6 +589,7 @@ def cluster_history(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
             x_axis_type="datetime",
             x_range=x_range,
             height=170 + (26 * legend_rows + 30 if first else 0),
+            y_range=from_zero(),
             sizing_mode="stretch_width",
             tools="xpan,xwheel_zoom,reset,save,hover",
             tooltips=[("cluster", "@cluster"), (field, "@y")],

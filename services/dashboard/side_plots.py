@@ -10,7 +10,8 @@ from bokeh.layouts import column
 from bokeh.models import ColumnDataSource, HoverTool
 from bokeh.plotting import figure
 
-from services.dashboard.plots import WORKER_PALETTE
+from services.dashboard.axes import clock_axis
+from services.dashboard.colours import WORKER_PALETTE
 
 #: Numeric streams drawn (the most valued first); the rest are listed with their counts.
 MAX_PLOTTED = 6
@@ -65,7 +66,8 @@ def streams_chart(
                 mode="vline",
             )
         )
-        fig.xaxis.axis_label = "seconds from the run's start"
+        fig.xaxis.axis_label = "time from the run's start"
+        clock_axis(fig)
         fig.toolbar.logo = None
         figs.append(fig)
     if not figs:

@@ -29,7 +29,8 @@ from sqlalchemy import func, select
 
 from services.common.params import arg, choice_arg, name_arg, time_arg
 from services.common.web import LOGIN_COOKIE, ApiError, db, store
-from services.dashboard import plots, side_plots, why_plots
+from services.dashboard import plots, side_plots, task_stream, why_plots
+from services.dashboard.colours import PrefixColours
 from storage.analysis import flame, tasks
 from storage.analysis.outcome import facts_of
 from storage.analysis.profile import Profile, merge_into
@@ -245,8 +246,17 @@ def run_page(run_id: str) -> Any:
     facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]
     live = detail["status"] == "running"
+    # one colour per prefix, the same in every plot of the page
+    colours = PrefixColours(
+        [*data.tasks.column("prefix").to_pylist(), *(p["prefix"] for p in detail["prefixes"])]
+    )
     items = plots.run_page_items(
-        data, critical, facts["progress"], tasks.metric_series(data, 300), inline_keys=live
+        data,
+        critical,
+        facts["progress"],
+        tasks.metric_series(data, 300),
+        inline_keys=live,
+        colours=colours,
     )
     stream = items["stream"]
     if not live:  # the page requests the hover's keys (``stream_keys``)
@@ -273,9 +283,9 @@ def run_page(run_id: str) -> Any:
         dag_max=plots.DAG_MAX_NODES,
         live=live,
         refresh=_refresh_seconds(),
-        **why_slow(run),
+        **why_slow(run, colours),
         **side_records(run, data),
-        **replay_slider(run, detail, items["origin"]),
+        **replay_slider(run, detail, items["origin"], colours),
     )
 
 
@@ -288,11 +298,16 @@ def stream_keys(run_id: str) -> Any:
     if found is None:
         raise ApiError(404, "not_found", f"no run {run_id!r}")
     data = runfile.load_run(db(), store().blobs, found[0])
-    return Response(msgspec.json.encode(plots.stream_keys(data.tasks)), mimetype="application/json")
+    return Response(
+        msgspec.json.encode(task_stream.stream_keys(data.tasks)), mimetype="application/json"
+    )
 
 
-def replay_slider(run: m.Run, detail: dict[str, Any], origin: float) -> dict[str, Any]:
-    """The replay slider's range (the run's state samples) and what its script needs."""
+def replay_slider(
+    run: m.Run, detail: dict[str, Any], origin: float, colours: PrefixColours
+) -> dict[str, Any]:
+    """The replay slider's range (the run's state samples) and what its script needs, its
+    prefixes in the page's ``colours``."""
     samples = replay.sample_times(db(), run.id)
     if not samples["samples"]:
         return {"replay": None}
@@ -307,13 +322,14 @@ def replay_slider(run: m.Run, detail: dict[str, Any], origin: float) -> dict[str
         # "s into the run" counts from the run's start, not the first sample: the label
         # reads where the cursor stands on the task stream's axis
         "run_start": run.started_at if run.started_at is not None else first,
-        "colours": {name: plots.colour_of(name) for name in sorted(names)},
+        "colours": {name: colours[name] for name in sorted(names)},
     }
     return {"replay": {**samples, "opts": script_json(opts)}}
 
 
-def why_slow(run: m.Run) -> dict[str, Any]:
-    """The run page's profile flame graph, fine-performance-metrics view and code."""
+def why_slow(run: m.Run, colours: PrefixColours) -> dict[str, Any]:
+    """The run page's profile flame graph, fine-performance-metrics view and code, its
+    prefixes in the page's ``colours``."""
     trees = profiles.load_prefixes(db(), store().blobs, run)
     whole = Profile()
     for tree in trees.values():
@@ -329,12 +345,13 @@ def why_slow(run: m.Run) -> dict[str, Any]:
                 "Profile: samples by task prefix and call stack "
                 "(click a frame to zoom in, reset to zoom out)",
                 "profile",
+                colours,
             )
         ),
         "profile_samples": merged.samples,
         "profile_seconds": merged.samples * merged.interval,
         "hottest": hottest,
-        "activity_plot": script_json(why_plots.activity_chart(act["activity"])),
+        "activity_plot": script_json(why_plots.activity_chart(act["activity"], colours=colours)),
         "activity_totals": [t for t in act["totals"] if t["unit"] == "seconds"],
         "activity_partial": {p: c for p, c in act["coverage"].items() if c < activity.FULL},
         "code": runcode.run_code(db(), run.id),

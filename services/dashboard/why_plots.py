@@ -3,24 +3,44 @@ the difference of two), Dask's fine-performance-metrics view, and seconds by act
 over time. Drawn locally by BokehJS from the wheel (no CDN).
 
 Conventions follow Dask's dashboard: a profile frame is coloured by its file
-(``distributed.profile.plot_data`` colours by filename), a task prefix by Dask's prefix
-colour; clicking a frame zooms to it, the reset tool zooms out.
+(``distributed.profile.plot_data`` colours by filename), a task prefix by the page's prefix
+colour (``colours.PrefixColours``); clicking a frame zooms to it, the reset tool zooms out.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from bokeh.embed import json_item
-from bokeh.models import ColumnDataSource, CustomJS, FactorRange, HoverTool, Range1d, TapTool
+from bokeh.models import (
+    ColumnDataSource,
+    CustomJS,
+    DataRange1d,
+    FactorRange,
+    HoverTool,
+    Range1d,
+    TapTool,
+)
 from bokeh.plotting import figure
 
-from services.dashboard.plots import WORKER_PALETTE, colour_of, gapped, wrapping_tooltips
+from services.dashboard.axes import from_zero
+from services.dashboard.colours import WORKER_PALETTE, PrefixColours, colour_of
+from services.dashboard.legends import legend_above
+from services.dashboard.plots import gapped
+from services.dashboard.task_stream import wrapping_tooltips
 from storage.analysis import flame
 from storage.analysis.profile import Node, Profile, merge_into, prune
 
+logger = logging.getLogger(__name__)
+
 #: Frames drawn at most per flame graph (the least sampled are folded into their callers).
 MAX_FRAMES = 2500
+#: A flame graph is as tall as its levels holding a frame this wide (of the whole) or
+#: wider, ROW_PX a level, between MIN_PX and MAX_PX; narrower frames above them are a pan
+#: (or a click on a frame below) away.
+SHOWN_WIDTH = 0.002
+ROW_PX, MIN_PX, MAX_PX = 18, 110, 640
 #: Activity colours (the rest cycle through WORKER_PALETTE).
 ACTIVITY_COLOURS = {
     "thread-cpu": "#1f77b4",
@@ -38,6 +58,10 @@ ACTIVITY_COLOURS = {
 }
 
 
+#: The activity view's seconds of no task prefix of the run.
+UNKNOWN = "#c7c7c7"
+
+
 def activity_colour(activity: str, i: int = 0) -> str:
     return ACTIVITY_COLOURS.get(activity, WORKER_PALETTE[i % len(WORKER_PALETTE)])
 
@@ -52,7 +76,10 @@ src.selected.indices = [];
 
 
 def _quads(
-    rows: list[tuple[int, float, float, str, str, str, int, int]], interval: float, total: int
+    rows: list[tuple[int, float, float, str, str, str, int, int]],
+    interval: float,
+    total: int,
+    colours: PrefixColours,
 ) -> dict[str, list[Any]]:
     cols: dict[str, list[Any]] = {
         k: []
@@ -82,7 +109,7 @@ def _quads(
         cols["seconds"].append(round(samples * interval, 3))
         cols["pct"].append(f"{100 * samples / total:.1f}%" if total else "")
         # Frames by their file (as Dask colours them); a task prefix level by the prefix.
-        cols["colour"].append(colour_of(where.rsplit(":", 1)[0]) if where else colour_of(name))
+        cols["colour"].append(colour_of(where.rsplit(":", 1)[0]) if where else colours[name])
     return cols
 
 
@@ -110,12 +137,17 @@ def _layout(p: Profile) -> tuple[list[tuple[Any, ...]], int]:
     return out, total
 
 
-def flame_graph(p: Profile, title: str, name: str) -> dict[str, Any] | None:
-    """A flame graph of ``p`` as a Bokeh JSON item (None when there are no samples)."""
+def flame_graph(
+    p: Profile, title: str, name: str, colours: PrefixColours | None = None
+) -> dict[str, Any] | None:
+    """A flame graph of ``p`` as a Bokeh JSON item (None when there are no samples); its
+    frames of task prefixes (:func:`by_prefix`) in the page's ``colours``."""
     if not p.samples:
         return None
     prune(p, MAX_FRAMES)
     rows, total = _layout(p)
+    if colours is None:
+        colours = PrefixColours(r[3] for r in rows if r[0] == 0)
     tooltips = [
         ("function", "@name"),
         ("where", "@where"),
@@ -123,7 +155,7 @@ def flame_graph(p: Profile, title: str, name: str) -> dict[str, Any] | None:
         ("samples", "@samples (@pct)"),
         ("seconds", "@seconds"),
     ]
-    fig = _frames_figure(_quads(rows, p.interval, total), title, name, tooltips)
+    fig = _frames_figure(_quads(rows, p.interval, total, colours), title, name, tooltips)
     return json_item(fig, name)
 
 
@@ -131,17 +163,28 @@ def _frames_figure(
     cols: dict[str, list[Any]], title: str, name: str, tooltips: list[tuple[str, str]]
 ) -> Any:
     """A flame-graph figure of frame rectangles (x in [0, 1], a row per depth): hover
-    tooltips, click a frame to zoom to it, names on the frames wide enough."""
+    tooltips, click a frame to zoom to it, names on the frames wide enough; as tall as its
+    levels of frames one can see (:data:`SHOWN_WIDTH`)."""
     depth = max(cols["bottom"], default=0) + 1
+    shown = 1 + max(
+        (
+            b
+            for b, left, right in zip(cols["bottom"], cols["left"], cols["right"], strict=True)
+            if right - left >= SHOWN_WIDTH
+        ),
+        default=0,
+    )
     src = ColumnDataSource(cols, name=f"{name}-source")
     x_range = Range1d(0, 1, bounds=(0, 1), name=f"{name}-x")
     fig = figure(
         title=title,
         x_range=x_range,
-        y_range=Range1d(0, depth + 0.2),
-        height=min(900, 60 + 18 * depth),
+        y_range=Range1d(
+            0, min(shown, (MAX_PX - 60) // ROW_PX) + 0.2, bounds=(0, depth + 0.2), name=f"{name}-y"
+        ),
+        height=max(MIN_PX, min(MAX_PX, 60 + ROW_PX * shown)),
         sizing_mode="stretch_width",
-        tools="xpan,xwheel_zoom,reset,save",
+        tools="pan,xwheel_zoom,reset,save",
         active_scroll="xwheel_zoom",
         name=name,
     )
@@ -285,9 +328,16 @@ def _delta_colour(delta: float) -> str:
     return f"#{fade:02x}{fade:02x}{235:02x}"
 
 
-def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> dict[str, Any] | None:
+def activity_chart(
+    activity: list[dict[str, Any]],
+    name: str = "activity",
+    colours: PrefixColours | None = None,
+) -> dict[str, Any] | None:
     """Dask's fine performance metrics view: seconds by activity (bars, largest first),
-    each bar split by task prefix in Dask's prefix colours."""
+    each bar split by task prefix in the page's prefix ``colours``, hatched where the
+    seconds were spent outside a task's execution (gathering its dependencies, say); a
+    legend of what each colour is. Seconds of no task prefix of the run (Dask's idle time)
+    are grey."""
     seconds: dict[str, dict[str, float]] = {}
     for row in activity:
         if row["unit"] != "seconds" or row["value"] <= 0:
@@ -297,9 +347,11 @@ def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> di
         per[who] = per.get(who, 0.0) + row["value"]
     if not seconds:
         return None
+    if colours is None:
+        colours = PrefixColours(who.split(": ")[-1] for per in seconds.values() for who in per)
     order = sorted(seconds, key=lambda a: -sum(seconds[a].values()))
     cols: dict[str, list[Any]] = {
-        k: [] for k in ("activity", "bottom", "top", "prefix", "seconds", "colour")
+        k: [] for k in ("activity", "bottom", "top", "prefix", "seconds", "colour", "hatch")
     }
     for act in order:
         bottom = 0.0
@@ -309,13 +361,16 @@ def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> di
             cols["top"].append(bottom + v)
             cols["prefix"].append(who)
             cols["seconds"].append(round(v, 4))
-            cols["colour"].append(colour_of(who.split(": ")[-1]))
+            prefix = who.split(": ")[-1]
+            cols["colour"].append(colours[prefix] if prefix in colours else UNKNOWN)
+            cols["hatch"].append(" " if ": " not in who else "/")
             bottom += v
     src = ColumnDataSource(cols, name=f"{name}-source")
     fig = figure(
         title="Where the time went: seconds by activity, split by task prefix (Dask's fine "
         "performance metrics)",
         x_range=FactorRange(*order, name=f"{name}-activities"),
+        y_range=from_zero(),
         height=320,
         sizing_mode="stretch_width",
         tools="save,reset",
@@ -328,6 +383,9 @@ def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> di
         width=0.8,
         source=src,
         fill_color="colour",
+        hatch_pattern="hatch",
+        hatch_color="white",
+        hatch_alpha=0.7,
         line_color="white",
     )
     fig.add_tools(
@@ -336,6 +394,14 @@ def activity_chart(activity: list[dict[str, Any]], name: str = "activity") -> di
             tooltips=[("activity", "@activity"), ("prefix", "@prefix"), ("seconds", "@seconds")],
         )
     )
+    # an entry per prefix (and context), most seconds first
+    total: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for i, (who, v) in enumerate(zip(cols["prefix"], cols["seconds"], strict=True)):
+        total[who] = total.get(who, 0.0) + v
+        first.setdefault(who, i)
+    entries = [(who, r, first[who]) for who in sorted(total, key=lambda w: (-total[w], w))]
+    legend_above(fig, entries, f"{name}-legend")
     fig.yaxis.axis_label = "seconds"
     fig.xaxis.major_label_orientation = 0.5
     fig.xgrid.visible = False
@@ -347,8 +413,6 @@ def activity_history_chart(
     points: list[dict[str, Any]], title: str, bucket_s: float = 86400
 ) -> dict[str, Any] | None:
     """Mean seconds per run by activity, per time bucket: one line per activity."""
-    from bokeh.models import DataRange1d
-
     if not points:
         return None
     activities = sorted({a for p in points for a in p["activity"]})
@@ -361,7 +425,9 @@ def activity_history_chart(
         name="activity-history",
         # at least three buckets wide, so a single bucket is not drawn on a microsecond axis
         x_range=DataRange1d(min_interval=3 * bucket_s * 1000, name="activity-history-x"),
+        y_range=from_zero(),
     )
+    entries = []
     for i, act in enumerate(activities):
         # the line breaks over buckets without runs of it
         mine = gapped(
@@ -378,7 +444,8 @@ def activity_history_chart(
             name=f"activity-history-{i}",
         )
         colour = activity_colour(act, i)
-        fig.line("x", "y", source=src, line_color=colour, line_width=2, legend_label=act)
+        line = fig.line("x", "y", source=src, line_color=colour, line_width=2)
+        entries.append((act, line, None))
         r = fig.scatter("x", "y", source=src, fill_color=colour, line_color=None, size=7)
         fig.add_tools(
             HoverTool(
@@ -392,8 +459,6 @@ def activity_history_chart(
             )
         )
     fig.yaxis.axis_label = "seconds per run"
-    fig.legend.label_text_font_size = "8pt"
-    fig.legend.location = "top_left"
-    fig.legend.click_policy = "hide"
+    legend_above(fig, entries, "activity-history-legend").click_policy = "hide"
     fig.toolbar.logo = None
     return json_item(fig, "activity-history")

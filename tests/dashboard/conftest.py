@@ -95,8 +95,11 @@ def assert_painted_as_tasks(page: Any, source: str, colours: bool = True) -> int
     )
     t, width = got["tasks"], got["W"]
     scale = width / got["dw"]
-    covers: list[list[list[tuple[float, float, str]]]] = [[[] for _ in range(width)] for _ in got["lines"]]  # fmt: skip
-    for x, w, y, colour, alpha in zip(t["x"], t["width"], t["y"], t["colour"], t["alpha"], strict=True):  # fmt: skip
+    covers: list[list[list[tuple[float, float, str]]]] = [
+        [[] for _ in range(width)] for _ in got["lines"]
+    ]
+    columns = (t["x"], t["width"], t["y"], t["colour"], t["alpha"])
+    for x, w, y, colour, alpha in zip(*columns, strict=True):
         a, b = (x - w / 2 - got["lo"]) * scale, (x + w / 2 - got["lo"]) * scale
         if alpha <= 0 or b <= a:
             continue

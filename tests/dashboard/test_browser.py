@@ -66,15 +66,15 @@ def test_runs_page_lists_every_run(recorded, page):
     rows = page.locator("tr.run-row")
     assert rows.count() == len(server.runs(cluster)) >= 2
     assert page.locator("td.status-erred").count() == 1
-    # a short word is never broken across lines ("runnin|g" in every row at 1280 px, found
-    # in a browser by a fresh pair of eyes)
+    # a short word is never broken across lines (not "runnin|g" in every row at 1280 px)
     for width in (1280, 390):
         page.set_viewport_size({"width": width, "height": 800})
         lines = page.evaluate(
             """() => [...document.querySelectorAll("tr.run-row td")].filter(td => td.textContent
                  .trim().length && td.textContent.trim().length <= 9 && !td.querySelector("input"))
                  .map(td => { const r = document.createRange(); r.selectNodeContents(td);
-                              return new Set([...r.getClientRects()].map(q => Math.round(q.top))).size; })"""
+                              return new Set([...r.getClientRects()]
+                                  .map(q => Math.round(q.top))).size; })"""
         )
         assert lines and max(lines) == 1, (width, lines)
     shoot(page, "runs")
@@ -88,11 +88,13 @@ def model_counts(page: Any) -> dict[str, Any]:
             for (const doc of Bokeh.documents) {
                 for (const m of doc.all_models) {
                     if (m.name === 'task-stream-source') {
-                        out.glyphs = m.data.x.length; out.colours = Array.from(new Set(m.data.colour));
+                        out.glyphs = m.data.x.length;
+                        out.colours = Array.from(new Set(m.data.colour));
                     }
                     if (m.name === 'task-stream-rows') out.rows = m.ticks.length;
                     if (m.name === 'dag-nodes') { out.dag_nodes = m.data.key.length; out.dag = m; }
-                    if (m.name && m.type === 'ColumnDataSource' && m.data.xs) out.lines[m.name] = m.data.xs.length;
+                    if (m.name && m.type === 'ColumnDataSource' && m.data.xs)
+                        out.lines[m.name] = m.data.xs.length;
                 }
             }
             if (out.dag) {
@@ -134,33 +136,37 @@ def test_run_page_draws_the_run(recorded, page, name):
     lo, hi, mid = page.evaluate(
         """() => { const s = Bokeh.documents[0].get_model_by_name('task-stream-source').data;
                    let lo = Infinity, hi = -Infinity, widest = -1;
-                   for (let i = 0; i < s.x.length; i++) { lo = Math.min(lo, s.x[i] - s.width[i] / 2);
-                                                          hi = Math.max(hi, s.x[i] + s.width[i] / 2);
-                                                          if (s.alpha[i] === 1 && (widest < 0 || s.width[i] > s.width[widest])) widest = i; }
+                   for (let i = 0; i < s.x.length; i++) {
+                       lo = Math.min(lo, s.x[i] - s.width[i] / 2);
+                       hi = Math.max(hi, s.x[i] + s.width[i] / 2);
+                       if (s.alpha[i] === 1 && (widest < 0 || s.width[i] > s.width[widest]))
+                           widest = i;
+                   }
                    return [lo, hi, s.x[widest]]; }"""
     )
     start, end = mid - (hi - lo) * 0.05, mid + (hi - lo) * 0.05
-    page.evaluate(
-        """([start, end]) => { for (const m of Bokeh.documents[0].all_models)
-                                 if (m.name === 'run-time') { m.have_updated_interactively = true; m.setv({start, end}); } }""",
-        [start, end],
-    )
+    set_run_time = """([start, end]) => {
+        for (const m of Bokeh.documents[0].all_models)
+            if (m.name === 'run-time') {
+                m.have_updated_interactively = true;
+                m.setv({start, end});
+            }
+    }"""
+    page.evaluate(set_run_time, [start, end])
     # The image starts at the view's start, or at the data's first edge when the view starts
     # before it (the widest task can be the run's first: a cold worker's, on a loaded machine).
     page.wait_for_function(
-        """(start) => { const p = Bokeh.documents[0].get_model_by_name('painted-task-stream-source');
-                        return p.data.x.length === 1 && p.data.x[0] === start; }""",
+        """(start) => {
+            const p = Bokeh.documents[0].get_model_by_name('painted-task-stream-source');
+            return p.data.x.length === 1 && p.data.x[0] === start; }""",
         arg=max(start, lo),
     )
     assert assert_painted_as_tasks(page, "task-stream-source") > 0
     # Panned past the run's end: nothing painted, nothing erring.
-    page.evaluate(
-        """([start, end]) => { for (const m of Bokeh.documents[0].all_models)
-                                 if (m.name === 'run-time') { m.have_updated_interactively = true; m.setv({start, end}); } }""",
-        [hi + 10, hi + 20],
-    )
+    page.evaluate(set_run_time, [hi + 10, hi + 20])
     page.wait_for_function(
-        "() => Bokeh.documents[0].get_model_by_name('painted-task-stream-source').data.x.length === 0"
+        "() => Bokeh.documents[0].get_model_by_name('painted-task-stream-source')"
+        ".data.x.length === 0"
     )
     assert model["rows"] == len(rows)
     assert page.locator("#timeline canvas").count() >= 1
@@ -172,7 +178,8 @@ def test_run_page_draws_the_run(recorded, page, name):
     ticks = page.evaluate(
         """() => { const fig = [...Bokeh.documents[0].all_models].find(
                      m => m.name === 'memory-managed' && m.left !== undefined);
-                   return fig.left[0].formatter.doFormat([0, 512 * 1024, 1.5 * 2 ** 30], {loc: 0}); }"""
+                   return fig.left[0].formatter.doFormat(
+                       [0, 512 * 1024, 1.5 * 2 ** 30], {loc: 0}); }"""
     )
     assert [t.replace(" ", "") for t in ticks] == ["0", "512KiB", "1.5GiB"], ticks
     # the DAG: every task a node, the critical path outlined in red
@@ -217,11 +224,12 @@ def test_compare_two_runs_picked_in_the_table(recorded, page):
     assert shown == len(a_prefixes ^ b_prefixes)
     streams = page.evaluate(
         """() => Array.from(Bokeh.documents[0].all_models)
-                .filter(m => m.name && m.name.startsWith('compare-stream-') && m.data.x.length > 0).length"""
+                .filter(m => m.name && m.name.startsWith('compare-stream-')
+                             && m.data.x.length > 0).length"""
     )
     assert streams == 2
     # array-sum's tasks are fractions of a ms in a ~350 ms run: a pixel that one opaque
-    # task fills alone may not exist (once in CI the colour check found none to check), so
+    # task fills alone may not exist (the colour check can then find none to check), so
     # both sides are checked as painted where tasks are and blank where none is
     for side in ("compare-stream-0", "compare-stream-1"):
         assert assert_painted_as_tasks(page, side, colours=False) > 0
@@ -238,7 +246,8 @@ def test_history_page_draws_each_cluster(recorded, page):
     assert cluster in clusters
     assert page.locator("tr.history-row").count() == len(points)
     lines = page.evaluate(
-        """() => Array.from(Bokeh.documents[0].all_models).filter(m => m.name === 'history-runs-line').length"""
+        "() => Array.from(Bokeh.documents[0].all_models)"
+        ".filter(m => m.name === 'history-runs-line').length"
     )
     assert lines == len(clusters)
     shoot(page, "history")
@@ -257,12 +266,14 @@ def test_a_running_run_updates_itself_rides_out_a_restart_and_freezes(tmp_path, 
     try:
 
         def batch(seq: int, n: int) -> dict[str, Any]:
-            events: list[dict[str, Any]] = [{"kind": "run", "event": "started", "id": "live", "name": "live-run",
-                                             "time": 1.8e9}] if seq == 0 else []  # fmt: skip
-            events += [{"kind": "task", "key": f"inc-{seq}-{i}", "prefix": "inc", "status": "memory", "run": "live",
-                        "worker": "tcp://w:1", "thread": 1,
+            started: dict[str, Any] = {"kind": "run", "event": "started", "id": "live",
+                                       "name": "live-run", "time": 1.8e9}  # fmt: skip
+            events: list[dict[str, Any]] = [started] if seq == 0 else []
+            events += [{"kind": "task", "key": f"inc-{seq}-{i}", "prefix": "inc",
+                        "status": "memory", "run": "live", "worker": "tcp://w:1", "thread": 1,
                         "startstops": [{"action": "compute", "start": 1.8e9 + seq + i * 0.01,
-                                        "stop": 1.8e9 + seq + i * 0.01 + 0.005}]} for i in range(n)]  # fmt: skip
+                                        "stop": 1.8e9 + seq + i * 0.01 + 0.005}]}
+                       for i in range(n)]  # fmt: skip
             return example(cluster="live", session="s1", agent="a", seq=seq, events=events)
 
         with Sender(server.url) as s:
@@ -324,14 +335,14 @@ def as_json(obj: Any) -> bytes:
 
 
 # Text with no place to break, as a checkout's path is ("/check/work/main/tests/...py:46"
-# in the submitting-code summary made a run page 395 px wide in CI, not here).
+# in the submitting-code summary must not make a run page wider than a phone's 390 px).
 LONG_WORD = "/" + "x" * 120 + ".py:46"
 
 
 def test_pages_fit_a_phone(recorded, page):
-    """Found in a browser by a fresh pair of eyes: at 390 px the tables widened the runs
-    list to 624 px and a run page to 530; they now scroll inside themselves. Paragraphs,
-    summaries and facts wrap a word longer than the screen, wherever the run's code lives."""
+    """At 390 px the tables scroll inside themselves rather than widen the runs list (to
+    624 px) or a run page (to 530). Paragraphs, summaries and facts wrap a word longer than
+    the screen, wherever the run's code lives."""
     server, cluster = recorded
     run = server.run_named(cluster, "array-sum")
     page.set_viewport_size({"width": 390, "height": 800})
@@ -392,9 +403,9 @@ def test_task_stream_hover_shows_a_long_key_whole_on_screen(recorded, page):
 
 
 def test_history_legend_names_every_cluster_without_squashing_a_plot(tmp_path, page):
-    """Found by a new user: in each 170 px plot the legend of five clusters ran off the
-    bottom. One legend above the first plot names every cluster, in rows, and that plot's
-    frame is as tall as the others."""
+    """One legend above the first plot names every cluster, in rows, and that plot's frame
+    is as tall as the others (a legend inside each 170 px plot runs off its bottom with five
+    clusters)."""
     import requests
 
     from tests.dask.conftest import EmbeddedServer
@@ -415,12 +426,14 @@ def test_history_legend_names_every_cluster_without_squashing_a_plot(tmp_path, p
         js = """() => { const doc = Bokeh.documents[0];
                  const legends = Array.from(doc.all_models).filter(m => m.type === 'Legend');
                  const heights = ['runs', 'tasks', 'errors', 'compute_seconds'].map(
-                   f => Bokeh.index.find_one(doc.get_model_by_name('history-' + f)).frame.bbox.height);
+                   f => Bokeh.index.find_one(doc.get_model_by_name('history-' + f))
+                          .frame.bbox.height);
                  const plot = Bokeh.index.find_one(doc.get_model_by_name('history-runs'));
                  const boxes = legends.map(l => { const b = Bokeh.index.find_one(l).bbox;
                    return [b.top, b.bottom, b.left, b.right]; });
                  return {labels: legends.flatMap(l => l.items.map(i => i.label.value)), heights,
-                         boxes, frame_top: plot.frame.bbox.top, canvas: [plot.bbox.width, plot.bbox.height]}; }"""
+                         boxes, frame_top: plot.frame.bbox.top,
+                         canvas: [plot.bbox.width, plot.bbox.height]}; }"""
         got = page.evaluate(js)
         assert sorted(got["labels"]) == clusters
         # the legend is whole on the canvas and above the data, and the plot under it is
@@ -438,7 +451,7 @@ def test_history_legend_names_every_cluster_without_squashing_a_plot(tmp_path, p
             assert 0 <= top and bottom <= got["frame_top"], got
             assert 0 <= left and right <= canvas_width, (width, got)
             assert min(got["heights"]) >= 0.9 * max(got["heights"]), got["heights"]
-        # runs all in one hour: the time axis spans hours, not +-1 ms (found in a browser)
+        # runs all in one hour: the time axis spans hours, not +-1 ms
         span = page.evaluate(
             "() => { const r = Bokeh.documents[0].get_model_by_name('history-time');"
             " return r.end - r.start; }"

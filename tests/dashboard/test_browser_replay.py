@@ -60,15 +60,19 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, st
 
 def progress_rows(page: Any) -> dict[str, str]:
     return page.evaluate(
-        """() => Object.fromEntries(Array.from(document.querySelectorAll('#replay-progress .replay-row'))
+        """() => Object.fromEntries(
+                 Array.from(document.querySelectorAll('#replay-progress .replay-row'))
                  .map(r => [r.dataset.prefix, r.dataset.counts]))"""
     )
 
 
 def visible_tasks(page: Any) -> int:
     return page.evaluate(
-        """() => { for (const d of Bokeh.documents) { const s = d.get_model_by_name('task-stream-source');
-                   if (s) return Array.from(s.data.alpha).filter(a => a > 0).length; } return -1; }"""
+        """() => { for (const d of Bokeh.documents) {
+                       const s = d.get_model_by_name('task-stream-source');
+                       if (s) return Array.from(s.data.alpha).filter(a => a > 0).length;
+                   }
+                   return -1; }"""
     )
 
 
@@ -107,7 +111,7 @@ def test_moving_the_slider_redraws_the_status_page_at_that_time(recorded, page):
     hi = float(slider.get_attribute("max"))  # seconds from the run's first sample
     move_slider(page, hi / 6)
     at = float(page.get_attribute("#replay", "data-at"))
-    # Found by a new user: "s into the run" counted from the first sample, not the run's start.
+    # "s into the run" counts from the run's start, not from its first sample.
     label = page.locator("#replay-time").text_content()
     assert f"({at - run['started_at']:.1f} s into the run)" in label, label
     middle = progress_rows(page)
@@ -124,11 +128,13 @@ def test_moving_the_slider_redraws_the_status_page_at_that_time(recorded, page):
     assert 0 <= drawn < full
     assert_painted_as_tasks(page, "task-stream-source")  # the image is cut there too
     busy = page.evaluate(
-        "() => Array.from(document.querySelectorAll('#replay-processing .replay-row')).map(r => Number(r.dataset.processing))"
+        "() => Array.from(document.querySelectorAll('#replay-processing .replay-row'))"
+        ".map(r => Number(r.dataset.processing))"
     )
     assert busy == [w["processing"] for w in api["workers"]]
     widths = page.evaluate(
-        "() => Array.from(document.querySelectorAll('#replay-memory .seg.managed')).map(s => s.style.width)"
+        "() => Array.from(document.querySelectorAll('#replay-memory .seg.managed'))"
+        ".map(s => s.style.width)"
     )
     assert len(widths) == 2
     shoot(page, "run-replay")

@@ -115,22 +115,23 @@ def test_run_page_draws_the_flame_graph_activity_and_code(recorded, page):
     for section, name in (("#profile", "flame-graph"), ("#why", "activity")):
         page.locator(section).screenshot(path=str(ARTIFACTS / f"{name}.png"))
     # clicking a frame zooms to it
-    x0 = page.evaluate(
-        "() => Bokeh.documents.flatMap(d => Array.from(d.all_models)).find(m => m.name === 'profile-x').end"
+    profile_x_end = (
+        "() => Bokeh.documents.flatMap(d => Array.from(d.all_models))"
+        ".find(m => m.name === 'profile-x').end"
     )
+    x0 = page.evaluate(profile_x_end)
     canvas = page.locator("#profile canvas").first
     canvas.scroll_into_view_if_needed()
     box = canvas.bounding_box()
     page.mouse.click(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.75)
-    page.wait_for_function(
-        "() => Bokeh.documents.flatMap(d => Array.from(d.all_models)).find(m => m.name === 'profile-x').end < 0.999"
-    )
+    page.wait_for_function(profile_x_end + " < 0.999")
     assert x0 == 1
     # Dask's fine performance metrics view: seconds by activity, split by prefix
     act = data["activity-source"]
     rows = server.get(f"/v1/runs/{v2}/activity")["activity"]
     expected = {(r["activity"], r["prefix"]) for r in rows
-                if r["unit"] == "seconds" and r["context"] == "execute" and r["value"] > 0}  # fmt: skip
+                if r["unit"] == "seconds" and r["context"] == "execute"
+                and r["value"] > 0}  # fmt: skip
     assert set(zip(act["activity"], act["prefix"], strict=True)) == expected
     assert page.locator("tr.activity-row").count() >= 2
     # the submitting code, its submitting line marked

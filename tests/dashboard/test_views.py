@@ -41,9 +41,9 @@ def test_pages_need_a_read_token_and_login_sets_an_httponly_cookie(apps, make_to
 
 
 def test_a_signed_in_user_reads_the_api_the_pages_use_and_can_sign_out(apps, make_token):
-    """Found by a fresh pair of eyes: signed in at /login, the pages' own requests (replay,
-    live refresh) and their data and export links answered 401: the API read only the
-    bearer header. Reading takes the login cookie now; writing never does."""
+    """Signed in at /login, the pages' own requests (replay, live refresh) and their data
+    and export links are answered, not 401: reading the API takes the login cookie as well
+    as the bearer header; writing never does."""
     collector, query = apps
     token = make_token(scopes="ingest,read")
     assert post(collector, example(), token=token).status_code == 202
@@ -60,8 +60,8 @@ def test_a_signed_in_user_reads_the_api_the_pages_use_and_can_sign_out(apps, mak
 
 
 def test_pages_say_when_there_is_nothing_to_draw(apps, make_token):
-    """Found in a browser by a fresh pair of eyes: every "nothing to show" text was dead
-    (the template tested the figure's JSON text, and "null" is true): empty boxes instead."""
+    """Every "nothing to show" text shows where there is nothing to draw, not an empty box
+    (the template must not test the figure's JSON text, in which "null" is true)."""
     collector, query = apps
     token = make_token()
     h = {"Authorization": f"Bearer {token}"}
@@ -104,7 +104,7 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
         {"kind": "worker", "event": "joined", "address": "tcp://w:5", "name": "5", "time": T0 + 50},
         {"kind": "worker", "event": "left", "address": "tcp://w:5", "time": T0 + 60},
         # a worker killed in a run before its first batch, restarted by its nanny under
-        # its name: the new worker's agent is not the dead one's (found by a trial)
+        # its name: the new worker's agent is not the dead one's
         {"kind": "run", "event": "started", "id": "k", "name": "killed", "time": T0 + 70},
         {"kind": "worker", "event": "joined", "address": "tcp://w:6", "name": "6", "time": T0 + 70},
         {"kind": "worker", "event": "left", "address": "tcp://w:6", "time": T0 + 71},
@@ -147,11 +147,10 @@ def test_a_run_page_names_workers_that_left_with_nothing_of_their_own_arriving(a
 def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(
     apps, make_token, caplog
 ):
-    """Found by a new user: the run of a worker killed mid-run read "100.0% of batches"
-    while its completeness was not closed: the killed worker's last batch never came. Only
-    the run's own workers count: a worker killed in an earlier run is not this run's loss
-    (found by a reviewer), nor is it when a nanny restarted it under its name (found by a
-    held-out check)."""
+    """The run page of a worker killed mid-run names the agent whose last batch never came
+    (its completeness is not closed), rather than "100.0% of batches". Only the run's own
+    workers count: a worker killed in an earlier run is not this run's loss, nor is it when
+    a nanny restarted it under its name."""
     from tests.query.test_runs import T0
 
     collector, query = apps
@@ -160,7 +159,8 @@ def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(
 
     def task(run: str, worker: str, t: float) -> dict[str, Any]:
         return {"kind": "task", "key": f"a-{run}", "prefix": "a", "status": "memory", "run": run,
-                "worker": worker, "startstops": [{"action": "compute", "start": t, "stop": t + 0.5}]}  # fmt: skip
+                "worker": worker,
+                "startstops": [{"action": "compute", "start": t, "stop": t + 0.5}]}  # fmt: skip
 
     events = [
         {"kind": "worker", "event": "joined", "address": "tcp://w:1", "name": "1", "time": T0},
@@ -186,7 +186,7 @@ def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(
                         seq=0, events=[], final=True)  # fmt: skip
     # worker 2's agent never closed either (its nanny killed it 4 s into a retirement,
     # as an adaptive cluster's are), but its batches reach past run "other"'s end: that
-    # run lost nothing of it (found by a trial)
+    # run lost nothing of it
     sample2 = {"kind": "metric", "worker": "tcp://w:2", "time": T0 + 3.5, "values": {"cpu": 1.0}}
     retired = example(cluster="c", session="Scheduler-1", agent="worker-2-0123456789ab", seq=0,
                       events=[sample2], final=False)  # fmt: skip
@@ -204,7 +204,7 @@ def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(
     )
     for r in (other, after):
         assert 'id="unclosed-agents"' not in query.get(f"/runs/{r['id']}", headers=h).data.decode()
-    # the API says the same of each run (it said not closed for all three: found by a trial)
+    # the API says the same of each run (not "not closed" for all three)
     closed = {}
     for r in (run, other, after):
         c = query.get(f"/v1/runs/{r['id']}", headers=h).json["completeness"]
@@ -213,24 +213,26 @@ def test_a_run_page_names_worker_agents_that_never_closed_once_the_cluster_did(
         "etl": (False, ["worker-1-0123456789ab"]), "other": (True, []), "after": (True, []),
     }  # fmt: skip
     # a run with a CPU sample and no other metric drew an empty "tasks processing" panel,
-    # and Bokeh logged a warning for it at every view (found by a trial)
+    # and Bokeh logged a warning for it at every view
     assert not [r for r in caplog.records if "MISSING_RENDERERS" in r.getMessage()]
 
 
 @pytest.mark.parametrize(
     "case,tasks_fact,errors_fact",
-    [("retried", "4 records of 3 tasks (some ran again", "1 (every erred task ran again and succeeded)"),
-     ("cancelled", "2 of the graph's 5 tasks have no record (never ran: cancelled, or the client", None),
+    [("retried", "4 records of 3 tasks (some ran again",
+      "1 (every erred task ran again and succeeded)"),
+     ("cancelled",
+      "2 of the graph's 5 tasks have no record (never ran: cancelled, or the client", None),
      ("still-erred", "3 records of 2 tasks (some ran again", "2 (1 task erred at the end)"),
-     # a reviewer's: an attempt that erred, then one whose end never came (Ray's lost)
+     # an attempt that erred, then one whose end never came (Ray's lost)
      ("erred-then-lost", "3 records of 2 tasks (some ran again", "1")],
 )  # fmt: skip
 def test_a_run_page_tells_runs_from_tasks_and_errors_that_were_retried(
     apps, make_token, case, tasks_fact, errors_fact
 ):
-    """Found by a new user: a run whose 20 failures were all retried and succeeded
-    (``client.retry``) read "tasks 220, errors 20" with nothing saying so, and a cancelled
-    run of 200 tasks of which 28 ran read "tasks 28" beside a progress bar of 200/200."""
+    """A run whose failures were all retried and succeeded (``client.retry``) says so, not a
+    bare "tasks 220, errors 20"; a cancelled run says which of the graph's tasks have no
+    record, not "tasks 28" beside a progress bar of 200/200."""
     from tests.query.test_runs import T0
 
     collector, query = apps
@@ -240,7 +242,8 @@ def test_a_run_page_tells_runs_from_tasks_and_errors_that_were_retried(
                        ("a-2", "memory", 1)],
            "cancelled": [("a-0", "memory", 1), ("a-1", "memory", 1), ("a-2", "memory", 1)],
            "still-erred": [("a-0", "erred", 1), ("a-0", "erred", 2), ("a-1", "memory", 1)],
-           "erred-then-lost": [("a-0", "erred", 1), ("a-0", "lost", 2), ("a-1", "memory", 1)]}[case]  # fmt: skip
+           "erred-then-lost": [("a-0", "erred", 1), ("a-0", "lost", 2),
+                               ("a-1", "memory", 1)]}[case]  # fmt: skip
     graph = {"retried": 3, "cancelled": 5, "still-erred": 2, "erred-then-lost": 2}[case]
     events = [
         {"kind": "run", "event": "started", "id": "r", "name": "etl", "time": T0},
@@ -268,8 +271,8 @@ def test_a_run_page_tells_runs_from_tasks_and_errors_that_were_retried(
 
 
 def test_two_runs_ticked_in_the_list_compare_the_earlier_as_a(apps, make_token):
-    """Found in a browser by a fresh pair of eyes: the list is newest first, so the newer run
-    became A and a slowdown read as "better"; a run page's link has the previous run as A."""
+    """The list is newest first, yet the earlier of two ticked runs is A (a slowdown must not
+    read as "better"); a run page's link has the previous run as A."""
     from tests.query.test_runs import T0, run_batch
 
     collector, query = apps
@@ -294,8 +297,8 @@ def test_two_runs_ticked_in_the_list_compare_the_earlier_as_a(apps, make_token):
 
 
 def test_a_wrong_page_address_in_a_browser_gets_the_error_page(apps):
-    """Found in a browser by a fresh pair of eyes: /runs, /runs/ID/nope or GET /logout
-    answered the API's JSON error to a browser. The API keeps its JSON errors."""
+    """/runs, /runs/ID/nope or GET /logout answer a browser with the error page, not the
+    API's JSON error. The API keeps its JSON errors."""
     _, query = apps
     browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
     for path, status in (("/runs", 404), ("/nope", 404), ("/logout", 405)):
@@ -368,9 +371,12 @@ def test_runs_table_shows_each_jobs_makespan_trend(apps, make_token):
     token = make_token()
     for seq, makespan in enumerate([1.0, 2.0, 4.0]):
         events = [
-            {"kind": "run", "event": "started", "id": f"r{seq}", "name": "nightly", "time": 1.8e9 + seq * 100},
-            {"kind": "task", "key": f"k{seq}", "prefix": "inc", "status": "memory", "run": f"r{seq}",
-             "startstops": [{"action": "compute", "start": 1.8e9 + seq * 100, "stop": 1.8e9 + seq * 100 + makespan}]},
+            {"kind": "run", "event": "started", "id": f"r{seq}", "name": "nightly",
+             "time": 1.8e9 + seq * 100},
+            {"kind": "task", "key": f"k{seq}", "prefix": "inc", "status": "memory",
+             "run": f"r{seq}",
+             "startstops": [{"action": "compute", "start": 1.8e9 + seq * 100,
+                             "stop": 1.8e9 + seq * 100 + makespan}]},
         ]  # fmt: skip
         assert post(collector, example(seq=seq, events=events), token=token).status_code == 202
     html = query.get("/", headers={"Authorization": f"Bearer {token}"}).data.decode()
@@ -401,7 +407,8 @@ def test_a_running_runs_page_carries_its_task_keys(apps, make_token):
 
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)  # an index of its own
 def test_a_lost_runs_page_says_what_lost_means(apps, make_token):
-    """Found in a browser by a fresh pair of eyes: a run closed 'lost' showed only the word."""
+    """A run closed 'lost' says what lost means (and the setting behind it), not only the
+    word."""
     import time
 
     from storage.jobs import silent
@@ -419,8 +426,7 @@ def test_a_lost_runs_page_says_what_lost_means(apps, make_token):
 
 
 def test_the_runs_list_sorts_by_its_columns(apps, make_token):
-    """Found in a browser by a fresh pair of eyes: /?sort=-makespan was ignored, and no
-    column could be sorted."""
+    """The runs list sorts by its columns, /?sort=-makespan included."""
     import re
 
     from tests.query.test_runs import T0, run_batch
@@ -446,8 +452,8 @@ def test_the_runs_list_sorts_by_its_columns(apps, make_token):
 
 
 def test_every_page_has_one_title_and_each_checkbox_names_its_run(apps, make_token):
-    """Found in a browser by a fresh pair of eyes: no page had an h1 (its title was an h2),
-    and the compare boxes of runs of the same name shared one label ("compare job-x")."""
+    """Every page has one h1 (not an h2 for its title), and the compare boxes of runs of the
+    same name each name their own run, not one shared label ("compare job-x")."""
     import re
 
     from tests.query.test_runs import T0, run_batch
@@ -478,8 +484,8 @@ def test_every_page_has_one_title_and_each_checkbox_names_its_run(apps, make_tok
 
 
 def test_a_run_page_says_which_emitted_streams_its_plot_leaves_out(apps, make_token):
-    """Found in a browser by a fresh pair of eyes: past six numeric streams the plot drew
-    six and said nothing of the rest (they were only rows of the table below it)."""
+    """Past six numeric streams the plot draws six and names the rest it leaves out (not
+    leaving them only as rows of the table below it)."""
     from services.dashboard.side_plots import MAX_PLOTTED
     from tests.query.test_runs import T0, run_batch
 
@@ -527,8 +533,8 @@ def _sources(item: Any) -> dict[str, dict[str, list[Any]]]:
 
 
 def test_history_lines_break_over_hours_without_runs(apps, make_token):
-    """Found in a browser by a fresh pair of eyes: a cluster's history drew one line from
-    its runs of 10:00 to its runs of 15:00, as if it had run between."""
+    """A cluster's history line breaks over hours without runs: no one line from its runs of
+    10:00 to its runs of 15:00, as if it had run between."""
     from tests.query.test_runs import T0, run_batch
 
     collector, query = apps
@@ -551,8 +557,8 @@ def test_history_lines_break_over_hours_without_runs(apps, make_token):
 # werkzeug leaves the part it was spooling when it stops at the limit to the collector
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_sign_in_form_past_flasks_limit_is_not_called_a_batch(apps):
-    """A reviewer's find: every 413 was named batch_too_large, saying the ingest cap, also
-    for a sign-in form past Flask's own form limit (500 kB)."""
+    """A sign-in form past Flask's own form limit (500 kB) is a 413 request_too_large, not
+    batch_too_large with the ingest cap's message."""
     import gc
 
     _, query = apps

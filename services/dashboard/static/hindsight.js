@@ -173,3 +173,60 @@ function fill(sources) {
 }
 
 const painted = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+
+// Legends above their plot (services/dashboard/legends.py tags them {fit: the plot's height
+// without its legend}) in as many columns as the plot's width holds: Bokeh lays a legend
+// out in a fixed number of columns, which the server chose for a wide screen. The plot
+// grows by the rows its legend takes; its frame keeps its height. Returns a promise of the
+// page painted with them (at once when nothing changed).
+const legendFont = document.createElement("canvas").getContext("2d");
+const fullLabels = new WeakMap();
+
+function fitLegends() {
+  let changed = false;
+  for (const doc of Bokeh.documents) {
+    const models = [...doc.all_models];
+    for (const legend of models) {
+      if (legend.type !== "Legend") continue;
+      const fit = legend.tags.find(t => t && typeof t === "object" && "fit" in t);
+      const plot = fit && models.find(m => Array.isArray(m.above) && m.above.includes(legend));
+      const view = plot && Bokeh.index.find_one(plot);
+      if (!view || !view.frame) continue;
+      legendFont.font = `${legend.label_text_font_size} ${legend.label_text_font}`;
+      const room = view.frame.bbox.width - 2 * (legend.padding + legend.margin);
+      const swatch = legend.glyph_width + legend.label_standoff + 2 * legend.spacing + 4;
+      // a label wider than the plot (a phone's) is cut to fit, whole again on a wider one
+      const labels = legend.items.map(item => {
+        if (!fullLabels.has(item)) fullLabels.set(item, typeof item.label === "string" ? item.label : (item.label && item.label.value) || "");
+        const full = fullLabels.get(item);
+        let label = full;
+        while (label.length > 1 && swatch + legendFont.measureText(label).width > room)
+          label = full.slice(0, label.length - 2) + "…";
+        const shown = typeof item.label === "string" ? item.label : item.label && item.label.value;
+        if (shown !== label) { item.label = {value: label}; changed = true; }
+        return label;
+      });
+      const widths = labels.map(l => swatch + Math.max(legend.label_width, legendFont.measureText(l).width));
+      // entries go row by row; each column as wide as its widest entry
+      let ncols = Math.max(1, labels.length);
+      for (; ncols > 1; ncols--) {
+        const cols = new Array(ncols).fill(0);
+        widths.forEach((w, i) => { cols[i % ncols] = Math.max(cols[i % ncols], w); });
+        if (cols.reduce((a, b) => a + b, 0) <= room) break;
+      }
+      const rows = labels.length ? Math.ceil(labels.length / ncols) : 0;
+      const height = fit.fit + (rows ? rows * (legend.label_height + legend.spacing)
+                                       + 2 * (legend.padding + legend.margin) : 0)
+                     + (legend.title ? legend.label_height + legend.spacing : 0);
+      if (legend.ncols !== ncols) { legend.ncols = ncols; changed = true; }
+      if (plot.height !== height) { plot.height = height; changed = true; }
+    }
+  }
+  return changed ? painted() : Promise.resolve();
+}
+
+let legendsPending = null;
+window.addEventListener("resize", () => {
+  clearTimeout(legendsPending);
+  legendsPending = setTimeout(() => window.Bokeh && fitLegends(), 100);
+});
