@@ -124,3 +124,12 @@ def assert_painted_as_tasks(page: Any, source: str, colours: bool = True) -> int
                 )
                 checked += 1
     return checked if colours else painted
+
+
+@pytest.fixture
+def apps(stack):
+    """The collector's and the query service's test clients, in process."""
+    from collector.app import create_app as collector_app
+    from services.query.app import create_app as query_app
+
+    return collector_app(stack).test_client(), query_app(stack).test_client()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-from tests.dashboard.test_views import apps  # noqa: F401  (a fixture)
 from tests.helpers import auth, post
 from tests.query.test_runs import T0, run_batch
 from tests.test_cli import Served
@@ -17,7 +16,7 @@ def test_the_serve_banner_names_the_dashboard(tmp_path):
     assert f"dashboard:  {server.url}/" in banner, banner
 
 
-def test_three_runs_ticked_offer_their_three_pairs(apps, make_token):  # noqa: F811
+def test_three_runs_ticked_offer_their_three_pairs(apps, make_token):
     collector, query = apps
     token = make_token()
     h = auth(token)

@@ -10,14 +10,6 @@ import pytest
 from tests.helpers import example, post
 
 
-@pytest.fixture
-def apps(stack):
-    from collector.app import create_app as collector_app
-    from services.query.app import create_app as query_app
-
-    return collector_app(stack).test_client(), query_app(stack).test_client()
-
-
 def login(client: Any, token: str) -> Any:
     return client.post("/login", data={"token": token, "next": "/"})
 

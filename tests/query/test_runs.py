@@ -30,14 +30,6 @@ def run_batch(cluster: str, session: str, run: str, seq: int, *, n_tasks: int = 
 
 
 @pytest.fixture
-def clients(stack):
-    from collector.app import create_app as collector_app
-    from services.query.app import create_app as query_app
-
-    return collector_app(stack).test_client(), query_app(stack).test_client()
-
-
-@pytest.fixture
 def history(clients, make_token):
     """Six runs over two clusters and three sessions, one per batch, started an hour apart."""
     collector, query = clients

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from storage.query import runs as run_queries
 from tests.helpers import auth, post
-from tests.query.test_runs import clients, run_batch  # noqa: F401  (a fixture)
+from tests.query.test_runs import run_batch
 
 
-def test_a_run_left_open_by_silent_agents_reads_incomplete(clients, make_token, monkeypatch):  # noqa: F811
+def test_a_run_left_open_by_silent_agents_reads_incomplete(clients, make_token, monkeypatch):
     collector, query = clients
     token = make_token()
     h = auth(token)
