@@ -241,7 +241,9 @@ def run_page(run_id: str) -> Any:
     if found is None:
         return render_template("error.html", message=f"no run {run_id!r}"), 404
     run, cluster, session = found
-    detail = queries.run_detail(db(), run, cluster, session)
+    detail = queries.run_detail(
+        db(), run, cluster, session, silence=store().settings.silent_agents_seconds
+    )
     data = runfile.load_run(db(), store().blobs, run)
     facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]

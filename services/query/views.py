@@ -97,7 +97,7 @@ def runs() -> Any:
 def run(run_id: str) -> Any:
     found = _run_or_404(run_id)
     return {
-        **queries.run_detail(db(), *found),
+        **queries.run_detail(db(), *found, silence=store().settings.silent_agents_seconds),
         "code": runcode.run_code(db(), found[0].id),
         "session_info": runlogs.session_facts(db(), found[0]),
     }

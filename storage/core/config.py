@@ -42,6 +42,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_FINISH_WORKER": ("finish_worker", bool, True),
     "HINDSIGHT_FINISH_SETTLE_SECONDS": ("finish_settle_seconds", float, 5.0),
     "HINDSIGHT_SILENT_CLOSE_SECONDS": ("silent_close_seconds", float, 1800.0),
+    "HINDSIGHT_SILENT_AGENTS_SECONDS": ("silent_agents_seconds", float, 60.0),
 }
 
 
@@ -78,6 +79,7 @@ class Settings:
     finish_worker: bool
     finish_settle_seconds: float
     silent_close_seconds: float
+    silent_agents_seconds: float
 
     @property
     def auth_required(self) -> bool:
@@ -146,6 +148,8 @@ def load_settings(
         raise ConfigError("HINDSIGHT_FINISH_SETTLE_SECONDS must not be negative")
     if not values["silent_close_seconds"] >= 0:  # NaN fails too
         raise ConfigError("HINDSIGHT_SILENT_CLOSE_SECONDS must not be negative (0: never)")
+    if not values["silent_agents_seconds"] > 0:
+        raise ConfigError("HINDSIGHT_SILENT_AGENTS_SECONDS must be a positive number of seconds")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
     if not values["ray_hold_seconds"] >= 0:  # NaN fails too

@@ -35,6 +35,7 @@ def makespan_column() -> Any:
 #: A run still open whose session sent nothing for this long has agents that cannot reach
 #: the collector (or are gone): while a run is open its scheduler's agent sends a state
 #: sample every sampling interval (seconds), so its later batches are elsewhere, in a spool.
+#: The default of ``HINDSIGHT_SILENT_AGENTS_SECONDS``.
 SILENT_AGENTS_S = 60.0
 # "lost": the scheduler went silent before ending the run (storage.jobs.silent.close_silent)
 RUN_STATUSES = ("running", "finished", "erred", "lost")
@@ -367,7 +368,7 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
     return [a for a in mine if last.get(a) is None or run.started_at <= last[a] < end]
 
 
-def run_completeness(db: Session, run: m.Run) -> dict[str, Any]:
+def run_completeness(db: Session, run: m.Run, silence: float = SILENT_AGENTS_S) -> dict[str, Any]:
     """The session's completeness, with ``closed`` and ``workers_without_batches`` for
     ``run`` (Dask's agents): a worker agent that never closed counts only if it is the
     run's (``unclosed_worker_agents``, also listed), a worker that left with no batch only
@@ -403,13 +404,15 @@ def run_completeness(db: Session, run: m.Run) -> dict[str, Any]:
         and not unclosed
         and not silent,
     )
-    out["silent_since"] = agents_silent_since(db, run)
+    out["silent_since"] = agents_silent_since(db, run, silence=silence)
     return out
 
 
-def agents_silent_since(db: Session, run: m.Run, now: float | None = None) -> float | None:
+def agents_silent_since(
+    db: Session, run: m.Run, now: float | None = None, silence: float = SILENT_AGENTS_S
+) -> float | None:
     """When the agents of a run left open (``running``, or ``lost``: closed for silence)
-    were last heard from, once nothing came for :data:`SILENT_AGENTS_S`: whatever they sent
+    were last heard from, once nothing came for ``silence`` seconds: whatever they sent
     after that (the run's end among it) waits in a spool or is lost, so the run's batches
     are not whole however many of the ones sent arrived. None for a run its scheduler
     ended, or one still heard from."""
@@ -417,7 +420,7 @@ def agents_silent_since(db: Session, run: m.Run, now: float | None = None) -> fl
         return None
     heard = db.scalar(select(m.Session.last_seen).where(m.Session.id == run.session_id))
     now = time.time() if now is None else now
-    return heard if heard is not None and heard < now - SILENT_AGENTS_S else None
+    return heard if heard is not None and heard < now - silence else None
 
 
 def finished_work(db: Session, run: m.Run) -> dict[str, Any]:
@@ -427,7 +430,10 @@ def finished_work(db: Session, run: m.Run) -> dict[str, Any]:
     return {"pending": pending is not None, "done_at": run.finished_work_at}
 
 
-def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str, Any]:
+def run_detail(
+    db: Session, run: m.Run, cluster: str, session: str, silence: float = SILENT_AGENTS_S
+) -> dict[str, Any]:
+    """What ``GET /v1/runs/{id}`` answers; ``silence``: see :func:`agents_silent_since`."""
     detail = run_summary(run, cluster, session)
     statuses = db.execute(
         select(m.RunStatusCount.status, m.RunStatusCount.count).where(
@@ -485,7 +491,7 @@ def run_detail(db: Session, run: m.Run, cluster: str, session: str) -> dict[str,
         workers=workers,
         fingerprint=fingerprint(run.name, run.run_key, prefixes),
         prefixes=list(prefixes.values()),
-        completeness=run_completeness(db, run),
+        completeness=run_completeness(db, run, silence),
         finished_work=finished_work(db, run),
         first_seen=run.first_seen,
         last_seen=run.last_seen,

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, get_task_stream, span
+from distributed import Client, Event, LocalCluster, get_task_stream, span
 
 from hindsight.schema import TaskEvent
 from tests.dask.conftest import (
@@ -73,6 +76,76 @@ def test_collector_down_then_back_everything_arrives_once(tmp_path):
         assert detail["ratio"] == 1.0 and detail["closed"], detail
         assert detail["events_dropped_at_agents"] == 0
         assert not list((tmp_path / "spool").rglob("*.hsb"))
+    finally:
+        server.stop()
+
+
+def wait_for_gate(gate: str, i: int) -> int:
+    Event(gate).wait(60)
+    return i
+
+
+def test_a_run_whose_collector_died_mid_run_is_never_shown_complete(tmp_path):
+    # Nothing heard from a run's agents for 1 s reads as silent (60 s by default).
+    server = EmbeddedServer(tmp_path / "data", env={"HINDSIGHT_SILENT_AGENTS_SECONDS": "1"})
+    server.start()
+    cluster = f"died-{uuid.uuid4().hex[:8]}"
+    spool = tmp_path / "spool"
+    config = {
+        "hindsight.url": server.url,
+        "hindsight.cluster": cluster,
+        "hindsight.spool-dir": str(spool),
+        "hindsight.close-timeout": 1.0,
+    }
+    quick, gated = 20, 2
+    try:
+        with dask.config.set(config), LocalCluster(**{**CLUSTER_KW, "threads_per_worker": 2}) as lc:
+            with Client(lc) as client:
+                gate = Event(f"gate-{cluster}", client=client)
+                with span("outage"):
+                    # Submitted at once, so the run cannot end between them; the gated two
+                    # hold two of the four threads at most.
+                    first = client.map(inc, range(quick), key=[f"q-{i}" for i in range(quick)])
+                    last = client.map(
+                        wait_for_gate, [gate.name] * gated, range(gated),
+                        key=[f"g-{i}" for i in range(gated)],
+                    )  # fmt: skip
+                client.gather(first)
+                wait_for_run(server, cluster, "outage", quick, status="running")
+                server.proc.kill()  # kill -9: the collector dies mid-run
+                server.proc.wait(30)
+                server.proc = None
+                gate.set()
+                assert client.gather(last) == list(range(gated))
+        # The cluster closed with the run's end and last tasks in its agents' spool.
+        assert list(spool.rglob("*.hsb"))
+
+        server.start()  # the collector is back; those batches are not
+        run = server.run_named(cluster, "outage")
+        assert run is not None
+
+        def silent() -> dict[str, Any] | None:
+            detail = server.get(f"/v1/runs/{run['id']}")
+            return detail if detail["completeness"]["silent_since"] else None
+
+        detail = wait_until(silent, 30, "the run's agents to read as silent")
+        assert detail["status"] == "running" and detail["task_count"] == quick
+        page = server.http.get(f"{server.url}/runs/{run['id']}", timeout=30).text
+        line = re.search(r"<span>completeness</span>(.*?)</div>", page, re.S)
+        assert line, "the run page has a completeness line"
+        assert "incomplete: agents silent since" in line[1] and "hindsight spool push" in line[1]
+        assert "% of batches" not in line[1]
+
+        # What the page tells the user to do makes the run whole.
+        pushed = subprocess.run(
+            [sys.executable, "-m", "hindsight.cli", "spool", "push", str(spool),
+             "--url", server.url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+        run = wait_for_run(server, cluster, "outage", quick + gated)
+        whole = server.get(f"/v1/runs/{run['id']}")["completeness"]
+        assert whole["silent_since"] is None and whole["ratio"] == 1.0, whole
     finally:
         server.stop()
 

@@ -5,7 +5,8 @@ shown complete: the API says since when nothing came, and the page says incomple
 
 from __future__ import annotations
 
-from storage.query import runs as run_queries
+import dataclasses
+
 from tests.helpers import auth, post
 from tests.query.test_runs import run_batch
 
@@ -30,7 +31,10 @@ def test_a_run_left_open_by_silent_agents_reads_incomplete(clients, make_token, 
     assert "agents-silent" not in query.get(f"/runs/{open_id}", headers=h).data.decode()
 
     # Nothing heard for longer than a run's agents stay quiet while it is open.
-    monkeypatch.setattr(run_queries, "SILENT_AGENTS_S", -1.0)
+    store = query.application.extensions["hindsight"]
+    monkeypatch.setattr(
+        store, "settings", dataclasses.replace(store.settings, silent_agents_seconds=1e-6)
+    )
     got = completeness(open_id)
     assert got["silent_since"] is not None and got["ratio"] == 1.0  # every batch sent arrived
     page = query.get(f"/runs/{open_id}", headers=h).data.decode()
