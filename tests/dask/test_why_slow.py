@@ -38,6 +38,17 @@ def doze(x: int) -> int:
     return x
 
 
+def gated_doze(x: int, gate: str) -> int:
+    from distributed import Event
+
+    Event(gate).wait(60)
+    return doze(x)
+
+
+def known(key: str, dask_scheduler: Any = None) -> bool:
+    return key in dask_scheduler.tasks
+
+
 def early_work(x: int) -> int:
     deadline = time.time() + 0.3
     while time.time() < deadline:
@@ -53,7 +64,7 @@ def late_wait(x: int) -> int:
 @pytest.fixture(scope="module")
 def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
     import dask
-    from distributed import Client, LocalCluster, span
+    from distributed import Client, Event, LocalCluster, span
 
     nframes = "distributed.diagnostics.computations.nframes"
     before = dask.config.get(nframes)
@@ -88,14 +99,17 @@ def recorded(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
                 client.submit(doze, base, key="finish-0").result()
                 del base
             with span("persisted-then-computed"):
-                # 6 tasks of 0.25 s on 2 threads, most still queued when the client, busy
-                # with something else first, submits their sum: the sum's graph lists
-                # them again, and they were not submitted then
-                held = dask.persist(*(dask.delayed(doze)(i, dask_key_name=f"part-{i}")
+                # 6 tasks of 0.25 s on 2 threads, held back until the scheduler has their
+                # sum's graph: it lists them again while most are still queued, and they
+                # were not submitted then
+                gate = Event(f"gate-{cluster}", client=client)
+                held = dask.persist(*(dask.delayed(gated_doze)(i, gate.name, dask_key_name=f"part-{i}")
                                       for i in range(6)))  # fmt: skip
-                time.sleep(0.3)
-                dask.delayed(sum)(list(held), dask_key_name="total-0").compute()
-                del held
+                total = client.compute(dask.delayed(sum)(list(held), dask_key_name="total-0"))
+                wait_until(lambda: client.run_on_scheduler(known, "total-0"), 30, "the sum's graph")
+                gate.set()
+                total.result()
+                del held, total
 
             def history_prefixes(dask_worker: Any) -> list[str]:
                 return sorted({p for _, trees in dask_worker.profile_keys_history for p in trees})
@@ -234,9 +248,9 @@ def test_the_critical_path_tells_a_task_not_yet_submitted_from_one_waiting(
 
 
 def test_tasks_a_later_graph_touches_keep_their_own_submission(hindsight_server, recorded):
-    """Found by a held-out check: persisted tasks still queued when a later compute()
-    referenced them read "unsubmitted" until that compute (2 s of a run they were queued
-    in from its start): the later graph lists them again."""
+    """Persisted tasks still queued when a later compute() references them (its graph lists
+    them again) were submitted with the persist, not then: none of their wait reads as
+    "unsubmitted"."""
     run_id = run_of(hindsight_server, recorded, "persisted-then-computed", 7)
     cp = hindsight_server.get(f"/v1/runs/{run_id}/critical-path")
     assert "unsubmitted" not in cp["totals"], cp["segments"]
