@@ -252,7 +252,22 @@ def critical_path(data: RunData) -> dict[str, Any]:
             }
         )
     # Zero-length compute stays: the chain of tasks is the answer, even where skew ate it.
-    segments = [s for s in reversed(timeline) if s["stop"] > s["start"] or s["kind"] == "compute"]
+    segments = []
+    for s in reversed(timeline):
+        if s["stop"] <= s["start"] and s["kind"] != "compute":
+            continue
+        prev = segments[-1] if segments else None
+        if (
+            prev is not None
+            and s["kind"] != "compute"
+            and (prev["kind"], prev["key"], prev["worker"]) == (s["kind"], s["key"], s["worker"])
+            and prev["stop"] >= s["start"]
+        ):
+            # one stretch cut in two (a failed attempt over the task's unsubmitted and
+            # waiting time, when a worker's clock read its start before the submission)
+            prev["stop"] = max(prev["stop"], s["stop"])
+            continue
+        segments.append(s)
     totals: dict[str, float] = defaultdict(float)
     for s in segments:
         s["seconds"] = s["stop"] - s["start"]

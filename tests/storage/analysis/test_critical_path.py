@@ -203,6 +203,22 @@ def test_a_tasks_failed_attempts_are_not_waiting():
     assert cp["makespan"] == sum(s["seconds"] for s in cp["segments"]) == 4.0
 
 
+def test_a_failed_attempt_that_reads_as_started_before_its_submission_is_one_segment():
+    # A root task retried: its worker's clock, corrected to the scheduler's by an estimate,
+    # puts the failed attempt's start 5 ms before the scheduler received the task.
+    tasks = [
+        {"key": "flaky-0", "worker": "a", "status": "erred", "startstops": [c(0.995, 1.3)]},
+        {"key": "flaky-0", "worker": "a", "startstops": [c(1.31, 1.5)]},
+    ]
+    cp, got = path_of(tasks, {"flaky-0": []}, {"flaky-0": [1.0]})
+    assert got == [
+        ("failed", "flaky-0", 0.995, 1.3),
+        ("wait", "flaky-0", 1.3, 1.31),
+        ("compute", "flaky-0", 1.31, 1.5),
+    ]
+    assert cp["makespan"] == pytest.approx(sum(s["seconds"] for s in cp["segments"]))
+
+
 def test_histogram_quantiles_merge_and_stay_within_the_bucket_error():
     rng = random.Random(0)
     runs = [[rng.lognormvariate(-2, 1.5) for _ in range(rng.randint(100, 2000))] for _ in range(20)]
