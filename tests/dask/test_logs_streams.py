@@ -289,7 +289,11 @@ def test_an_attempt_that_retries_ran_again_is_a_task_record(hindsight_server, re
     assert (group["count"], group["retried"], group["keys"]) == (1, 1, ["flaky-0"])
     # the critical path: the failed attempt's compute, not waiting
     cp = hindsight_server.get(f"/v1/runs/{run['id']}/critical-path")
-    assert [s["kind"] for s in cp["segments"] if s["kind"] != "wait"] == ["failed", "compute"]
+    assert [s["kind"] for s in cp["segments"] if s["kind"] != "wait"] == ["failed", "compute"], (
+        cp,
+        tasks,
+        hindsight_server.get(f"/v1/runs/{run['id']}/graph"),
+    )
     # the run's time counts the failed attempt's seconds as compute, not idle
     time_ = hindsight_server.get(f"/v1/runs/{run['id']}/time")
     assert time_["compute"] == pytest.approx(
