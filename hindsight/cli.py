@@ -9,9 +9,11 @@ extra gets a clear message instead of an ImportError.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any
 
 import click
 
@@ -174,6 +176,124 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
         sys.exit(EXIT_RETRY_LATER)
     if sums["corrupt"] or sums["rejected"]:
         sys.exit(1)
+
+
+@main.group()
+def alerts() -> None:
+    """Alert rules and their deliveries, over the query service's REST API (docs/alerts.md).
+    URL and token from --url/--token or HINDSIGHT_QUERY_URL and HINDSIGHT_TOKEN."""
+
+
+def _client(url: str | None, token: str | None) -> Any:
+    from hindsight.client import Client
+
+    url = url or os.environ.get("HINDSIGHT_QUERY_URL") or "http://127.0.0.1:8700"
+    try:
+        return Client(url, token or os.environ.get("HINDSIGHT_TOKEN"))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _calling(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from hindsight.client import HindsightError
+
+    try:
+        return fn(*args, **kwargs)
+    except HindsightError as exc:
+        raise click.ClickException(exc.message if exc.status else str(exc)) from None
+
+
+_url = click.option("--url", default=None, help="Query service URL (else HINDSIGHT_QUERY_URL).")
+_token = click.option("--token", default=None, help="Bearer token (else HINDSIGHT_TOKEN).")
+
+
+@alerts.command("add")
+@click.argument("name")
+@click.option("--webhook", required=True, help="The http(s) URL alerts are posted to.")
+@click.option("--job", default=None, help="Runs of this name (a trailing * matches a prefix).")
+@click.option("--cluster", default=None, help="Runs of this cluster.")
+@click.option(
+    "--min-change",
+    type=float,
+    default=0.2,
+    show_default=True,
+    help="Alert on a run judged slower by at least this much (0.2: 20%).",
+)
+@click.option("--no-slower", is_flag=True, help="Do not alert on slower runs.")
+@click.option("--failures", is_flag=True, help="Alert on runs with failed tasks.")
+@click.option("--format", "fmt", type=click.Choice(["json", "slack"]), default="json")
+@_url
+@_token
+def alerts_add(
+    name: str,
+    webhook: str,
+    job: str | None,
+    cluster: str | None,
+    min_change: float,
+    no_slower: bool,
+    failures: bool,
+    fmt: str,
+    url: str | None,
+    token: str | None,
+) -> None:
+    """Make an alert rule; prints it as JSON, with the signing secret (shown this once)."""
+    spec = {
+        "job": job,
+        "cluster": cluster,
+        "min_change": min_change,
+        "on_slower": not no_slower,
+        "on_failures": failures,
+        "format": fmt,
+    }
+    spec = {k: v for k, v in spec.items() if v is not None}
+    rule = _calling(_client(url, token).add_alert_rule, name, webhook, **spec)
+    click.echo(json.dumps(rule, indent=2))
+
+
+@alerts.command("list")
+@_url
+@_token
+def alerts_list(url: str | None, token: str | None) -> None:
+    """The tenant's alert rules, one JSON object a line."""
+    for rule in _calling(_client(url, token).alert_rules):
+        click.echo(json.dumps(rule))
+
+
+@alerts.command("rm")
+@click.argument("rule_id", type=int)
+@_url
+@_token
+def alerts_rm(rule_id: int, url: str | None, token: str | None) -> None:
+    """Remove an alert rule and its deliveries."""
+    _calling(_client(url, token).remove_alert_rule, rule_id)
+    click.echo(f"removed rule {rule_id}")
+
+
+@alerts.command("deliveries")
+@click.option("--rule", type=int, default=None)
+@click.option("--run", default=None)
+@click.option("--status", type=click.Choice(["pending", "delivered", "failed"]), default=None)
+@click.option("--limit", type=int, default=20, show_default=True)
+@_url
+@_token
+def alerts_deliveries(
+    rule: int | None,
+    run: str | None,
+    status: str | None,
+    limit: int,
+    url: str | None,
+    token: str | None,
+) -> None:
+    """Alerts posted or being retried, newest first: id, rule, run, status, attempts, last
+    answer."""
+    client = _client(url, token)
+    rows = _calling(client.alert_deliveries, rule=rule, run=run, status=status, limit=limit)
+    click.echo("id\trule\trun\tstatus\tattempts\tlast")
+    for d in rows:
+        last = d["last_status"] or d["last_error"] or "-"
+        click.echo(
+            f"{d['id']}\t{d['rule']['name']}\t{d['run']}\t{d['status']}\t{d['attempts']}\t{last}"
+        )
 
 
 if __name__ == "__main__":

@@ -158,7 +158,14 @@ class Client:
 
     # ------------------------------------------------------------ transport
 
-    def _open(self, path: str, params: dict[str, Any] | None = None) -> Any:
+    def _open(
+        self,
+        path: str,
+        params: dict[str, Any] | None = None,
+        *,
+        method: str = "GET",
+        body: Any = None,
+    ) -> Any:
         query = {
             k: [_param(x) for x in v] if isinstance(v, list | tuple) else _param(v, k == "until")
             for k, v in (params or {}).items()
@@ -167,7 +174,10 @@ class Client:
         url = f"{self.url}{path}" + (
             f"?{urllib.parse.urlencode(query, doseq=True)}" if query else ""
         )
-        req = urllib.request.Request(url)
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
@@ -189,6 +199,30 @@ class Client:
         """GET ``path`` and decode its JSON answer."""
         with self._open(path, params) as resp:
             return json.loads(resp.read())
+
+    def _send(self, method: str, path: str, body: Any = None) -> Any:
+        with self._open(path, method=method, body=body) as resp:
+            return json.loads(resp.read())
+
+    # ------------------------------------------------------------ alerts (docs/alerts.md)
+
+    def alert_rules(self) -> list[dict[str, Any]]:
+        """The tenant's alert rules."""
+        return list(self.get("/v1/alerts/rules")["rules"])
+
+    def add_alert_rule(self, name: str, url: str, **spec: Any) -> dict[str, Any]:
+        """Make an alert rule (a token with the ``admin`` scope): ``job``, ``cluster``,
+        ``on_slower``, ``min_change``, ``on_failures``, ``format``. The answer's ``secret``
+        (the key of the signature) is shown this once."""
+        return dict(self._send("POST", "/v1/alerts/rules", {"name": name, "url": url, **spec}))
+
+    def remove_alert_rule(self, rule_id: int) -> None:
+        self._send("DELETE", f"/v1/alerts/rules/{int(rule_id)}")
+
+    def alert_deliveries(self, **filters: Any) -> list[dict[str, Any]]:
+        """Alerts posted or being retried, newest first (``rule``, ``run``, ``status``,
+        ``limit``)."""
+        return list(self.get("/v1/alerts/deliveries", **filters)["deliveries"])
 
     def _pages(
         self,

@@ -14,11 +14,9 @@ from collector.ray import bp as ray_bp
 from collector.views import bp as collector_bp
 from services.common.openapi import document
 from services.common.web import make_app
-from services.dashboard.views import bp as dashboard_bp
-from services.query.lake import bp as lake_bp
+from services.query.app import BLUEPRINTS as QUERY_BLUEPRINTS
 from services.query.openapi import OPENAPI as QUERY_OPENAPI
 from services.query.openapi import PATHS as QUERY_PATHS
-from services.query.views import bp as query_bp
 from storage.core.config import Settings
 
 OPENAPI = document(
@@ -32,7 +30,7 @@ def create_app(config: dict[str, Any] | None = None, *, settings: Settings | Non
     app = make_app(
         __name__,
         config,
-        [collector_bp, ray_bp, query_bp, lake_bp, dashboard_bp],
+        [collector_bp, ray_bp, *QUERY_BLUEPRINTS],
         OPENAPI,
         settings=settings,
     )

@@ -29,6 +29,7 @@ LAYERS = (
     "storage.ray",
     "storage.query",
     "storage.lake",
+    "storage.alerts",
     "storage.jobs",
 )
 MAX_MODULES_IN_A_FOLDER = 12

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.openapi import document
+from services.query.openapi_alerts import ALERT_PATHS
 from services.query.openapi_lake import LAKE_PATHS
 from services.query.openapi_parts import (
     ACTION,
@@ -652,6 +653,7 @@ PATHS |= {
 
 
 PATHS.update(LAKE_PATHS)
+PATHS.update(ALERT_PATHS)
 
 RUN = {
     "type": "object",

@@ -621,3 +621,52 @@ class FinishJob(Base):
     claimed_until: Mapped[float | None] = mapped_column(Float)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class AlertRule(Base):
+    """A tenant's alert rule: runs of a job (``job``: a run name, or a prefix of one ending
+    in ``*``) and/or cluster that its explanation judges slower by at least ``min_change``
+    (``on_slower``), or that have failures (``on_failures``), are posted to ``url``. Not
+    derived from the blob store: a rebuilt index keeps none (as tokens)."""
+
+    __tablename__ = "alert_rules"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(256))
+    cluster: Mapped[str | None] = mapped_column(String(256))
+    job: Mapped[str | None] = mapped_column(String(1024))
+    on_slower: Mapped[bool] = mapped_column(Boolean, server_default=true())
+    min_change: Mapped[float] = mapped_column(Float, server_default=text("0.2"))
+    on_failures: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    url: Mapped[str] = mapped_column(Text)
+    format: Mapped[str] = mapped_column(String(16))  # "json" (signed) or "slack"
+    # The HMAC-SHA256 key of the "json" format's signature. Kept as given (signing needs
+    # it), shown once, when the rule is made.
+    secret: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class AlertDelivery(Base):
+    """One alert of one rule about one run, posted until the receiver takes it
+    (at-least-once). ``idempotency_key`` is the same for every attempt: (rule, run). The
+    run is named by its public id, so a rebuilt run is not alerted twice."""
+
+    __tablename__ = "alert_deliveries"
+    __table_args__ = (
+        UniqueConstraint("rule_id", "run"),
+        Index("ix_alert_deliveries_status_next_at", "status", "next_at"),
+    )
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    rule_id: Mapped[int] = mapped_column(ForeignKey("alert_rules.id", ondelete="CASCADE"))
+    run: Mapped[str] = mapped_column(String(64))
+    idempotency_key: Mapped[str] = mapped_column(String(128))
+    reasons: Mapped[list[Any]] = mapped_column(JSON(none_as_null=True))
+    body: Mapped[dict[str, Any]] = mapped_column(JSON(none_as_null=True))
+    status: Mapped[str] = mapped_column(String(16))  # pending, delivered, failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_at: Mapped[float] = mapped_column(Float)
+    last_status: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+    delivered_at: Mapped[float | None] = mapped_column(Float)

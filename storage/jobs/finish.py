@@ -25,6 +25,7 @@ from collections.abc import Callable
 from sqlalchemy import and_, delete, literal, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage.alerts import deliver as alerts
 from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.core.statements import dialect_functions
@@ -42,6 +43,7 @@ FINISHERS: tuple[Callable[[FinishedRun], None], ...] = (
     profiles.finish,  # the run's statistical profile, per prefix and worker
     runlogs.finish,  # the run's log records, emitted values, worker events
     lake_build.finish,  # the run's rows in the history lake (docs/lake.md)
+    alerts.finish,  # the alerts its tenant's rules raise (docs/alerts.md)
 )
 #: A claimed job is another process's to take after this long without its worker renewing
 #: the lease (a crashed worker: ``kill -9``, OOM, a lost host), so a run whose collector

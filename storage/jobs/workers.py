@@ -1,6 +1,6 @@
 """The background work of a collector process (and of the embedded server), all started
-from :func:`start`: the finished-run worker (due finish jobs, silent runs, cluster rollups)
-and the Ray sweeper."""
+from :func:`start`: the finished-run worker (due finish jobs, silent runs, cluster rollups),
+the alert sender and the Ray sweeper."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage.alerts.deliver import deliver_due
 from storage.core.blobs import BlobStore
 from storage.jobs.finish import FOLD_CLUSTERS_SECONDS, POLL_SECONDS, fold_clusters, run_due
 from storage.jobs.silent import SILENT_CHECK_SECONDS, close_silent
@@ -80,6 +81,46 @@ class FinishWorker:
                 last_silent = time.monotonic()
 
 
+class AlertSender:
+    """One daemon thread per process posting due alerts (``storage.alerts.deliver``) for
+    every open store in it: apart from the finished-run worker, so a slow webhook never
+    holds a run's finished-run work back."""
+
+    _instance: AlertSender | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._targets: weakref.WeakKeyDictionary[Any, tuple[sessionmaker[Session], bool, float]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="hindsight-alerts", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def register(
+        cls, owner: Any, sessions: sessionmaker[Session], allow_private: bool, backoff: float
+    ) -> None:
+        with cls._instance_lock:
+            if cls._instance is None or not cls._instance._thread.is_alive():
+                cls._instance = cls()
+            sender = cls._instance
+        with sender._lock:
+            sender._targets[owner] = (sessions, allow_private, backoff)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(POLL_SECONDS)
+            with self._lock:
+                targets = list(self._targets.values())
+            for sessions, allow_private, backoff in targets:
+                try:
+                    while deliver_due(sessions, allow_private=allow_private, backoff=backoff):
+                        pass
+                except Exception:  # the index is down, say: log, and try again later
+                    logger.warning("posting alerts failed; will retry", exc_info=True)
+
+
 def start(owner: Any, store: StoreParts) -> Sweeper | None:
     """Start ``owner``'s background work in this process, as its settings say: the
     finished-run worker (``finish_worker``) and the Ray sweeper (``ray_sweeper``, returned:
@@ -87,6 +128,7 @@ def start(owner: Any, store: StoreParts) -> Sweeper | None:
     s = store.settings
     if s.finish_worker:
         FinishWorker.register(owner, store.sessions, store.blobs, silence=s.silent_close_seconds)
+        AlertSender.register(owner, store.sessions, s.alerts_allow_private, s.alerts_retry_seconds)
     if not s.ray_sweeper:
         return None
     sweeper = Sweeper(store)
