@@ -25,6 +25,7 @@ from services.query.openapi_parts import (
     string_schema,
     time_param,
 )
+from services.query.openapi_stream import STREAM_PATHS
 
 PATHS = {
     "/v1/clusters": get_op(
@@ -652,6 +653,7 @@ PATHS |= {
 
 
 PATHS.update(LAKE_PATHS)
+PATHS.update(STREAM_PATHS)
 
 RUN = {
     "type": "object",
