@@ -187,21 +187,29 @@ def run_page_items(
     *,
     inline_keys: bool = False,
     colours: PrefixColours | None = None,
+    windowed: tuple[dict[str, Any], list[str], float, list[Any]] | None = None,
 ) -> dict[str, Any]:
     """Every plot of a run page as Bokeh JSON items: the time plots share one x axis,
     from the run's first task. The task stream's keys (the hover's) are left out unless
     ``inline_keys`` (a running run, whose tasks change between requests). ``colours``: the
-    page's prefix colours (by default the run's own)."""
+    page's prefix colours (by default the run's own). ``windowed``: the task stream as
+    ``task_stream.windowed_stream`` gives it, fetched by the page in windows (a big run),
+    on a fixed time range (the run's span): a range fitted to the data would follow each
+    window the page draws."""
     from bokeh.layouts import column
-    from bokeh.models import DataRange1d, Span
+    from bokeh.models import DataRange1d, Range1d, Span
 
     if colours is None:
         colours = PrefixColours(data.tasks.column("prefix").to_pylist())
     # Without the task keys (the hover's; half of a 100k-task run's page): the page fetches
     # them from /runs/<id>/stream-keys while it builds its figures.
-    cols, rows, origin, legend = task_stream_data(data.tasks, keys=inline_keys, colours=colours)
-    # from the run's first task: a worker's sample taken before it is not drawn at -0.45 s
-    x_range = DataRange1d(name="run-time", start=0)
+    if windowed is None:
+        cols, rows, origin, legend = task_stream_data(data.tasks, keys=inline_keys, colours=colours)
+        # from the run's first task: a worker's sample taken before it is not drawn at -0.45 s
+        x_range: Any = DataRange1d(name="run-time", start=0)
+    else:
+        cols, rows, origin, legend = windowed
+        x_range = Range1d(0, cols["span"], name="run-time")
     stream, _ = stream_figure(
         "Task stream",
         rows,
@@ -271,7 +279,7 @@ def run_page_items(
         "origin": origin,
         "dag": dag,
         "counts": {
-            "glyphs": len(cols["x"]),
+            "glyphs": len(cols["x"]) if windowed is None else 0,
             "rows": len(rows),
             "progress": n_prog,
             "dag_nodes": dag_nodes,

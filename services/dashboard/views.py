@@ -41,7 +41,7 @@ from storage.query import activity, history, replay
 from storage.query import compare as comparison
 from storage.query import runs as queries
 from storage.query.runs import BadCursor, RunFilters, makespan_column
-from storage.runs import profiles, runcode, runfile, runlogs
+from storage.runs import profiles, runcode, runfile, runlogs, streamtiles
 from storage.runs.facts import page_facts
 
 bp = Blueprint(
@@ -248,10 +248,13 @@ def run_page(run_id: str) -> Any:
     facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]
     live = detail["status"] == "running"
+    # a big finished run's task stream is fetched by the page in windows
+    tiles = None if live else streamtiles.ensure(db(), store().blobs, run, lambda: data.tasks)
+    most = store().settings.page_stream_rects
+    big = tiles is not None and tiles["count"] > most
     # one colour per prefix, the same in every plot of the page
-    colours = PrefixColours(
-        [*data.tasks.column("prefix").to_pylist(), *(p["prefix"] for p in detail["prefixes"])]
-    )
+    named = tiles["prefixes"] if big else data.tasks.column("prefix").to_pylist()
+    colours = PrefixColours([*named, *(p["prefix"] for p in detail["prefixes"])])
     items = plots.run_page_items(
         data,
         critical,
@@ -259,9 +262,14 @@ def run_page(run_id: str) -> Any:
         tasks.metric_series(data, 300),
         inline_keys=live,
         colours=colours,
+        windowed=task_stream.windowed_stream(
+            tiles, f"/v1/runs/{run.public_id}/task-stream", colours, min(most, 50_000)
+        )
+        if big
+        else None,
     )
     stream = items["stream"]
-    if not live:  # the page requests the hover's keys (``stream_keys``)
+    if not live and not big:  # the page requests the hover's keys (``stream_keys``)
         stream = {**stream, "keys_url": f"/runs/{run.public_id}/stream-keys"}
     same_job = [
         queries.run_summary(r, cluster, session) for r in comparison.previous_runs(db(), run, 19)

@@ -43,6 +43,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_FINISH_SETTLE_SECONDS": ("finish_settle_seconds", float, 5.0),
     "HINDSIGHT_SILENT_CLOSE_SECONDS": ("silent_close_seconds", float, 1800.0),
     "HINDSIGHT_SILENT_AGENTS_SECONDS": ("silent_agents_seconds", float, 60.0),
+    "HINDSIGHT_PAGE_STREAM_RECTS": ("page_stream_rects", int, 50_000),
 }
 
 
@@ -80,6 +81,9 @@ class Settings:
     finish_settle_seconds: float
     silent_close_seconds: float
     silent_agents_seconds: float
+    #: A finished run's page embeds its task stream up to this many start/stops; past it
+    #: the page fetches windows of it (bins, exact start/stops as the user zooms in).
+    page_stream_rects: int
 
     @property
     def auth_required(self) -> bool:
@@ -150,6 +154,8 @@ def load_settings(
         raise ConfigError("HINDSIGHT_SILENT_CLOSE_SECONDS must not be negative (0: never)")
     if not values["silent_agents_seconds"] > 0:
         raise ConfigError("HINDSIGHT_SILENT_AGENTS_SECONDS must be a positive number of seconds")
+    if values["page_stream_rects"] < 0:
+        raise ConfigError("HINDSIGHT_PAGE_STREAM_RECTS must not be negative")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
     if not values["ray_hold_seconds"] >= 0:  # NaN fails too

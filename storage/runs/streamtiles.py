@@ -256,11 +256,12 @@ def dense(
     }
 
 
-def level_cells(n_lanes: int) -> list[int]:
-    """The pyramid's cells per lane, finest first: a power of two within the budget, each
-    level above a quarter of the one below, down to :data:`MIN_CELLS`."""
+def level_cells(n_lanes: int, n_rects: int) -> list[int]:
+    """The pyramid's cells per lane, finest first: a power of two within the budget and
+    no more than the run has start/stops, each level above a quarter of the one below,
+    down to :data:`MIN_CELLS`."""
     cells = MAX_CELLS
-    while cells > MIN_CELLS and cells * max(n_lanes, 1) > CELL_BUDGET:
+    while cells > MIN_CELLS and (cells * max(n_lanes, 1) > CELL_BUDGET or cells > 2 * n_rects):
         cells //= 2
     out = [cells]
     while out[-1] // 4 >= MIN_CELLS:
@@ -320,7 +321,7 @@ def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
         chunks.append([float(r.start[lo]), float(r.stop[lo:hi].max()), hi - lo])
     span = float(r.stop.max()) if n else 0.0
     span = span if span > 0 else 1.0
-    levels = level_cells(n_lanes)
+    levels = level_cells(n_lanes, n)
     finest = levels[0]
     parts = []
     for lo in range(0, n, 1 << 20):  # bounded working memory

@@ -168,8 +168,75 @@ function setStream(name, data) {
   if (s.paint && s.plot) rasterise(s, true);
 }
 
+// A stream filled whole, or (a payload with a url: a big run's) fetched in windows; returns
+// a promise of every stream's first data.
 function fill(sources) {
-  for (const [name, payload] of Object.entries(sources)) setStream(name, expandStream(payload));
+  const loads = [];
+  for (const [name, payload] of Object.entries(sources)) {
+    if (payload.url) loads.push(streamWindows(name, payload));
+    else setStream(name, expandStream(payload));
+  }
+  return Promise.all(loads);
+}
+
+// A big run's task stream, fetched from the task-stream route for the window in view at
+// the plot's width in pixels, again (150 ms after the view stops moving) when it moves:
+// bins of busy seconds painted in their dominant prefix's colour (alpha: how busy) at
+// overview, the start/stops themselves with their keys once a window holds few enough.
+// body[data-stream-mode] tells which the stream shows.
+function streamWindows(name, p) {
+  const empty = {x: [], width: [], y: [], colour: [], alpha: [], key: [], name: []};
+  setStream(name, empty);
+  const s = streams[name];
+  if (!s || !s.plot) return Promise.resolve();
+  let asked = null, ticket = 0, timer = null;
+  const style = n => p.styles[n] || ["gray", 0.4];
+  const fromRects = w => {
+    const r = w.rects, n = r.start.length;
+    const d = {x: new Float64Array(n), width: new Float64Array(n), y: new Int32Array(n),
+               colour: new Array(n), alpha: new Float64Array(n), key: r.key, name: new Array(n)};
+    for (let i = 0; i < n; i++) {
+      d.x[i] = (r.start[i] + r.stop[i]) / 2 - p.origin; d.width[i] = r.stop[i] - r.start[i];
+      d.y[i] = r.lane[i];
+      const compute = r.action[i] === "compute", [c, a] = style(compute ? r.prefix[i] : r.action[i]);
+      d.colour[i] = r.erred[i] ? p.erred : c; d.alpha[i] = a;
+      d.name[i] = compute ? r.prefix[i] : r.action[i] + " " + r.prefix[i];
+    }
+    return d;
+  };
+  const fromBins = w => {
+    const b = w.bins, e = b.edges, d = {x: [], width: [], y: [], colour: [], alpha: [], key: [], name: []};
+    b.busy.forEach((row, lane) => row.forEach((busy, i) => {
+      const top = b.prefix[lane][i];
+      if (!(busy > 0) || top < 0) return;
+      const span = e[i + 1] - e[i], [c, a] = style(w.names[top]);
+      d.x.push((e[i] + e[i + 1]) / 2 - p.origin); d.width.push(span); d.y.push(lane);
+      d.colour.push(c); d.alpha.push(a * Math.min(1, busy / span));
+      d.key.push(`${b.count[lane][i]} start/stops, ${Math.round(100 * busy / span)}% busy`);
+      d.name.push(`${w.names[top]} (${b.prefix_count[lane][i]} of them)`);
+    }));
+    return d;
+  };
+  const load = () => {
+    const xr = s.plot.x_range, bbox = frameOf(s.plot);
+    let a = Math.max(0, xr.start), b = Math.min(p.span, xr.end);
+    if (!(b > a)) { a = 0; b = p.span; }
+    const width = Math.max(1, Math.min(4000, Math.round(bbox ? bbox.width : 1000)));
+    const url = `${p.url}?start=${p.origin + a}&stop=${p.origin + b}&width=${width}&max_rects=${p.max_rects}`;
+    if (url === asked) return Promise.resolve();
+    asked = url;
+    const mine = ++ticket;
+    return fetch(url, {credentials: "same-origin"}).then(r => {
+      if (!r.ok) throw new Error(`task stream: HTTP ${r.status}`);
+      return r.json();
+    }).then(w => {
+      if (mine !== ticket) return;  // a later window was asked for meanwhile
+      setStream(name, w.mode === "rects" ? fromRects(w) : fromBins(w));
+      document.body.dataset.streamMode = w.mode;
+    });
+  };
+  s.plot.x_range.change.connect(() => { clearTimeout(timer); timer = setTimeout(load, 150); });
+  return load();
 }
 
 const painted = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
