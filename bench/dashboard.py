@@ -1,16 +1,20 @@
-"""Dashboard benchmark: how long until the page of a 100,000-task run is interactive.
+"""Dashboard benchmark: how long until the page of a big run is interactive, at several
+sizes in one run, and how its cost grows with the run.
 
-Posts a synthetic run shaped like a Dask one (100,000 task records over 16 workers x 4
-threads, run started/finished events, a metric sample per worker per second) through a real
-embedded server (`hindsight serve`), then opens the run page in Debian's headless Chromium
-and times navigation start -> every plot rendered (BokehJS has embedded every item). The
-server's finished-run work (the run's compacted copy, rollups, profiles, lake) runs when the
-run finishes, not on a view: the bench waits for it (``finished_work.done_at`` in the run
-detail, timed as ``finish_work_s``), then times the first view and a second one, and when
-the hover's task keys are in (``run_page_first_keys_s``: the page requests them while it
-builds its figures and sets them once the stream is painted).
+For each size in ``--tasks`` (default 100,000 and 1,000,000), a fresh embedded server
+(`hindsight serve`) is sent a synthetic run shaped like a Dask one (task records over 16
+workers x 4 threads, 5,000 a batch two seconds apart, run started/finished events, a metric
+sample per worker per second); the bench waits for the server's finished-run work (the
+compacted copy, rollups, profiles, the task stream's tiles, the lake: ``finish_work_s_*``,
+from the last batch; ``finish_peak_rss_mb_*`` the server process's peak RSS, ingest and
+finish together), then opens the run page in Debian's headless Chromium and times
+navigation start -> every plot rendered (BokehJS has embedded every item and the task
+stream is painted: sent whole, or its first window fetched from the task-stream route),
+twice, and when the hover's task keys are in. ``whole_run_stream_ms_*``: the task-stream
+route's whole-run answer at 1,000 px (median of 5, warm). ``growth_*``: the largest size's
+first view over the smallest's.
 
-    .venv/bin/python -m bench.dashboard [--tasks 100000]
+    .venv/bin/python -m bench.dashboard [--tasks 100000,1000000,10000000]
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import msgspec
 import requests
@@ -33,7 +39,11 @@ from bench.lib_results import report
 from bench.lib_workload import batch, task_events
 from hindsight.sender import Sender
 
-TARGETS = {"run_page_interactive_s": 2.0}
+#: Per size: seconds to interactive; and the growth, peak RSS and whole-run answer targets.
+PAGE_TARGETS = {100_000: 1.5, 1_000_000: 1.5, 10_000_000: 2.0}
+GROWTH_TARGET = 1.5
+RSS_TARGET_MB = 2048
+STREAM_TARGET_MS = 300
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
     "--headless",
@@ -52,10 +62,71 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", type=int, default=100_000)
-    args = ap.parse_args()
+def label(n: int) -> str:
+    """1e5 for 100,000."""
+    exp = len(str(n)) - 1
+    return f"1e{exp}" if n == 10**exp else str(n)
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident set (VmHWM), in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def post_run(url: str, tasks: int) -> None:
+    rng = random.Random(7)
+    t0 = 1.8e9
+    per = 5000
+    n_batches = (tasks + per - 1) // per
+    duration = n_batches * 2.0
+    print(f"posting {tasks:,} task records in {n_batches} batches ...", flush=True)
+    enc = msgspec.json.Encoder()
+    with Sender(url) as s:
+        for seq in range(n_batches):
+            n = min(per, tasks - seq * per)
+            events = task_events(n, first=seq * per, run="run-big", t0=t0 + seq * 2.0, rng=rng)
+            if seq == 0:
+                events.insert(
+                    0,
+                    {
+                        "kind": "run",
+                        "event": "started",
+                        "id": "run-big",
+                        "name": "dashboard-bench",
+                        "time": t0,
+                    },
+                )
+            if seq == n_batches - 1:
+                events.append(
+                    {"kind": "run", "event": "finished", "id": "run-big", "time": t0 + duration}
+                )
+            for w in range(16):
+                for k in range(2):
+                    events.append(
+                        {
+                            "kind": "metric",
+                            "worker": f"tcp://10.0.{w // 8}.{w % 8 + 10}:{40000 + w}",
+                            "time": t0 + seq * 2.0 + k,
+                            "values": {
+                                "memory.managed": rng.random() * 4e9,
+                                "memory.unmanaged": 3e8 + rng.random() * 1e8,
+                                "memory.spilled": 0.0,
+                                "cpu": rng.random() * 100,
+                                "tasks.processing": rng.randrange(8),
+                            },
+                        }
+                    )
+            body = enc.encode(batch("bench", "Scheduler-dash", "scheduler-0", seq, events))
+            resp = s.send(body, encoding="zstd")
+            assert resp.status == 202, resp.body
+
+
+def measure(tasks: int) -> dict[str, float]:
+    """One size on a fresh server: its figures, suffixed by the size."""
     data_dir = tempfile.mkdtemp(prefix="hindsight-dash-bench-")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -74,6 +145,8 @@ def main() -> int:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    tag = label(tasks)
+    figures: dict[str, float] = {}
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -86,81 +159,40 @@ def main() -> int:
                 raise SystemExit("server did not start")
             time.sleep(0.1)
 
-        rng = random.Random(7)
-        t0 = 1.8e9
-        per = 5000
-        n_batches = (args.tasks + per - 1) // per
-        duration = n_batches * 2.0
-        print(f"posting {args.tasks:,} task records in {n_batches} batches ...", flush=True)
-        enc = msgspec.json.Encoder()
-        with Sender(url) as s:
-            for seq in range(n_batches):
-                n = min(per, args.tasks - seq * per)
-                events = task_events(n, first=seq * per, run="run-big", t0=t0 + seq * 2.0, rng=rng)
-                if seq == 0:
-                    events.insert(
-                        0,
-                        {
-                            "kind": "run",
-                            "event": "started",
-                            "id": "run-big",
-                            "name": "dashboard-bench",
-                            "time": t0,
-                        },
-                    )
-                if seq == n_batches - 1:
-                    events.append(
-                        {"kind": "run", "event": "finished", "id": "run-big", "time": t0 + duration}
-                    )
-                for w in range(16):
-                    for k in range(2):
-                        events.append(
-                            {
-                                "kind": "metric",
-                                "worker": f"tcp://10.0.{w // 8}.{w % 8 + 10}:{40000 + w}",
-                                "time": t0 + seq * 2.0 + k,
-                                "values": {
-                                    "memory.managed": rng.random() * 4e9,
-                                    "memory.unmanaged": 3e8 + rng.random() * 1e8,
-                                    "memory.spilled": 0.0,
-                                    "cpu": rng.random() * 100,
-                                    "tasks.processing": rng.randrange(8),
-                                },
-                            }
-                        )
-                body = enc.encode(batch("bench", "Scheduler-dash", "scheduler-0", seq, events))
-                resp = s.send(body, encoding="zstd")
-                assert resp.status == 202, resp.body
+        post_run(url, tasks)
         (run,) = requests.get(url + "/v1/runs", timeout=30).json()["runs"]
-        assert run["task_count"] == args.tasks, run
+        assert run["task_count"] == tasks, run
         posted = time.perf_counter()
         while True:  # the finish worker: due a settle interval after the run's last batch
             work = requests.get(f"{url}/v1/runs/{run['id']}", timeout=30).json()["finished_work"]
             if work["done_at"] is not None and not work["pending"]:
                 break
-            if time.perf_counter() - posted > 600:
-                raise SystemExit(f"finished-run work not done after 600 s: {work}")
+            if time.perf_counter() - posted > 3600:
+                raise SystemExit(f"finished-run work not done after 3600 s: {work}")
             time.sleep(0.2)
         finish_s = time.perf_counter() - posted
-        print(f"  finished-run work done {finish_s:.1f} s after the last batch")
+        rss = peak_rss_mb(server.pid)
+        print(
+            f"  finished-run work done {finish_s:.1f} s after the last batch; peak RSS {rss:.0f} MB"
+        )
 
-        figures: dict[str, float] = {}
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            for label in ("first", "second"):
+            for which in ("first", "second"):
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 errors: list[str] = []
                 page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
                 start = time.perf_counter()
-                page.goto(f"{url}/runs/{run['id']}", timeout=120_000)
-                page.wait_for_selector("body[data-rendered='1']", timeout=120_000)
+                page.goto(f"{url}/runs/{run['id']}", timeout=300_000)
+                page.wait_for_selector("body[data-rendered='1']", timeout=300_000)
                 elapsed = time.perf_counter() - start
                 # the hover's task keys, set once the stream is painted
-                page.wait_for_selector("body[data-keys='1']", timeout=120_000)
+                page.wait_for_selector("body[data-keys='1']", timeout=300_000)
                 keys_s = time.perf_counter() - start
                 glyphs = page.evaluate(
                     "() => Bokeh.documents[0].get_model_by_name('task-stream-source').data.x.length"
                 )
+                mode = page.evaluate("() => document.body.dataset.streamMode || 'whole'")
                 # Where the time went: the page's own marks (ms from navigation start).
                 marks = page.evaluate(
                     """() => Object.fromEntries(performance.getEntriesByType('mark')
@@ -169,33 +201,69 @@ def main() -> int:
                 nav = page.evaluate(
                     "() => { const n = performance.getEntriesByType('navigation')[0];"
                     " return {response: Math.round(n.responseEnd),"
-                    " domi: Math.round(n.domInteractive),"
-                    " dcls: Math.round(n.domContentLoadedEventStart),"
-                    " dom: Math.round(n.domContentLoadedEventEnd),"
-                    " loads: Math.round(n.loadEventStart),"
-                    " load: Math.round(n.loadEventEnd), now: Math.round(performance.now())}; }"
+                    " dom: Math.round(n.domContentLoadedEventEnd)}; }"
                 )
                 assert not errors, errors
                 print(
-                    f"  {label}: interactive after {elapsed:.2f} s, the "
-                    f"hover's keys after {keys_s:.2f} s"
-                    f" ({glyphs:,} task-stream glyphs);"
+                    f"  {which}: interactive after {elapsed:.2f} s, the hover's keys after "
+                    f"{keys_s:.2f} s ({glyphs:,} task-stream glyphs, stream {mode});"
                     f" page ms: {nav | marks}"
                 )
-                figures[f"run_page_{label}_s"] = round(elapsed, 2)
-                figures[f"run_page_{label}_keys_s"] = round(keys_s, 2)
+                figures[f"run_page_{which}_s_{tag}"] = round(elapsed, 2)
+                figures[f"run_page_{which}_keys_s_{tag}"] = round(keys_s, 2)
+                figures[f"glyphs_{tag}"] = glyphs
                 page.close()
             browser.close()
-        figures["run_page_interactive_s"] = figures["run_page_first_s"]
-        figures["finish_work_s"] = round(finish_s, 1)
-        figures["tasks"] = args.tasks
-        met = figures["run_page_interactive_s"] <= TARGETS["run_page_interactive_s"]
-        report("dashboard", figures, TARGETS, met)
-        return 0
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            body = requests.get(f"{url}/v1/runs/{run['id']}/task-stream?width=1000", timeout=60)
+            times.append(time.perf_counter() - t)
+            assert body.status_code == 200, body.text[:200]
+        figures[f"whole_run_stream_ms_{tag}"] = round(statistics.median(times) * 1000, 1)
+        figures[f"run_page_interactive_s_{tag}"] = figures[f"run_page_first_s_{tag}"]
+        figures[f"finish_work_s_{tag}"] = round(finish_s, 1)
+        figures[f"finish_peak_rss_mb_{tag}"] = round(rss)
+        return figures
     finally:
         server.terminate()
-        server.wait(30)
+        server.wait(60)
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--tasks",
+        default="100000,1000000",
+        help="comma-separated run sizes, smallest first (e.g. 100000,1000000,10000000)",
+    )
+    args = ap.parse_args()
+    sizes = sorted(int(float(x)) for x in args.tasks.split(","))
+    figures: dict[str, Any] = {"tasks": sizes}
+    targets: dict[str, Any] = {}
+    met = True
+    for n in sizes:
+        got = measure(n)
+        figures |= got
+        tag = label(n)
+        page_target = PAGE_TARGETS.get(n, max(PAGE_TARGETS.values()))
+        targets |= {
+            f"run_page_interactive_s_{tag}": page_target,
+            f"finish_peak_rss_mb_{tag}": RSS_TARGET_MB,
+            f"whole_run_stream_ms_{tag}": STREAM_TARGET_MS,
+        }
+        met &= got[f"run_page_interactive_s_{tag}"] <= page_target
+        met &= got[f"finish_peak_rss_mb_{tag}"] <= RSS_TARGET_MB
+        met &= got[f"whole_run_stream_ms_{tag}"] <= STREAM_TARGET_MS
+    if len(sizes) > 1:
+        lo, hi = label(sizes[0]), label(sizes[-1])
+        growth = figures[f"run_page_interactive_s_{hi}"] / figures[f"run_page_interactive_s_{lo}"]
+        figures[f"growth_{hi}_vs_{lo}"] = round(growth, 2)
+        targets[f"growth_{hi}_vs_{lo}"] = GROWTH_TARGET
+        met &= growth <= GROWTH_TARGET
+    report("dashboard", figures, targets, bool(met))
+    return 0
 
 
 if __name__ == "__main__":

@@ -169,14 +169,32 @@ function setStream(name, data) {
 }
 
 // A stream filled whole, or (a payload with a url: a big run's) fetched in windows; returns
-// a promise of every stream's first data.
-function fill(sources) {
+// a promise of every stream's first data. ``first``: requests already started for the
+// first windows (``firstWindows``), by source name.
+function fill(sources, first) {
   const loads = [];
   for (const [name, payload] of Object.entries(sources)) {
-    if (payload.url) loads.push(streamWindows(name, payload));
+    if (payload.url) loads.push(streamWindows(name, payload, (first || {})[name]));
     else setStream(name, expandStream(payload));
   }
   return Promise.all(loads);
+}
+
+function windowUrl(p, a, b, width) {
+  return `${p.url}?start=${p.origin + a}&stop=${p.origin + b}&width=${width}&max_rects=${p.max_rects}`;
+}
+
+// The whole-run windows of the streams fetched in windows, asked for before the figures are
+// built (the server's answer overlaps BokehJS's work), at about the width the plot will have.
+function firstWindows(sources, element) {
+  const out = {}, el = document.getElementById(element);
+  const width = Math.max(100, Math.min(4000, Math.round((el ? el.clientWidth : 1100) - 110)));
+  for (const [name, p] of Object.entries(sources)) {
+    if (!p.url) continue;
+    const url = windowUrl(p, 0, p.span, width);
+    out[name] = {url, answer: fetch(url, {credentials: "same-origin"})};
+  }
+  return out;
 }
 
 // A big run's task stream, fetched from the task-stream route for the window in view at
@@ -184,9 +202,10 @@ function fill(sources) {
 // bins of busy seconds painted in their dominant prefix's colour (alpha: how busy) at
 // overview, the start/stops themselves with their keys once a window holds few enough.
 // body[data-stream-mode] tells which the stream shows.
-function streamWindows(name, p) {
+function streamWindows(name, p, first) {
   const empty = {x: [], width: [], y: [], colour: [], alpha: [], key: [], name: []};
   setStream(name, empty);
+  performance.mark("hs-window-empty");
   const s = streams[name];
   if (!s || !s.plot) return Promise.resolve();
   let asked = null, ticket = 0, timer = null;
@@ -217,26 +236,31 @@ function streamWindows(name, p) {
     }));
     return d;
   };
-  const load = () => {
+  const load = started => {
     const xr = s.plot.x_range, bbox = frameOf(s.plot);
     let a = Math.max(0, xr.start), b = Math.min(p.span, xr.end);
     if (!(b > a)) { a = 0; b = p.span; }
     const width = Math.max(1, Math.min(4000, Math.round(bbox ? bbox.width : 1000)));
-    const url = `${p.url}?start=${p.origin + a}&stop=${p.origin + b}&width=${width}&max_rects=${p.max_rects}`;
+    const url = started ? started.url : windowUrl(p, a, b, width);
     if (url === asked) return Promise.resolve();
     asked = url;
     const mine = ++ticket;
-    return fetch(url, {credentials: "same-origin"}).then(r => {
+    const answer = started ? started.answer : fetch(url, {credentials: "same-origin"});
+    return answer.then(r => {
       if (!r.ok) throw new Error(`task stream: HTTP ${r.status}`);
       return r.json();
     }).then(w => {
       if (mine !== ticket) return;  // a later window was asked for meanwhile
-      setStream(name, w.mode === "rects" ? fromRects(w) : fromBins(w));
+      performance.mark("hs-window-fetched");
+      const data = w.mode === "rects" ? fromRects(w) : fromBins(w);
+      performance.mark("hs-window-built");
+      setStream(name, data);
+      performance.mark("hs-window-set");
       document.body.dataset.streamMode = w.mode;
     });
   };
   s.plot.x_range.change.connect(() => { clearTimeout(timer); timer = setTimeout(load, 150); });
-  return load();
+  return load(first);
 }
 
 const painted = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
