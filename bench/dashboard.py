@@ -44,6 +44,7 @@ PAGE_TARGETS = {100_000: 1.5, 1_000_000: 1.5, 10_000_000: 2.0}
 GROWTH_TARGET = 1.5
 RSS_TARGET_MB = 2048
 STREAM_TARGET_MS = 300
+WINDOW_TARGET_MS = 100
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
     "--headless",
@@ -231,12 +232,142 @@ def measure(tasks: int) -> dict[str, float]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
+def synthetic_tasks(n: int) -> Any:
+    """A compacted tasks table of ``n`` tasks shaped as ``post_run``'s (16 workers x 4
+    threads, 0.4 ms apart, ~50 ms each, a third with a transfer first), built with Arrow's
+    vectorised kernels: the tiles' own cost at sizes whose ingest would take an hour."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    rng = np.random.default_rng(7)
+    names = pa.array(["read_parquet", "getitem", "add", "sum", "to_pandas", "shuffle", "join"])
+    i = np.arange(n)
+    start = 1.8e9 + i * 0.0004 + rng.random(n) * 0.01
+    stop = start + rng.exponential(0.05, n)
+    moved = rng.random(n) < 0.3
+    t_stop = start - rng.random(n) * 0.02
+    t_start = t_stop - rng.random(n) * 0.05
+    prefix = pc.take(names, pa.array(i % len(names)))
+    text = pc.cast(pa.array(i), pa.string())
+
+    def num(x: Any) -> Any:
+        return pc.cast(pa.array(x), pa.string())
+
+    compute = pc.binary_join_element_wise(
+        '{"action":"compute","start":', num(start), ',"stop":', num(stop), "}", ""
+    )
+    transfer = pc.binary_join_element_wise(
+        '[{"action":"transfer","start":', num(t_start), ',"stop":', num(t_stop), "},", ""
+    )
+    startstops = pc.if_else(
+        pa.array(moved),
+        pc.binary_join_element_wise(transfer, compute, "]", ""),
+        pc.binary_join_element_wise("[", compute, "]", ""),
+    )
+    workers = pa.array([f"tcp://10.0.{w // 8}.{w % 8 + 10}:{40000 + w}" for w in range(16)])
+    return pa.table(
+        {
+            "key": pc.binary_join_element_wise(prefix, text, "-"),
+            "prefix": prefix,
+            "worker": pc.take(workers, pa.array(rng.integers(0, 16, n))),
+            "thread": pa.array(140270328174272 + 4096 * rng.integers(0, 4, n)),
+            "status": pa.array(["memory"] * 1).take(pa.array(np.zeros(n, dtype="i8"))),
+            "compute_start": start,
+            "compute_stop": stop,
+            "transfer": np.where(moved, t_stop - t_start, 0.0),
+            "disk_read": np.zeros(n),
+            "disk_write": np.zeros(n),
+            "startstops": startstops,
+        }
+    )
+
+
+def _tiles_child(n: int, out: Any) -> None:
+    """In a process of its own (its peak RSS is the tiles' own): build a synthetic run's
+    tiles, then time windows of it through the route's reader."""
+    import resource
+
+    import numpy as np
+
+    from storage.core.blobs import LocalBlobStore
+    from storage.query import task_stream
+    from storage.runs import streamtiles
+
+    table = synthetic_tasks(n)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    root = tempfile.mkdtemp(prefix="hindsight-tiles-bench-")
+    try:
+        blobs = LocalBlobStore(root)
+        t = time.perf_counter()
+        index = streamtiles.build(blobs, "run", table)
+        build_s = time.perf_counter() - t
+        del table
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rng = random.Random(11)
+        origin, span = index["origin"], index["span"]
+
+        def timed(a: float | None, b: float | None, width: int, cold: bool) -> tuple[float, str]:
+            if cold:
+                task_stream._chunks.clear()
+                task_stream._levels.clear()
+            t = time.perf_counter()
+            answer = task_stream.answer(blobs, "run", index, a, b, width)
+            msgspec.json.encode(answer)
+            return (time.perf_counter() - t) * 1000, answer["mode"]
+
+        whole = statistics.median(timed(None, None, 1000, False)[0] for _ in range(5))
+        cold, warm, modes = [], [], set()
+        for _ in range(40):
+            frac = 10 ** rng.uniform(-5, 0)
+            a = origin + rng.uniform(0, 1 - frac) * span
+            ms, mode = timed(a, a + frac * span, 1400, True)
+            cold.append(ms)
+            warm.append(timed(a, a + frac * span, 1400, False)[0])
+            modes.add(mode)
+        out.put(
+            {
+                "start_stops": index["count"],
+                "build_s": round(build_s, 1),
+                "build_rss_mb": round(peak - before),
+                "whole_ms": round(whole, 1),
+                "window_cold_p95_ms": round(float(np.percentile(cold, 95)), 1),
+                "window_warm_p95_ms": round(float(np.percentile(warm, 95)), 1),
+                "modes": sorted(modes),
+            }
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def tile_figures(n: int) -> dict[str, Any]:
+    """The task-stream tiles of a synthetic ``n``-task run: build time and memory, and the
+    route's answers (the whole run at 1,000 px warm; 40 random windows from 1e-5 of the run
+    to all of it at 1,400 px, cold and warm, p95)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_tiles_child, args=(n, out))
+    child.start()
+    got = out.get(timeout=3600)
+    child.join()
+    print(f"  tiles of a synthetic {n:,}-task run: {got}")
+    return got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "--tasks",
         default="100000,1000000",
         help="comma-separated run sizes, smallest first (e.g. 100000,1000000,10000000)",
+    )
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="comma-separated sizes whose task-stream tiles alone are measured on a "
+        "synthetic table (no ingest, no page), e.g. 10000000",
     )
     args = ap.parse_args()
     sizes = sorted(int(float(x)) for x in args.tasks.split(","))
@@ -256,6 +387,18 @@ def main() -> int:
         met &= got[f"run_page_interactive_s_{tag}"] <= page_target
         met &= got[f"finish_peak_rss_mb_{tag}"] <= RSS_TARGET_MB
         met &= got[f"whole_run_stream_ms_{tag}"] <= STREAM_TARGET_MS
+    for n in sorted(int(float(x)) for x in args.tiles.split(",") if x):
+        got = tile_figures(n)
+        tag = label(n)
+        figures |= {
+            f"tiles_build_s_{tag}": got["build_s"],
+            f"tiles_build_rss_mb_{tag}": got["build_rss_mb"],
+            f"tiles_whole_run_ms_{tag}": got["whole_ms"],
+            f"tiles_window_cold_p95_ms_{tag}": got["window_cold_p95_ms"],
+            f"tiles_window_warm_p95_ms_{tag}": got["window_warm_p95_ms"],
+        }
+        targets[f"tiles_window_cold_p95_ms_{tag}"] = WINDOW_TARGET_MS
+        met &= got["window_cold_p95_ms"] <= WINDOW_TARGET_MS
     if len(sizes) > 1:
         lo, hi = label(sizes[0]), label(sizes[-1])
         growth = figures[f"run_page_interactive_s_{hi}"] / figures[f"run_page_interactive_s_{lo}"]

@@ -239,43 +239,46 @@ def _pyramid(
     blobs: BlobStore, base: str, index: dict[str, Any], a: float, b: float, width: int
 ) -> dict[str, Any]:
     """Bins from the coarsest pyramid level with :data:`CELLS_PER_BIN` cells a bin in the
-    window (the finest level where none has): busy seconds spread evenly within a cell
-    where a bin edge cuts it; counts and dominance from the cells whose middle is in a bin."""
-    span, levels = index["span"], index["levels"]
+    window (the finest level where none has), read from the tiles the window meets: busy
+    seconds spread evenly within a cell where a bin edge cuts it; counts and dominance from
+    the cells whose middle is in a bin."""
+    span, levels, tile = index["span"], index["levels"], index["tile"]
     want = CELLS_PER_BIN * width * span / (b - a)
     level = next((i for i in range(len(levels) - 1, -1, -1) if levels[i] >= want), 0)
     cells = levels[level]
-    lv = _level(blobs, f"{base}/level-{level}.npz.zst")
-    busy = lv["busy"].astype("f8")
-    n_lanes = busy.shape[0]
     w = span / cells
+    first = int(np.clip(np.floor(a / w), 0, cells - 1))
+    last = int(np.clip(np.ceil(b / w), first + 1, cells))
+    t0, t1 = first // tile, (last - 1) // tile + 1
+    parts = [_level(blobs, f"{base}/level-{level}-{j}.npz.zst") for j in range(t0, t1)]
+    lo = t0 * tile  # the first cell read
+    cut = slice(first - lo, last - lo)
+
+    def col(name: str, dtype: str) -> Any:
+        return np.concatenate([p[name] for p in parts], axis=1)[:, cut].astype(dtype)
+
+    busy, count_c = col("busy", "f8"), col("count", "i8")
+    top, top_s, top_n = col("top", "i8"), col("top_s", "f8"), col("top_n", "i8")
+    n_lanes, n = busy.shape
+    # busy seconds up to each bin edge, cells cut by an edge taken pro rata
     edges = a + (b - a) * np.arange(width + 1) / width
-    pos = np.clip(edges / w, 0, cells)
-    cell = np.minimum(pos.astype("i8"), cells - 1)
+    pos = np.clip(edges / w - first, 0, n)
+    cell = np.minimum(pos.astype("i8"), n - 1)
     frac = pos - cell
-    cum = np.zeros((n_lanes, cells + 1))
+    cum = np.zeros((n_lanes, n + 1))
     np.cumsum(busy, axis=1, out=cum[:, 1:])
     at = cum[:, cell] + frac * busy[:, cell]
     bin_busy = np.maximum(np.diff(at, axis=1), 0.0)
-    # cells meeting the window, each in the bin of its middle (clamped to the window)
-    first = int(np.clip(np.floor(a / w), 0, cells - 1))
-    last = int(np.clip(np.ceil(b / w), first + 1, cells))
+    # each cell in the bin of its middle (clamped to the window)
     mids = (np.arange(first, last) + 0.5) * w
     to_bin = np.clip(((mids - a) / (b - a) * width).astype("i8"), 0, width - 1)
-    count = np.zeros((n_lanes, width), dtype="i8")
-    np.add.at(count, (slice(None), to_bin), lv["count"][:, first:last].astype("i8"))
-    top = lv["top"][:, first:last]
-    top_s = lv["top_s"][:, first:last].astype("f8")
-    top_n = lv["top_n"][:, first:last].astype("i8")
+    lane = np.repeat(np.arange(n_lanes), n)
+    slot = lane * width + np.tile(to_bin, n_lanes)
+    count = np.bincount(slot, count_c.ravel(), n_lanes * width).reshape(n_lanes, width)
     n_cats = len(index["cats"])
-    lane = np.repeat(np.arange(n_lanes), last - first)
-    cellbin = np.tile(to_bin, n_lanes)
     held = top.ravel() >= 0
-    key = ((lane * width + cellbin) * n_cats + top.ravel())[held]
-    distinct, inverse = np.unique(key, return_inverse=True)
-    secs = np.bincount(inverse, top_s.ravel()[held], len(distinct))
-    cnts = np.bincount(inverse, top_n.ravel()[held], len(distinct)).astype("i8")
-    d = tiles.dense(distinct, secs, cnts, n_lanes, width, n_cats)
-    return _bins_json(bin_busy, count, d["top"], d["top_n"]) | {
+    key = (slot * n_cats + top.ravel())[held]
+    d = tiles.dense(key, top_s.ravel()[held], top_n.ravel()[held], n_lanes, width, n_cats)
+    return _bins_json(bin_busy, count.astype("i8"), d["top"], d["top_n"]) | {
         "source": f"pyramid level {level} ({cells} cells a lane)"
     }

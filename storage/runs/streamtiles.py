@@ -9,11 +9,13 @@ Next to the run's compacted copy, under ``stream-v1/``:
 - ``rects-N.parquet``: every start/stop of the run (lane, category, prefix, action, start,
   stop, erred, task key), sorted by start, :data:`CHUNK` a file, so a narrow window reads
   only the chunks whose time range meets it;
-- ``level-K.npz``: the pyramid. Level 0 cuts the run's span into ``cells`` equal cells per
-  lane (a power of two, at most :data:`CELL_BUDGET` cells over all lanes); each level above
-  has a quarter of the cells. Per lane and cell: the seconds busy (exact: each start/stop
-  clipped to the cell), the start/stops counted at the cell of their midpoint, and the
-  dominant category (the one busy longest there) with its seconds and count.
+- ``level-K-J.npz.zst``: the pyramid. Level 0 cuts the run's span into ``cells`` equal
+  cells per lane (a power of two, at most :data:`CELL_BUDGET` cells over all lanes); each
+  level above has a quarter of the cells. Per lane and cell: the seconds busy (exact: each
+  start/stop clipped to the cell), the start/stops counted at the cell of their midpoint,
+  and the dominant category (the one busy longest there) with its seconds and count. Each
+  level is cut in time into tiles of :data:`TILE` cells (tile J), so a window reads only the
+  tiles it meets.
 
 The reader is ``storage.query.task_stream``; :func:`accumulate` is shared by both, so a
 window's bins and the pyramid's cells are cut the same way.
@@ -45,6 +47,11 @@ CHUNK = 16_384
 CELL_BUDGET = 1 << 20
 MAX_CELLS = 1 << 16
 MIN_CELLS = 256
+#: Cells a lane of a pyramid tile.
+TILE = 1024
+#: ``dense`` picks each cell's dominant category from a table of every (cell, category)
+#: up to this size (fast); past it, by sorting the entries.
+DENSE_MAX = 1 << 23
 COMPUTE = "compute"
 
 
@@ -238,7 +245,18 @@ def dense(
     top = np.full(size, -1, dtype="i4")
     top_s = np.zeros(size)
     top_n = np.zeros(size, dtype="i8")
-    if len(keys):
+    if len(keys) and size * n_cats <= DENSE_MAX:
+        table = np.bincount(keys, weights=seconds, minlength=size * n_cats).reshape(size, n_cats)
+        tallies = np.bincount(keys, weights=counts, minlength=size * n_cats).reshape(size, n_cats)
+        # the most seconds, ties (zero-second start/stops) to the most start/stops
+        best = np.argmax(table + tallies * 1e-12, axis=1)
+        rows = np.arange(size)
+        held = np.zeros(size, dtype=bool)
+        held[cell] = True
+        top[held] = best[held]
+        top_s = table[rows, best]
+        top_n = tallies[rows, best].astype("i8")
+    elif len(keys):
         # the last of each cell's entries, ordered by seconds then count, is its dominant one
         order = np.lexsort((counts, seconds, cell))
         last = np.flatnonzero(np.append(cell[order][1:] != cell[order][:-1], True))
@@ -345,14 +363,16 @@ def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
             k = (lane * cells + rest // (levels[level - 1] // cells)) * len(cats) + k % len(cats)
             k, s, c = merge([(k, s, c)])
         d = dense(k, s, c, n_lanes, cells, len(cats))
-        arrays = {
-            "busy": d["busy"].astype("f4"),
-            "count": d["count"].astype("i4"),
-            "top": d["top"].astype("i4"),
-            "top_s": d["top_s"].astype("f4"),
-            "top_n": d["top_n"].astype("i4"),
-        }
-        blobs.put(f"{base}/level-{level}.npz.zst", _npz(arrays))
+        for j, lo in enumerate(range(0, cells, TILE)):
+            sl = (slice(None), slice(lo, lo + TILE))
+            arrays = {
+                "busy": d["busy"][sl].astype("f4"),
+                "count": d["count"][sl].astype("i4"),
+                "top": d["top"][sl].astype("i2" if len(cats) < 32_000 else "i4"),
+                "top_s": d["top_s"][sl].astype("f4"),
+                "top_n": d["top_n"][sl].astype("i4"),
+            }
+            blobs.put(f"{base}/level-{level}-{j}.npz.zst", _npz(arrays))
     index = {
         "version": VERSION,
         "count": n,
@@ -364,6 +384,7 @@ def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
         "actions": r.actions,
         "chunks": chunks,
         "levels": levels,
+        "tile": TILE,
     }
     blobs.put(f"{base}/index.json.zst", zstandard.ZstdCompressor().compress(_enc(index)))
     return index

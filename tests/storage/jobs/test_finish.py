@@ -119,7 +119,7 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
         "page-v2.json.zst",
         # storage.runs.streamtiles: the task stream's pyramid and start/stops
         "index.json.zst",
-        "level-0.npz.zst",
+        "level-0-0.npz.zst",
         "rects-0.parquet",
         "tasks.parquet",
         # storage.runs.runlogs: the run's log records, emitted values, worker events
