@@ -529,21 +529,37 @@ def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] |
 
 
 def side_by_side(
-    a_tasks: Any, b_tasks: Any, a_name: str, b_name: str
+    a_tasks: Any,
+    b_tasks: Any,
+    a_name: str,
+    b_name: str,
+    windowed: tuple[Any, Any] = (None, None),
+    colours: PrefixColours | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two task streams one above the other on one time scale (seconds from each run's
-    start): the JSON item and the two sources' columns, by source name."""
+    start): the JSON item and the two sources' columns, by source name. ``windowed``: for
+    each run, its stream as ``task_stream.windowed_stream`` gives it (a big run's, fetched
+    by the page in windows) or None (sent whole); with either, the time range is fixed to
+    the longer run's span. ``colours``: the prefixes' (by default both runs')."""
     from bokeh.layouts import column
-    from bokeh.models import DataRange1d
+    from bokeh.models import DataRange1d, Range1d
 
-    x_range = DataRange1d(name="compare-time", start=0)
-    # a prefix of both runs has one colour in both streams
-    colours = PrefixColours(
-        a_tasks.column("prefix").to_pylist() + b_tasks.column("prefix").to_pylist()
-    )
+    if colours is None:  # a prefix of both runs has one colour in both streams
+        colours = PrefixColours(
+            a_tasks.column("prefix").to_pylist() + b_tasks.column("prefix").to_pylist()
+        )
+    spans = [w[0]["span"] for w in windowed if w is not None]
+    x_range: Any = DataRange1d(name="compare-time", start=0)
+    if spans:
+        pairs = zip((a_tasks, b_tasks), windowed, strict=True)
+        longest = max(spans + [_span(t) for t, w in pairs if w is None])
+        x_range = Range1d(0, longest, name="compare-time")
     figs, data = [], {}
     for i, (label, tasks) in enumerate(((a_name, a_tasks), (b_name, b_tasks))):
-        cols, rows, _, legend = task_stream_data(tasks, colours=colours)
+        if windowed[i] is None:
+            cols, rows, _, legend = task_stream_data(tasks, colours=colours)
+        else:
+            cols, rows, _, legend = windowed[i]
         fig, _ = stream_figure(
             f"Task stream: {label}",
             rows,
@@ -555,6 +571,14 @@ def side_by_side(
         figs.append(fig)
         data[f"compare-stream-{i}"] = cols
     return json_item(column(*figs, sizing_mode="stretch_width"), "side-by-side"), data
+
+
+def _span(tasks: Any) -> float:
+    """Seconds from a run's first start to its last stop, by its tasks."""
+    import pyarrow.compute as pc
+
+    lo, hi = pc.min(tasks["start"]).as_py(), pc.max(tasks["stop"]).as_py()
+    return (hi - lo) if lo is not None and hi is not None and hi > lo else 1.0
 
 
 def gapped(points: list[dict[str, Any]], bucket_s: float) -> list[dict[str, Any] | None]:

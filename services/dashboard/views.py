@@ -450,11 +450,36 @@ def compare_page() -> Any:
         found.sort(key=lambda f: (f[0].started_at is None, f[0].started_at or 0.0))
     (a, ca, sa), (b, cb, sb) = found  # type: ignore[misc]
     result = comparison.compare(db(), a, b)
+    tables = [runfile.load_run(db(), store().blobs, r).tasks for r in (a, b)]
+    # a big finished run's stream is fetched by the page in windows, as on its run page
+    most = store().settings.page_stream_rects
+    indexes = [
+        streamtiles.ensure(db(), store().blobs, r, lambda t=t: t)
+        for r, t in zip((a, b), tables, strict=True)
+    ]
+    big = [i is not None and i["count"] > most for i in indexes]
+    colours = PrefixColours(
+        [
+            p
+            for t, i, large in zip(tables, indexes, big, strict=True)
+            for p in (i["prefixes"] if large else t.column("prefix").to_pylist())
+        ]
+    )
+    windowed = tuple(
+        task_stream.windowed_stream(
+            i, f"/v1/runs/{r.public_id}/task-stream", colours, min(most, 50_000)
+        )
+        if large
+        else None
+        for r, i, large in zip((a, b), indexes, big, strict=True)
+    )
     streams, stream_data = plots.side_by_side(
-        runfile.load_run(db(), store().blobs, a).tasks,
-        runfile.load_run(db(), store().blobs, b).tasks,
+        tables[0],
+        tables[1],
         display_name(a.name, a.run_key) or a.run_key,
         display_name(b.name, b.run_key) or b.run_key,
+        windowed,  # type: ignore[arg-type]
+        colours,
     )
     diff = flame.diff(profiles.load(db(), store().blobs, a), profiles.load(db(), store().blobs, b))
     title = (

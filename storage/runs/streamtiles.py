@@ -89,83 +89,107 @@ class Rects:
         return [*self.prefixes, *self.actions[1:]]
 
 
-def rects_of(table: Any) -> Rects:
-    """A tasks table's start/stops: each task's compute phase from its columns, the other
-    phases parsed from the start/stops of only the tasks that transferred or touched disk.
-    Lanes are "worker-thread" rows (a worker alone where the scheduler reports no thread),
-    sorted by that name, holding at least one start/stop: the run page's rows."""
+#: Tasks whose start/stops are parsed at once (bounded working memory).
+PARSE_ROWS = 100_000
+
+
+def _extra_phases(table: Any, rows: Any) -> tuple[Any, Any, Any, Any, list[str]]:
+    """The phases other than compute of the tasks at ``rows``: their task rows, action
+    codes, starts and stops, parsed :data:`PARSE_ROWS` tasks at a time, and the actions
+    (``compute`` first) the codes index."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    code: dict[str, int] = {COMPUTE: 0}
+    parts: list[tuple[Any, Any, Any, Any]] = []
+    for lo in range(0, len(rows), PARSE_ROWS):
+        part = rows[lo : lo + PARSE_ROWS]
+        texts = pc.take(table["startstops"], pa.array(part, type=pa.int64())).to_pylist()
+        parsed = _phases.decode(("[" + ",".join(s or "[]" for s in texts) + "]").encode())
+        flat = [(r, ph) for r, phs in zip(part.tolist(), parsed, strict=True) for ph in phs]
+        flat = [(r, ph) for r, ph in flat if ph.action != COMPUTE]
+        parts.append(
+            (
+                np.fromiter((r for r, _ in flat), "i8", len(flat)),
+                np.fromiter((code.setdefault(ph.action, len(code)) for _, ph in flat), "i2"),
+                np.fromiter((ph.start for _, ph in flat), "f8", len(flat)),
+                np.fromiter((ph.stop for _, ph in flat), "f8", len(flat)),
+            )
+        )
+    if not parts:
+        return np.zeros(0, "i8"), np.zeros(0, "i2"), np.zeros(0), np.zeros(0), list(code)
+    return (*(np.concatenate([p[k] for p in parts]) for k in range(4)), list(code))  # type: ignore[return-value]
+
+
+def _lanes(table: Any, task: Any) -> tuple[Any, list[tuple[str, int | None]]]:
+    """Each start/stop's lane (a "worker-thread" row, the worker alone where the scheduler
+    reports no thread), lanes sorted by that name as the run page's rows, and each lane's
+    (worker, thread). From the workers' and threads' codes, not a string per task."""
+    import pyarrow.compute as pc
+
+    workers = pc.dictionary_encode(pc.fill_null(table["worker"], "?")).combine_chunks()
+    threads = pc.dictionary_encode(table["thread"]).combine_chunks()
+    w = np.asarray(workers.indices, dtype="i8")
+    t = np.asarray(pc.fill_null(threads.indices, -1), dtype="i8") + 1
+    width = len(threads.dictionary) + 1
+    used, inverse = np.unique(w[task] * width + t[task], return_inverse=True)
+    worker_of = workers.dictionary.to_pylist()
+    thread_of = [None, *threads.dictionary.to_pylist()]
+    pairs = [(worker_of[u // width], thread_of[u % width]) for u in used.tolist()]
+    names = [wk if th is None else f"{wk}-{th}" for wk, th in pairs]
+    order = sorted(range(len(pairs)), key=names.__getitem__)
+    rank = np.empty(len(order), dtype="i4")
+    rank[order] = np.arange(len(order), dtype="i4")
+    return rank[inverse], [pairs[i] for i in order]
+
+
+def rects_of(table: Any) -> Rects:
+    """A tasks table's start/stops, sorted by start: each task's compute phase from its
+    columns, the other phases parsed from the start/stops of only the tasks that
+    transferred or touched disk."""
+    import pyarrow.compute as pc
+
     n = table.num_rows
-    worker = pc.fill_null(table["worker"], "?")
-    names = pc.if_else(
-        pc.is_null(table["thread"]),
-        worker,
-        pc.binary_join_element_wise(worker, pc.cast(table["thread"], pa.string()), "-"),
-    )
     prefix_codes = pc.dictionary_encode(table["prefix"]).combine_chunks()
     prefixes = [p or "" for p in prefix_codes.dictionary.to_pylist()] or [""]
-    prefix = np.asarray(pc.fill_null(prefix_codes.indices, 0), dtype="i4")
-    erred = np.asarray(pc.fill_null(pc.equal(table["status"], "erred"), False), dtype=bool)
     cstart = np.asarray(pc.fill_null(table["compute_start"], np.nan), dtype="f8")
     cstop = np.asarray(pc.fill_null(table["compute_stop"], np.nan), dtype="f8")
     computed = np.flatnonzero(~np.isnan(cstart) & ~np.isnan(cstop))
-
     extra_seconds = np.zeros(n)
     for col in ("transfer", "disk_read", "disk_write"):
         extra_seconds += np.asarray(pc.fill_null(table[col], 0), dtype="f8")
-    extra = np.flatnonzero(extra_seconds > 0)
-    texts = pc.take(table["startstops"], pa.array(extra, type=pa.int64())).to_pylist()
-    parsed = _phases.decode(("[" + ",".join(s or "[]" for s in texts) + "]").encode())
-    actions = [COMPUTE]
-    code: dict[str, int] = {COMPUTE: 0}
-    ex_task, ex_action, ex_start, ex_stop = [], [], [], []
-    for row, phases in zip(extra.tolist(), parsed, strict=True):
-        for ph in phases:
-            if ph.action == COMPUTE:
-                continue
-            ex_task.append(row)
-            ex_action.append(code.setdefault(ph.action, len(code)))
-            ex_start.append(ph.start)
-            ex_stop.append(ph.stop)
-    actions = list(code)
+    ex_task, ex_action, ex_start, ex_stop, actions = _extra_phases(
+        table, np.flatnonzero(extra_seconds > 0)
+    )
+    del extra_seconds
 
-    task = np.concatenate([computed, np.asarray(ex_task, dtype="i8")]).astype("i8")
-    action = np.concatenate([np.zeros(len(computed), "i4"), np.asarray(ex_action, dtype="i4")])
-    start = np.concatenate([cstart[computed], np.asarray(ex_start, dtype="f8")])
-    stop = np.concatenate([cstop[computed], np.asarray(ex_stop, dtype="f8")])
-    stop = np.maximum(stop, start)
-
-    row_codes = pc.dictionary_encode(names).combine_chunks()
-    row_of = row_codes.indices.to_numpy(zero_copy_only=False).astype("i4")
-    used, first = np.unique(row_of[task], return_index=True)
-    row_names = row_codes.dictionary.to_pylist()
-    by_name = sorted(range(len(used)), key=lambda j: row_names[used[j]])
-    order = used[by_name]
-    lane_of = np.full(len(row_names), -1, dtype="i4")
-    lane_of[order] = np.arange(len(order), dtype="i4")
-    # each lane's worker and thread, from a task drawn on it
-    one_task = pa.array(task[first[by_name]], type=pa.int64())
-    workers = table["worker"].take(one_task)
-    threads = table["thread"].take(one_task)
-    lanes = list(zip(workers.to_pylist(), threads.to_pylist(), strict=True))
-
+    start = np.concatenate([cstart[computed], ex_start])
+    stop = np.concatenate([cstop[computed], ex_stop])
+    del cstart, cstop, ex_start, ex_stop
     sort = np.argsort(start, kind="stable")
-    origin = float(start[sort[0]]) if len(sort) else 0.0
-    pre = prefix[task]
-    cat = np.where(action == 0, pre, len(prefixes) + action - 1).astype("i4")
+    start, stop = start[sort], stop[sort]
+    np.maximum(stop, start, out=stop)
+    origin = float(start[0]) if len(start) else 0.0
+    start -= origin
+    stop -= origin
+    task = np.concatenate([computed, ex_task])[sort]
+    action = np.concatenate([np.zeros(len(computed), "i2"), ex_action])[sort]
+    del computed, ex_task, ex_action, sort
+    prefix = np.asarray(pc.fill_null(prefix_codes.indices, 0), dtype="i4")[task]
+    erred = np.asarray(pc.fill_null(pc.equal(table["status"], "erred"), False), dtype=bool)
+    lane, lanes = _lanes(table, task)
+    compute = action == 0
     return Rects(
-        lane=lane_of[row_of[task]][sort],
-        cat=cat[sort],
-        prefix=pre[sort],
-        action=action[sort],
-        start=start[sort] - origin,
-        stop=stop[sort] - origin,
-        erred=(erred[task] & (action == 0))[sort],
-        task=task[sort],
+        lane=lane,
+        cat=np.where(compute, prefix, len(prefixes) + action.astype("i4") - 1).astype("i4"),
+        prefix=prefix,
+        action=action.astype("i4"),
+        start=start,
+        stop=stop,
+        erred=erred[task] & compute,
+        task=task,
         origin=origin,
-        lanes=[(w or "?", t) for w, t in lanes],
+        lanes=lanes,
         prefixes=prefixes,
         actions=actions,
     )

@@ -18,12 +18,14 @@ WORKERS = [f"tcp://10.0.0.{i}:4000" for i in range(4)]
 PAGE_RECTS = 400
 
 
-def big_run(n: int) -> tuple[list[dict[str, Any]], list[tuple[str, float, float]]]:
+def big_run(
+    n: int, run: str = "big"
+) -> tuple[list[dict[str, Any]], list[tuple[str, float, float]]]:
     """A finished run of ``n`` tasks on 4 workers x 2 threads, and its compute phases."""
     rng = random.Random(5)
     clock = {(w, t): T0 for w in WORKERS for t in (1, 2)}
     events: list[dict[str, Any]] = [
-        {"kind": "run", "event": "started", "id": "big", "name": "big-stream", "time": T0}
+        {"kind": "run", "event": "started", "id": run, "name": f"{run}-stream", "time": T0}
     ]
     phases = []
     for i in range(n):
@@ -39,7 +41,7 @@ def big_run(n: int) -> tuple[list[dict[str, Any]], list[tuple[str, float, float]
                 "key": key,
                 "prefix": prefix,
                 "status": "memory",
-                "run": "big",
+                "run": run,
                 "worker": lane[0],
                 "thread": lane[1],
                 "nbytes": 8,
@@ -48,7 +50,7 @@ def big_run(n: int) -> tuple[list[dict[str, Any]], list[tuple[str, float, float]
         )
         phases.append((key, start, stop))
     end = max(clock.values()) + 0.05
-    events.append({"kind": "run", "event": "finished", "id": "big", "time": end})
+    events.append({"kind": "run", "event": "finished", "id": run, "time": end})
     return events, phases
 
 
@@ -126,6 +128,23 @@ def test_a_big_runs_stream_zooms_from_bins_to_its_start_stops(tmp_path: Path, pa
                        r.setv({start: 0, end: r.end * 1000}); }"""
         )
         page.wait_for_selector("body[data-stream-mode='bins']", timeout=30_000)
+        assert page.errors == []
+
+        # compared with a small run: the big one's stream in windows, the small one's whole
+        small_events, small_phases = big_run(150, "small")
+        with Sender(server.url) as s:
+            body = example(cluster="small", session="s2", seq=0, events=small_events)
+            assert s.send(msgspec.json.encode(body)).status == 202
+        small = wait_until(lambda: server.run_named("small", "small-stream"), 30, "the small run")
+        page.goto(f"{server.url}/compare?a={small['id']}&b={run['id']}")
+        page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
+        assert page.evaluate("document.body.dataset.streamMode") == "bins"
+        shown = page.evaluate(
+            """() => [0, 1].map(i => Bokeh.documents[0]
+                .get_model_by_name('compare-stream-' + i).data.x.length)"""
+        )
+        assert shown[0] == len(small_phases) and 0 < shown[1] <= 8 * 1400
+        shoot(page, "big-stream-compare")
         assert page.errors == []
     finally:
         server.stop()

@@ -256,6 +256,8 @@ function streamWindows(name, p, first) {
       performance.mark("hs-window-built");
       setStream(name, data);
       performance.mark("hs-window-set");
+      // replay.js cuts the stream at its slider's time: it cuts the new window too
+      document.dispatchEvent(new CustomEvent("hs-stream-window", {detail: name}));
       document.body.dataset.streamMode = w.mode;
     });
   };
