@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import random
 import shutil
 import socket
@@ -232,7 +233,17 @@ def measure(tasks: int) -> dict[str, float]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def synthetic_tasks(n: int) -> Any:
+def synthetic_tasks(n: int, chunk: int = 1_000_000) -> Any:
+    """:func:`synthetic_chunk` for ``n`` tasks, a million at a time (one string column of
+    ten million start/stops is past Arrow's 2 GB a chunk)."""
+    import pyarrow as pa
+
+    return pa.concat_tables(
+        synthetic_chunk(min(chunk, n - lo), lo, seed) for seed, lo in enumerate(range(0, n, chunk))
+    )
+
+
+def synthetic_chunk(n: int, first: int, seed: int) -> Any:
     """A compacted tasks table of ``n`` tasks shaped as ``post_run``'s (16 workers x 4
     threads, 0.4 ms apart, ~50 ms each, a third with a transfer first), built with Arrow's
     vectorised kernels: the tiles' own cost at sizes whose ingest would take an hour."""
@@ -240,9 +251,9 @@ def synthetic_tasks(n: int) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     names = pa.array(["read_parquet", "getitem", "add", "sum", "to_pandas", "shuffle", "join"])
-    i = np.arange(n)
+    i = np.arange(first, first + n)
     start = 1.8e9 + i * 0.0004 + rng.random(n) * 0.01
     stop = start + rng.exponential(0.05, n)
     moved = rng.random(n) < 0.3
@@ -350,7 +361,13 @@ def tile_figures(n: int) -> dict[str, Any]:
     out = ctx.Queue()
     child = ctx.Process(target=_tiles_child, args=(n, out))
     child.start()
-    got = out.get(timeout=3600)
+    while True:
+        try:
+            got = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not child.is_alive():
+                raise SystemExit(f"the tiles' process ended ({child.exitcode})") from None
     child.join()
     print(f"  tiles of a synthetic {n:,}-task run: {got}")
     return got
