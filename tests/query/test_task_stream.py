@@ -171,3 +171,37 @@ def test_an_unknown_run_is_404(run_of):
     query, h, _, _ = run_of(5)
     resp = query.get("/v1/runs/00000000-0000-0000-0000-000000000000/task-stream", headers=h)
     assert resp.status_code == 404
+
+
+def test_a_run_without_threads_has_a_lane_per_worker_and_an_empty_run_none(clients, make_token):
+    collector, query = clients
+    token = make_token()
+    events: list[dict[str, Any]] = [
+        {"kind": "run", "event": "started", "id": "r", "name": "no-threads", "time": T0},
+        *(
+            {
+                "kind": "task",
+                "key": f"t-{i}",
+                "prefix": "t",
+                "status": "memory",
+                "run": "r",
+                "worker": WORKERS[i % 2],
+                "nbytes": 8,
+                "startstops": [{"action": "compute", "start": T0 + i, "stop": T0 + i + 0.5}],
+            }  # fmt: skip
+            for i in range(6)
+        ),
+        {"kind": "run", "event": "finished", "id": "r", "time": T0 + 7},
+        {"kind": "run", "event": "started", "id": "e", "name": "empty", "time": T0},
+        {"kind": "run", "event": "finished", "id": "e", "time": T0 + 1},
+    ]
+    body = example(cluster="c", session="s", seq=0, events=events)
+    assert post(collector, body, token=token).status_code == 202
+    runs = {r["name"]: r["id"] for r in query.get("/v1/runs", headers=auth(token)).json["runs"]}
+    got = query.get(f"/v1/runs/{runs['no-threads']}/task-stream", headers=auth(token)).json
+    assert got["lanes"] == [{"worker": w, "thread": None} for w in sorted(WORKERS[:2])]
+    assert sorted(got["rects"]["key"]) == [f"t-{i}" for i in range(6)]
+    empty = query.get(f"/v1/runs/{runs['empty']}/task-stream", headers=auth(token))
+    assert empty.status_code == 200, empty.json
+    assert empty.json["mode"] == "rects" and empty.json["rects"]["key"] == []
+    assert empty.json["lanes"] == []
