@@ -296,7 +296,7 @@ function fitLegends() {
         while (label.length > 1 && swatch + legendFont.measureText(label).width > room)
           label = full.slice(0, label.length - 2) + "…";
         const shown = typeof item.label === "string" ? item.label : item.label && item.label.value;
-        if (shown !== label) { item.label = {value: label}; changed = true; }
+        if (shown !== label) { item.setv({label: {value: label}}, {silent: true}); changed = true; }
         return label;
       });
       const widths = labels.map(l => swatch + Math.max(legend.label_width, legendFont.measureText(l).width));
@@ -311,11 +311,20 @@ function fitLegends() {
       const height = fit.fit + (rows ? rows * (legend.label_height + legend.spacing)
                                        + 2 * (legend.padding + legend.margin) : 0)
                      + (legend.title ? legend.label_height + legend.spacing : 0);
-      if (legend.ncols !== ncols) { legend.ncols = ncols; changed = true; }
-      if (plot.height !== height) { plot.height = height; changed = true; }
+      if (legend.ncols !== ncols) { legend.setv({ncols}, {silent: true}); changed = true; }
+      if (plot.height !== height) { plot.setv({height}, {silent: true}); changed = true; }
     }
   }
-  return changed ? painted() : Promise.resolve();
+  performance.mark("hs-legends-fitted");
+  if (!changed) return Promise.resolve();
+  // Set silently, then laid out once: each change announced on its own laid the whole page
+  // out again (a run page's dozen of them took ~1 s).
+  for (const root of Bokeh.index.roots) {
+    for (const v of root.all_views ? root.all_views() : [root]) if (v.invalidate_render) v.invalidate_render();
+    if (root.invalidate_layout) root.invalidate_layout();
+  }
+  performance.mark("hs-legends-laid-out");
+  return painted();
 }
 
 let legendsPending = null;
