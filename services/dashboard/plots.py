@@ -133,6 +133,16 @@ def _series_lines(
             marks["y"] += [p["value"] for p in pts]
             marks["colour"] += [colour] * len(pts)
             marks["label"] += [s["worker"]] * len(pts)
+    band = _envelopes(drawn, origin, colours)
+    if band["xs"]:  # under the lines: each downsampled series' min-max band
+        fig.patches(
+            "xs",
+            "ys",
+            source=ColumnDataSource(band, name=f"{name}-envelope"),
+            fill_color="colour",
+            fill_alpha=0.18,
+            line_color=None,
+        )
     lines = fig.multi_line(
         "xs", "ys", source=ColumnDataSource(cols, name=name), line_color="colour", line_width=1.5
     )
@@ -161,6 +171,37 @@ def _series_lines(
         fig, [(label, lines, i) for i, label in enumerate(cols["label"])], f"{name}-legend"
     )
     return len(drawn)
+
+
+def _envelopes(
+    series: list[dict[str, Any]], origin: float, colours: dict[str, str]
+) -> dict[str, list[Any]]:
+    """Polygons of each series' per-point ``min`` to ``max`` (points that stand for a time
+    bin of samples), one per stretch between missing samples; none where every point is a
+    single sample (min equal to max): one renderer for every series of a plot."""
+    out: dict[str, list[Any]] = {"xs": [], "ys": [], "colour": []}
+    for s in series:
+        pts = sorted(s["points"], key=lambda p: p["time"])
+        if not any(p.get("min", p["value"]) != p.get("max", p["value"]) for p in pts):
+            continue
+        xs, _ = with_gaps([p["time"] - origin for p in pts], [0.0] * len(pts))
+        stretch: list[dict[str, Any]] = []
+        i = 0
+        for x in [*xs, math.nan]:
+            if x == x:
+                stretch.append(pts[i])
+                i += 1
+                continue
+            if len(stretch) > 1:
+                ts = [p["time"] - origin for p in stretch]
+                out["xs"].append(ts + ts[::-1])
+                out["ys"].append(
+                    [p.get("max", p["value"]) for p in stretch]
+                    + [p.get("min", p["value"]) for p in stretch][::-1]
+                )
+                out["colour"].append(colours.get(s["worker"], "#555"))
+            stretch = []
+    return out
 
 
 def progress_series(progress: dict[str, Any]) -> list[dict[str, Any]]:
