@@ -41,6 +41,7 @@ from storage.query import activity, history, replay
 from storage.query import compare as comparison
 from storage.query import runs as queries
 from storage.query.runs import BadCursor, RunFilters, makespan_column
+from storage.query.task_stream import MAX_RECTS
 from storage.runs import profiles, runcode, runfile, runlogs, streamtiles
 from storage.runs.facts import page_facts
 
@@ -263,7 +264,7 @@ def run_page(run_id: str) -> Any:
         inline_keys=live,
         colours=colours,
         windowed=task_stream.windowed_stream(
-            tiles, f"/v1/runs/{run.public_id}/task-stream", colours, min(most, 50_000)
+            tiles, f"/v1/runs/{run.public_id}/task-stream", colours, min(most, MAX_RECTS)
         )
         if big
         else None,
@@ -467,7 +468,7 @@ def compare_page() -> Any:
     )
     windowed = tuple(
         task_stream.windowed_stream(
-            i, f"/v1/runs/{r.public_id}/task-stream", colours, min(most, 50_000)
+            i, f"/v1/runs/{r.public_id}/task-stream", colours, min(most, MAX_RECTS)
         )
         if large
         else None
