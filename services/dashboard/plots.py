@@ -133,6 +133,16 @@ def _series_lines(
             marks["y"] += [p["value"] for p in pts]
             marks["colour"] += [colour] * len(pts)
             marks["label"] += [s["worker"]] * len(pts)
+    band = _envelopes(drawn, origin, colours)
+    if band["xs"]:  # under the lines: each downsampled series' min-max band
+        fig.patches(
+            "xs",
+            "ys",
+            source=ColumnDataSource(band, name=f"{name}-envelope"),
+            fill_color="colour",
+            fill_alpha=0.18,
+            line_color=None,
+        )
     lines = fig.multi_line(
         "xs", "ys", source=ColumnDataSource(cols, name=name), line_color="colour", line_width=1.5
     )
@@ -163,6 +173,37 @@ def _series_lines(
     return len(drawn)
 
 
+def _envelopes(
+    series: list[dict[str, Any]], origin: float, colours: dict[str, str]
+) -> dict[str, list[Any]]:
+    """Polygons of each series' per-point ``min`` to ``max`` (points that stand for a time
+    bin of samples), one per stretch between missing samples; none where every point is a
+    single sample (min equal to max): one renderer for every series of a plot."""
+    out: dict[str, list[Any]] = {"xs": [], "ys": [], "colour": []}
+    for s in series:
+        pts = sorted(s["points"], key=lambda p: p["time"])
+        if not any(p.get("min", p["value"]) != p.get("max", p["value"]) for p in pts):
+            continue
+        xs, _ = with_gaps([p["time"] - origin for p in pts], [0.0] * len(pts))
+        stretch: list[dict[str, Any]] = []
+        i = 0
+        for x in [*xs, math.nan]:
+            if x == x:
+                stretch.append(pts[i])
+                i += 1
+                continue
+            if len(stretch) > 1:
+                ts = [p["time"] - origin for p in stretch]
+                out["xs"].append(ts + ts[::-1])
+                out["ys"].append(
+                    [p.get("max", p["value"]) for p in stretch]
+                    + [p.get("min", p["value"]) for p in stretch][::-1]
+                )
+                out["colour"].append(colours.get(s["worker"], "#555"))
+            stretch = []
+    return out
+
+
 def progress_series(progress: dict[str, Any]) -> list[dict[str, Any]]:
     """Completed tasks per prefix over time (cumulative), each prefix's line from the
     bucket before its first completion (a flat zero until a prefix starts said nothing)."""
@@ -187,21 +228,29 @@ def run_page_items(
     *,
     inline_keys: bool = False,
     colours: PrefixColours | None = None,
+    windowed: tuple[dict[str, Any], list[str], float, list[Any]] | None = None,
 ) -> dict[str, Any]:
     """Every plot of a run page as Bokeh JSON items: the time plots share one x axis,
     from the run's first task. The task stream's keys (the hover's) are left out unless
     ``inline_keys`` (a running run, whose tasks change between requests). ``colours``: the
-    page's prefix colours (by default the run's own)."""
+    page's prefix colours (by default the run's own). ``windowed``: the task stream as
+    ``task_stream.windowed_stream`` gives it, fetched by the page in windows (a big run),
+    on a fixed time range (the run's span): a range fitted to the data would follow each
+    window the page draws."""
     from bokeh.layouts import column
-    from bokeh.models import DataRange1d, Span
+    from bokeh.models import DataRange1d, Range1d, Span
 
     if colours is None:
         colours = PrefixColours(data.tasks.column("prefix").to_pylist())
     # Without the task keys (the hover's; half of a 100k-task run's page): the page fetches
     # them from /runs/<id>/stream-keys while it builds its figures.
-    cols, rows, origin, legend = task_stream_data(data.tasks, keys=inline_keys, colours=colours)
-    # from the run's first task: a worker's sample taken before it is not drawn at -0.45 s
-    x_range = DataRange1d(name="run-time", start=0)
+    if windowed is None:
+        cols, rows, origin, legend = task_stream_data(data.tasks, keys=inline_keys, colours=colours)
+        # from the run's first task: a worker's sample taken before it is not drawn at -0.45 s
+        x_range: Any = DataRange1d(name="run-time", start=0)
+    else:
+        cols, rows, origin, legend = windowed
+        x_range = Range1d(0, cols["span"], name="run-time")
     stream, _ = stream_figure(
         "Task stream",
         rows,
@@ -271,7 +320,7 @@ def run_page_items(
         "origin": origin,
         "dag": dag,
         "counts": {
-            "glyphs": len(cols["x"]),
+            "glyphs": len(cols["x"]) if windowed is None else 0,
             "rows": len(rows),
             "progress": n_prog,
             "dag_nodes": dag_nodes,
@@ -521,21 +570,37 @@ def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] |
 
 
 def side_by_side(
-    a_tasks: Any, b_tasks: Any, a_name: str, b_name: str
+    a_tasks: Any,
+    b_tasks: Any,
+    a_name: str,
+    b_name: str,
+    windowed: tuple[Any, Any] = (None, None),
+    colours: PrefixColours | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two task streams one above the other on one time scale (seconds from each run's
-    start): the JSON item and the two sources' columns, by source name."""
+    start): the JSON item and the two sources' columns, by source name. ``windowed``: for
+    each run, its stream as ``task_stream.windowed_stream`` gives it (a big run's, fetched
+    by the page in windows) or None (sent whole); with either, the time range is fixed to
+    the longer run's span. ``colours``: the prefixes' (by default both runs')."""
     from bokeh.layouts import column
-    from bokeh.models import DataRange1d
+    from bokeh.models import DataRange1d, Range1d
 
-    x_range = DataRange1d(name="compare-time", start=0)
-    # a prefix of both runs has one colour in both streams
-    colours = PrefixColours(
-        a_tasks.column("prefix").to_pylist() + b_tasks.column("prefix").to_pylist()
-    )
+    if colours is None:  # a prefix of both runs has one colour in both streams
+        colours = PrefixColours(
+            a_tasks.column("prefix").to_pylist() + b_tasks.column("prefix").to_pylist()
+        )
+    spans = [w[0]["span"] for w in windowed if w is not None]
+    x_range: Any = DataRange1d(name="compare-time", start=0)
+    if spans:
+        pairs = zip((a_tasks, b_tasks), windowed, strict=True)
+        longest = max(spans + [_span(t) for t, w in pairs if w is None])
+        x_range = Range1d(0, longest, name="compare-time")
     figs, data = [], {}
     for i, (label, tasks) in enumerate(((a_name, a_tasks), (b_name, b_tasks))):
-        cols, rows, _, legend = task_stream_data(tasks, colours=colours)
+        if windowed[i] is None:
+            cols, rows, _, legend = task_stream_data(tasks, colours=colours)
+        else:
+            cols, rows, _, legend = windowed[i]
         fig, _ = stream_figure(
             f"Task stream: {label}",
             rows,
@@ -547,6 +612,14 @@ def side_by_side(
         figs.append(fig)
         data[f"compare-stream-{i}"] = cols
     return json_item(column(*figs, sizing_mode="stretch_width"), "side-by-side"), data
+
+
+def _span(tasks: Any) -> float:
+    """Seconds from a run's first start to its last stop, by its tasks."""
+    import pyarrow.compute as pc
+
+    lo, hi = pc.min(tasks["start"]).as_py(), pc.max(tasks["stop"]).as_py()
+    return (hi - lo) if lo is not None and hi is not None and hi > lo else 1.0
 
 
 def gapped(points: list[dict[str, Any]], bucket_s: float) -> list[dict[str, Any] | None]:

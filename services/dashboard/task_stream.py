@@ -188,6 +188,35 @@ def task_stream_data(
     return payload, rows, origin, legend
 
 
+def windowed_stream(
+    index: dict[str, Any], url: str, colours: PrefixColours, max_rects: int
+) -> tuple[dict[str, Any], list[str], float, list[Swatch]]:
+    """A run's task stream for the page to fetch in windows (``streamWindows`` in
+    hindsight.js) from the task-stream route, from its tile index: the payload, the rows,
+    the time origin and the legend, as :func:`task_stream_data` gives for a stream sent
+    whole. The page paints bins at overview and the start/stops themselves once a window
+    holds at most ``max_rects``."""
+    prefixes, actions = index["prefixes"], index["actions"][1:]
+    styles = {p: (colours[p], 1.0) for p in prefixes}
+    styles |= {a: ACTION_COLOURS.get(a, OTHER_ACTION) for a in actions}
+    payload = {
+        "url": url,
+        "origin": index["origin"],
+        "span": index["span"],
+        "count": index["count"],
+        "max_rects": max_rects,
+        "styles": {name: list(style) for name, style in styles.items()},
+        "erred": ERRED,
+    }
+    rows = [w if t is None else f"{w}-{t}" for w, t in index["lanes"]]
+    legend: list[Swatch] = sorted((p, colours[p], 1.0) for p in prefixes)
+    shown: dict[tuple[str, float], list[str]] = {}
+    for a in sorted(actions):
+        shown.setdefault(ACTION_COLOURS.get(a, OTHER_ACTION), []).append(a)
+    legend += [(" / ".join(acts), c, alpha) for (c, alpha), acts in shown.items()]
+    return payload, rows, index["origin"], legend
+
+
 def wrapping_tooltips(rows: list[tuple[str, str]]) -> str:
     """A hover's rows (label, Bokeh field template) as Bokeh lays them out, but wrapping a
     value wider than the tooltip may be: Bokeh's own rows never wrap, and a task key longer

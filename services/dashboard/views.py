@@ -41,7 +41,8 @@ from storage.query import activity, history, replay
 from storage.query import compare as comparison
 from storage.query import runs as queries
 from storage.query.runs import BadCursor, RunFilters, makespan_column
-from storage.runs import profiles, runcode, runfile, runlogs
+from storage.query.task_stream import MAX_RECTS
+from storage.runs import profiles, runcode, runfile, runlogs, streamtiles
 from storage.runs.facts import page_facts
 
 bp = Blueprint(
@@ -248,10 +249,13 @@ def run_page(run_id: str) -> Any:
     facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]
     live = detail["status"] == "running"
+    # a big finished run's task stream is fetched by the page in windows
+    tiles = None if live else streamtiles.ensure(db(), store().blobs, run, lambda: data.tasks)
+    most = store().settings.page_stream_rects
+    big = tiles is not None and tiles["count"] > most
     # one colour per prefix, the same in every plot of the page
-    colours = PrefixColours(
-        [*data.tasks.column("prefix").to_pylist(), *(p["prefix"] for p in detail["prefixes"])]
-    )
+    named = tiles["prefixes"] if big else data.tasks.column("prefix").to_pylist()
+    colours = PrefixColours([*named, *(p["prefix"] for p in detail["prefixes"])])
     items = plots.run_page_items(
         data,
         critical,
@@ -259,9 +263,14 @@ def run_page(run_id: str) -> Any:
         tasks.metric_series(data, 300),
         inline_keys=live,
         colours=colours,
+        windowed=task_stream.windowed_stream(
+            tiles, f"/v1/runs/{run.public_id}/task-stream", colours, min(most, MAX_RECTS)
+        )
+        if big
+        else None,
     )
     stream = items["stream"]
-    if not live:  # the page requests the hover's keys (``stream_keys``)
+    if not live and not big:  # the page requests the hover's keys (``stream_keys``)
         stream = {**stream, "keys_url": f"/runs/{run.public_id}/stream-keys"}
     same_job = [
         queries.run_summary(r, cluster, session) for r in comparison.previous_runs(db(), run, 19)
@@ -442,11 +451,36 @@ def compare_page() -> Any:
         found.sort(key=lambda f: (f[0].started_at is None, f[0].started_at or 0.0))
     (a, ca, sa), (b, cb, sb) = found  # type: ignore[misc]
     result = comparison.compare(db(), a, b)
+    tables = [runfile.load_run(db(), store().blobs, r).tasks for r in (a, b)]
+    # a big finished run's stream is fetched by the page in windows, as on its run page
+    most = store().settings.page_stream_rects
+    indexes = [
+        streamtiles.ensure(db(), store().blobs, r, lambda t=t: t)
+        for r, t in zip((a, b), tables, strict=True)
+    ]
+    big = [i is not None and i["count"] > most for i in indexes]
+    colours = PrefixColours(
+        [
+            p
+            for t, i, large in zip(tables, indexes, big, strict=True)
+            for p in (i["prefixes"] if large else t.column("prefix").to_pylist())
+        ]
+    )
+    windowed = tuple(
+        task_stream.windowed_stream(
+            i, f"/v1/runs/{r.public_id}/task-stream", colours, min(most, MAX_RECTS)
+        )
+        if large
+        else None
+        for r, i, large in zip((a, b), indexes, big, strict=True)
+    )
     streams, stream_data = plots.side_by_side(
-        runfile.load_run(db(), store().blobs, a).tasks,
-        runfile.load_run(db(), store().blobs, b).tasks,
+        tables[0],
+        tables[1],
         display_name(a.name, a.run_key) or a.run_key,
         display_name(b.name, b.run_key) or b.run_key,
+        windowed,  # type: ignore[arg-type]
+        colours,
     )
     diff = flame.diff(profiles.load(db(), store().blobs, a), profiles.load(db(), store().blobs, b))
     title = (

@@ -26,6 +26,7 @@ from services.query.openapi_parts import (
     string_schema,
     time_param,
 )
+from services.query.openapi_stream import STREAM_PATHS
 
 PATHS = {
     "/v1/clusters": get_op(
@@ -654,6 +655,7 @@ PATHS |= {
 
 PATHS.update(LAKE_PATHS)
 PATHS.update(ALERT_PATHS)
+PATHS.update(STREAM_PATHS)
 
 RUN = {
     "type": "object",

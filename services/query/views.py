@@ -32,7 +32,7 @@ from storage.analysis.profile import Profile
 from storage.analysis.runfacts import display_name
 from storage.analysis.trace import chrome_trace
 from storage.core import models as m
-from storage.query import activity, history, replay
+from storage.query import activity, history, replay, task_stream
 from storage.query import compare as comparison
 from storage.query import runs as queries
 from storage.query.breakdown import time_breakdown
@@ -526,3 +526,18 @@ def run_lifecycle(run_id: str) -> Any:
     run, _c, _s = _run_or_404(run_id)
     workers = runlogs.lifecycle(db(), store().blobs, run, lambda: _run_data(run).tasks)
     return {"run": run.public_id, "session": runlogs.session_facts(db(), run), "workers": workers}
+
+
+@bp.get("/v1/runs/<run_id>/task-stream")
+def run_task_stream(run_id: str) -> Any:
+    """A window of the run's task stream at the detail ``width`` pixels can show."""
+    run, _c, _s = _run_or_404(run_id)
+    start, stop = time_arg("start"), time_arg("stop")
+    width = int_arg("width", 1000, 1, task_stream.MAX_WIDTH)
+    most = int_arg("max_rects", task_stream.MAX_RECTS, 0, task_stream.MAX_RECTS)
+    try:
+        found = task_stream.window(db(), store().blobs, run, start, stop, width, most)
+    except task_stream.BadWindow as exc:
+        raise bad("stop", str(exc)) from None
+    body = msgspec.json.encode({"run": run.public_id, **found})
+    return Response(body, mimetype="application/json")

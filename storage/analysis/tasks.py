@@ -84,7 +84,8 @@ def metric_series(
     data: RunData, points: int, worker: str | None = None, name: str | None = None
 ) -> list[dict[str, Any]]:
     """Per (worker, metric) series, downsampled to at most ``points`` points: the run's
-    time range cut into equal bins, each bin's samples averaged (``max`` kept alongside)."""
+    time range cut into equal bins, each bin's samples averaged (``min`` and ``max`` kept
+    alongside: the envelope a plot draws, so a spike between two points still shows)."""
     rows = data.metrics.to_pylist()
     series: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
@@ -100,11 +101,16 @@ def metric_series(
             for t, v in samples:
                 bins[min(points - 1, int((t - t0) / width))].append(v)
             pts = [
-                {"time": t0 + (i + 0.5) * width, "value": sum(vs) / len(vs), "max": max(vs)}
+                {
+                    "time": t0 + (i + 0.5) * width,
+                    "value": sum(vs) / len(vs),
+                    "min": min(vs),
+                    "max": max(vs),
+                }
                 for i, vs in sorted(bins.items())
             ]
         else:
-            pts = [{"time": t, "value": v, "max": v} for t, v in samples]
+            pts = [{"time": t, "value": v, "min": v, "max": v} for t, v in samples]
         out.append({"worker": w, "name": n, "samples": len(samples), "points": pts})
     return out
 

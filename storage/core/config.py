@@ -45,6 +45,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_SILENT_AGENTS_SECONDS": ("silent_agents_seconds", float, 60.0),
     "HINDSIGHT_ALERTS_ALLOW_PRIVATE": ("alerts_allow_private", bool, False),
     "HINDSIGHT_ALERTS_RETRY_SECONDS": ("alerts_retry_seconds", float, 2.0),
+    "HINDSIGHT_PAGE_STREAM_RECTS": ("page_stream_rects", int, 50_000),
 }
 
 
@@ -84,6 +85,9 @@ class Settings:
     silent_agents_seconds: float
     alerts_allow_private: bool
     alerts_retry_seconds: float
+    #: A finished run's page embeds its task stream up to this many start/stops; past it
+    #: the page fetches windows of it (bins, exact start/stops as the user zooms in).
+    page_stream_rects: int
 
     @property
     def auth_required(self) -> bool:
@@ -156,6 +160,8 @@ def load_settings(
         raise ConfigError("HINDSIGHT_ALERTS_RETRY_SECONDS must be a positive number of seconds")
     if not values["silent_agents_seconds"] > 0:
         raise ConfigError("HINDSIGHT_SILENT_AGENTS_SECONDS must be a positive number of seconds")
+    if values["page_stream_rects"] < 0:
+        raise ConfigError("HINDSIGHT_PAGE_STREAM_RECTS must not be negative")
     if values["rate_limit_events"] < 0 or values["rate_limit_burst"] < 0:
         raise ConfigError("rate limits must not be negative")
     if not values["ray_hold_seconds"] >= 0:  # NaN fails too

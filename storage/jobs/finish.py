@@ -30,7 +30,7 @@ from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.core.statements import dialect_functions
 from storage.lake import build as lake_build
-from storage.runs import facts, profiles, rollups, runfile, runlogs
+from storage.runs import facts, profiles, rollups, runfile, runlogs, streamtiles
 from storage.runs.context import FinishedRun, ReadOnce
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ FINISHERS: tuple[Callable[[FinishedRun], None], ...] = (
     rollups.finish,  # fold the run's appended histogram rows
     runfile.finish,  # the compacted per-run copy
     facts.finish,  # the run page's critical path, progress and errors
+    streamtiles.finish,  # the task stream at every zoom (the task-stream route's)
     profiles.finish,  # the run's statistical profile, per prefix and worker
     runlogs.finish,  # the run's log records, emitted values, worker events
     lake_build.finish,  # the run's rows in the history lake (docs/lake.md)

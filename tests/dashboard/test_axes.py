@@ -9,7 +9,7 @@ import pytest
 
 from services.dashboard.axes import format_bytes, format_seconds
 from services.dashboard.colours import PREFIX_PALETTE, PrefixColours
-from services.dashboard.plots import progress_series, with_gaps
+from services.dashboard.plots import _envelopes, progress_series, with_gaps
 
 
 @pytest.mark.parametrize(
@@ -93,3 +93,17 @@ def test_a_prefix_met_late_takes_the_next_colour_and_keeps_it():
     assert "zzz" in colours and "other" not in colours
     many = PrefixColours(f"p{i:03d}" for i in range(60))
     assert len(set(many.mapping().values())) == 60
+
+
+def test_a_downsampled_series_has_its_min_max_band_broken_where_samples_are_missing():
+    """A point standing for a bin of samples shows their range: a spike between two points
+    is still drawn; the band breaks where the line does, and a series of single samples
+    (min equal to max) has none."""
+    pts = [{"time": t, "value": t, "min": t - 1, "max": t + 5} for t in (0, 1, 2, 5, 6)]
+    single = [{"time": t, "value": 3.0, "min": 3.0, "max": 3.0} for t in (0, 1, 2)]
+    band = _envelopes(
+        [{"worker": "a", "points": pts}, {"worker": "b", "points": single}], 0, {"a": "red"}
+    )
+    assert band["xs"] == [[0, 1, 2, 2, 1, 0], [5, 6, 6, 5]]
+    assert band["ys"] == [[5, 6, 7, 1, 0, -1], [10, 11, 5, 4]]
+    assert band["colour"] == ["red", "red"]

@@ -168,8 +168,101 @@ function setStream(name, data) {
   if (s.paint && s.plot) rasterise(s, true);
 }
 
-function fill(sources) {
-  for (const [name, payload] of Object.entries(sources)) setStream(name, expandStream(payload));
+// A stream filled whole, or (a payload with a url: a big run's) fetched in windows; returns
+// a promise of every stream's first data. ``first``: requests already started for the
+// first windows (``firstWindows``), by source name.
+function fill(sources, first) {
+  const loads = [];
+  for (const [name, payload] of Object.entries(sources)) {
+    if (payload.url) loads.push(streamWindows(name, payload, (first || {})[name]));
+    else setStream(name, expandStream(payload));
+  }
+  return Promise.all(loads);
+}
+
+function windowUrl(p, a, b, width) {
+  return `${p.url}?start=${p.origin + a}&stop=${p.origin + b}&width=${width}&max_rects=${p.max_rects}`;
+}
+
+// The whole-run windows of the streams fetched in windows, asked for before the figures are
+// built (the server's answer overlaps BokehJS's work), at about the width the plot will have.
+function firstWindows(sources, element) {
+  const out = {}, el = document.getElementById(element);
+  const width = Math.max(100, Math.min(4000, Math.round((el ? el.clientWidth : 1100) - 110)));
+  for (const [name, p] of Object.entries(sources)) {
+    if (!p.url) continue;
+    const url = windowUrl(p, 0, p.span, width);
+    out[name] = {url, answer: fetch(url, {credentials: "same-origin"})};
+  }
+  return out;
+}
+
+// A big run's task stream, fetched from the task-stream route for the window in view at
+// the plot's width in pixels, again (150 ms after the view stops moving) when it moves:
+// bins of busy seconds painted in their dominant prefix's colour (alpha: how busy) at
+// overview, the start/stops themselves with their keys once a window holds few enough.
+// body[data-stream-mode] tells which the stream shows.
+function streamWindows(name, p, first) {
+  const empty = {x: [], width: [], y: [], colour: [], alpha: [], key: [], name: []};
+  setStream(name, empty);
+  performance.mark("hs-window-empty");
+  const s = streams[name];
+  if (!s || !s.plot) return Promise.resolve();
+  let asked = null, ticket = 0, timer = null;
+  const style = n => p.styles[n] || ["gray", 0.4];
+  const fromRects = w => {
+    const r = w.rects, n = r.start.length;
+    const d = {x: new Float64Array(n), width: new Float64Array(n), y: new Int32Array(n),
+               colour: new Array(n), alpha: new Float64Array(n), key: r.key, name: new Array(n)};
+    for (let i = 0; i < n; i++) {
+      d.x[i] = (r.start[i] + r.stop[i]) / 2 - p.origin; d.width[i] = r.stop[i] - r.start[i];
+      d.y[i] = r.lane[i];
+      const compute = r.action[i] === "compute", [c, a] = style(compute ? r.prefix[i] : r.action[i]);
+      d.colour[i] = r.erred[i] ? p.erred : c; d.alpha[i] = a;
+      d.name[i] = compute ? r.prefix[i] : r.action[i] + " " + r.prefix[i];
+    }
+    return d;
+  };
+  const fromBins = w => {
+    const b = w.bins, e = b.edges, d = {x: [], width: [], y: [], colour: [], alpha: [], key: [], name: []};
+    b.busy.forEach((row, lane) => row.forEach((busy, i) => {
+      const top = b.prefix[lane][i];
+      if (!(busy > 0) || top < 0) return;
+      const span = e[i + 1] - e[i], [c, a] = style(w.names[top]);
+      d.x.push((e[i] + e[i + 1]) / 2 - p.origin); d.width.push(span); d.y.push(lane);
+      d.colour.push(c); d.alpha.push(a * Math.min(1, busy / span));
+      d.key.push(`${b.count[lane][i]} start/stops, ${Math.round(100 * busy / span)}% busy`);
+      d.name.push(`${w.names[top]} (${b.prefix_count[lane][i]} of them)`);
+    }));
+    return d;
+  };
+  const load = started => {
+    const xr = s.plot.x_range, bbox = frameOf(s.plot);
+    let a = Math.max(0, xr.start), b = Math.min(p.span, xr.end);
+    if (!(b > a)) { a = 0; b = p.span; }
+    const width = Math.max(1, Math.min(4000, Math.round(bbox ? bbox.width : 1000)));
+    const url = started ? started.url : windowUrl(p, a, b, width);
+    if (url === asked) return Promise.resolve();
+    asked = url;
+    const mine = ++ticket;
+    const answer = started ? started.answer : fetch(url, {credentials: "same-origin"});
+    return answer.then(r => {
+      if (!r.ok) throw new Error(`task stream: HTTP ${r.status}`);
+      return r.json();
+    }).then(w => {
+      if (mine !== ticket) return;  // a later window was asked for meanwhile
+      performance.mark("hs-window-fetched");
+      const data = w.mode === "rects" ? fromRects(w) : fromBins(w);
+      performance.mark("hs-window-built");
+      setStream(name, data);
+      performance.mark("hs-window-set");
+      // replay.js cuts the stream at its slider's time: it cuts the new window too
+      document.dispatchEvent(new CustomEvent("hs-stream-window", {detail: name}));
+      document.body.dataset.streamMode = w.mode;
+    });
+  };
+  s.plot.x_range.change.connect(() => { clearTimeout(timer); timer = setTimeout(load, 150); });
+  return load(first);
 }
 
 const painted = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
@@ -203,7 +296,7 @@ function fitLegends() {
         while (label.length > 1 && swatch + legendFont.measureText(label).width > room)
           label = full.slice(0, label.length - 2) + "…";
         const shown = typeof item.label === "string" ? item.label : item.label && item.label.value;
-        if (shown !== label) { item.label = {value: label}; changed = true; }
+        if (shown !== label) { item.setv({label: {value: label}}, {silent: true}); changed = true; }
         return label;
       });
       const widths = labels.map(l => swatch + Math.max(legend.label_width, legendFont.measureText(l).width));
@@ -218,11 +311,20 @@ function fitLegends() {
       const height = fit.fit + (rows ? rows * (legend.label_height + legend.spacing)
                                        + 2 * (legend.padding + legend.margin) : 0)
                      + (legend.title ? legend.label_height + legend.spacing : 0);
-      if (legend.ncols !== ncols) { legend.ncols = ncols; changed = true; }
-      if (plot.height !== height) { plot.height = height; changed = true; }
+      if (legend.ncols !== ncols) { legend.setv({ncols}, {silent: true}); changed = true; }
+      if (plot.height !== height) { plot.setv({height}, {silent: true}); changed = true; }
     }
   }
-  return changed ? painted() : Promise.resolve();
+  performance.mark("hs-legends-fitted");
+  if (!changed) return Promise.resolve();
+  // Set silently, then laid out once: each change announced on its own laid the whole page
+  // out again (a run page's dozen of them took ~1 s).
+  for (const root of Bokeh.index.roots) {
+    for (const v of root.all_views ? root.all_views() : [root]) if (v.invalidate_render) v.invalidate_render();
+    if (root.invalidate_layout) root.invalidate_layout();
+  }
+  performance.mark("hs-legends-laid-out");
+  return painted();
 }
 
 let legendsPending = null;

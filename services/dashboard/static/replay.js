@@ -85,8 +85,16 @@ function replaySetup(opts) {
     if (!state.prefixes.length) prog.append(el("p", "", "No sample at this moment."));
   }
 
-  // The task stream up to t: tasks not started yet hidden, running ones cut at t.
+  // The task stream up to t: tasks not started yet hidden, running ones cut at t. A big
+  // run's stream comes in windows (hindsight.js): each new one is cut at the time shown.
+  let cutAt = null;
+  document.addEventListener("hs-stream-window", e => {
+    if (e.detail !== "task-stream-source") return;
+    stream = null;
+    if (cutAt !== null) streamUpTo(cutAt);
+  });
   function streamUpTo(t) {
+    cutAt = t;
     let source = null;
     for (const doc of Bokeh.documents) {
       source = doc.get_model_by_name("task-stream-source");

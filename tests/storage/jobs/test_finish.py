@@ -117,6 +117,10 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
         "metrics.parquet",
         # storage.runs.facts: the run page's critical path, progress and errors
         "page-v2.json.zst",
+        # storage.runs.streamtiles: the task stream's pyramid and start/stops
+        "index.json.zst",
+        "level-0-0.npz.zst",
+        "rects-0.parquet",
         "tasks.parquet",
         # storage.runs.runlogs: the run's log records, emitted values, worker events
         "logs.parquet",
@@ -192,7 +196,7 @@ def test_a_failing_finisher_is_retried_and_does_not_stop_the_others(apps, make_t
     (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
     before = time.time()
     finish.run_due(st.sessions, st.blobs, limit=1000)
-    assert len(compacted(app, run["id"])) == 7  # the finishers after the failing one ran
+    assert len(compacted(app, run["id"])) == 10  # the finishers after the failing one ran
     job = job_of(app, run["id"])
     assert "disk on fire" in job.error and job.due_at >= before + finish.RETRY_SECONDS
     assert detail(query, token, run["id"])["finished_work"]["pending"] is True

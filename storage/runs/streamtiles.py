@@ -1,0 +1,454 @@
+"""A finished run's task stream at every zoom, built once when the run finishes (like map
+tiles), so a window of a run of any size is answered from a few small blobs.
+
+Next to the run's compacted copy, under ``stream-v1/``:
+
+- ``index.json.zst``: the time origin (the first start/stop's start), the lanes (worker,
+  thread) in the page's order, the categories (the prefixes, then the actions other than
+  compute), the chunks' time ranges and the pyramid's levels;
+- ``rects-N.parquet``: every start/stop of the run (lane, category, prefix, action, start,
+  stop, erred, task key), sorted by start, :data:`CHUNK` a file, so a narrow window reads
+  only the chunks whose time range meets it;
+- ``level-K-J.npz.zst``: the pyramid. Level 0 cuts the run's span into ``cells`` equal
+  cells per lane (a power of two, at most :data:`CELL_BUDGET` cells over all lanes); each
+  level above has a quarter of the cells. Per lane and cell: the seconds busy (exact: each
+  start/stop clipped to the cell), the start/stops counted at the cell of their midpoint,
+  and the dominant category (the one busy longest there) with its seconds and count. Each
+  level is cut in time into tiles of :data:`TILE` cells (tile J), so a window reads only the
+  tiles it meets.
+
+The reader is ``storage.query.task_stream``; :func:`accumulate` is shared by both, so a
+window's bins and the pyramid's cells are cut the same way.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import zstandard
+from sqlalchemy.orm import Session
+
+from storage.core import models as m
+from storage.core.blobs import BlobStore
+from storage.runs.context import FinishedRun
+from storage.runs.runfile import RecentCache, compact_prefix, run_tag
+
+logger = logging.getLogger(__name__)
+
+VERSION = "stream-v1"
+#: Start/stops a chunk file: small enough that a window of a few thousand reads little.
+CHUNK = 16_384
+#: Cells of level 0 over all lanes (4 B of seconds each, ~14 B a cell in all).
+CELL_BUDGET = 1 << 20
+MAX_CELLS = 1 << 16
+MIN_CELLS = 256
+#: Cells a lane of a pyramid tile.
+TILE = 1024
+#: ``dense`` picks each cell's dominant category from a table of every (cell, category)
+#: up to this size (fast); past it, by sorting the entries.
+DENSE_MAX = 1 << 23
+COMPUTE = "compute"
+
+
+class _Phase(msgspec.Struct, gc=False):
+    action: str
+    start: float
+    stop: float
+
+
+_phases = msgspec.json.Decoder(list[list[_Phase]])
+
+
+@dataclass
+class Rects:
+    """Every start/stop of a run as columns, sorted by start. ``prefix``, ``action`` and
+    ``cat`` index :attr:`prefixes`, :attr:`actions` and :attr:`cats`; ``task`` indexes the
+    tasks table's rows; times are seconds since :attr:`origin`."""
+
+    lane: Any
+    cat: Any
+    prefix: Any
+    action: Any
+    start: Any
+    stop: Any
+    erred: Any
+    task: Any
+    origin: float
+    lanes: list[tuple[str, int | None]]
+    prefixes: list[str]
+    actions: list[str]
+
+    @property
+    def cats(self) -> list[str]:
+        """Compute start/stops are categorised by prefix, the others by action."""
+        return [*self.prefixes, *self.actions[1:]]
+
+
+#: Tasks whose start/stops are parsed at once (bounded working memory).
+PARSE_ROWS = 100_000
+
+
+def _extra_phases(table: Any, rows: Any) -> tuple[Any, Any, Any, Any, list[str]]:
+    """The phases other than compute of the tasks at ``rows``: their task rows, action
+    codes, starts and stops, parsed :data:`PARSE_ROWS` tasks at a time, and the actions
+    (``compute`` first) the codes index."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    code: dict[str, int] = {COMPUTE: 0}
+    parts: list[tuple[Any, Any, Any, Any]] = []
+    for lo in range(0, len(rows), PARSE_ROWS):
+        part = rows[lo : lo + PARSE_ROWS]
+        texts = pc.take(table["startstops"], pa.array(part, type=pa.int64())).to_pylist()
+        parsed = _phases.decode(("[" + ",".join(s or "[]" for s in texts) + "]").encode())
+        flat = [(r, ph) for r, phs in zip(part.tolist(), parsed, strict=True) for ph in phs]
+        flat = [(r, ph) for r, ph in flat if ph.action != COMPUTE]
+        parts.append(
+            (
+                np.fromiter((r for r, _ in flat), "i8", len(flat)),
+                np.fromiter((code.setdefault(ph.action, len(code)) for _, ph in flat), "i2"),
+                np.fromiter((ph.start for _, ph in flat), "f8", len(flat)),
+                np.fromiter((ph.stop for _, ph in flat), "f8", len(flat)),
+            )
+        )
+    if not parts:
+        return np.zeros(0, "i8"), np.zeros(0, "i2"), np.zeros(0), np.zeros(0), list(code)
+    return (*(np.concatenate([p[k] for p in parts]) for k in range(4)), list(code))  # type: ignore[return-value]
+
+
+def _lanes(table: Any, task: Any) -> tuple[Any, list[tuple[str, int | None]]]:
+    """Each start/stop's lane (a "worker-thread" row, the worker alone where the scheduler
+    reports no thread), lanes sorted by that name as the run page's rows, and each lane's
+    (worker, thread). From the workers' and threads' codes, not a string per task."""
+    import pyarrow.compute as pc
+
+    workers = pc.dictionary_encode(pc.fill_null(table["worker"], "?")).combine_chunks()
+    threads = pc.dictionary_encode(table["thread"]).combine_chunks()
+    w = np.asarray(workers.indices, dtype="i8")
+    t = np.asarray(pc.fill_null(threads.indices, -1), dtype="i8") + 1
+    width = len(threads.dictionary) + 1
+    used, inverse = np.unique(w[task] * width + t[task], return_inverse=True)
+    worker_of = workers.dictionary.to_pylist()
+    thread_of = [None, *threads.dictionary.to_pylist()]
+    pairs = [(worker_of[u // width], thread_of[u % width]) for u in used.tolist()]
+    names = [wk if th is None else f"{wk}-{th}" for wk, th in pairs]
+    order = sorted(range(len(pairs)), key=names.__getitem__)
+    rank = np.empty(len(order), dtype="i4")
+    rank[order] = np.arange(len(order), dtype="i4")
+    return rank[inverse], [pairs[i] for i in order]
+
+
+def rects_of(table: Any) -> Rects:
+    """A tasks table's start/stops, sorted by start: each task's compute phase from its
+    columns, the other phases parsed from the start/stops of only the tasks that
+    transferred or touched disk."""
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    prefix_codes = pc.dictionary_encode(table["prefix"]).combine_chunks()
+    prefixes = [p or "" for p in prefix_codes.dictionary.to_pylist()] or [""]
+    cstart = np.asarray(pc.fill_null(table["compute_start"], np.nan), dtype="f8")
+    cstop = np.asarray(pc.fill_null(table["compute_stop"], np.nan), dtype="f8")
+    computed = np.flatnonzero(~np.isnan(cstart) & ~np.isnan(cstop))
+    extra_seconds = np.zeros(n)
+    for col in ("transfer", "disk_read", "disk_write"):
+        extra_seconds += np.asarray(pc.fill_null(table[col], 0), dtype="f8")
+    ex_task, ex_action, ex_start, ex_stop, actions = _extra_phases(
+        table, np.flatnonzero(extra_seconds > 0)
+    )
+    del extra_seconds
+
+    start = np.concatenate([cstart[computed], ex_start])
+    stop = np.concatenate([cstop[computed], ex_stop])
+    del cstart, cstop, ex_start, ex_stop
+    sort = np.argsort(start, kind="stable")
+    start, stop = start[sort], stop[sort]
+    np.maximum(stop, start, out=stop)
+    origin = float(start[0]) if len(start) else 0.0
+    start -= origin
+    stop -= origin
+    task = np.concatenate([computed, ex_task])[sort]
+    action = np.concatenate([np.zeros(len(computed), "i2"), ex_action])[sort]
+    del computed, ex_task, ex_action, sort
+    prefix = np.asarray(pc.fill_null(prefix_codes.indices, 0), dtype="i4")[task]
+    erred = np.asarray(pc.fill_null(pc.equal(table["status"], "erred"), False), dtype=bool)
+    lane, lanes = _lanes(table, task)
+    compute = action == 0
+    return Rects(
+        lane=lane,
+        cat=np.where(compute, prefix, len(prefixes) + action.astype("i4") - 1).astype("i4"),
+        prefix=prefix,
+        action=action.astype("i4"),
+        start=start,
+        stop=stop,
+        erred=erred[task] & compute,
+        task=task,
+        origin=origin,
+        lanes=lanes,
+        prefixes=prefixes,
+        actions=actions,
+    )
+
+
+def accumulate(
+    lane: Any, cat: Any, start: Any, stop: Any, lo: float, width: float, cells: int, n_cats: int
+) -> tuple[Any, Any, Any]:
+    """Start/stops cut into ``cells`` equal cells of ``width`` seconds from ``lo``: each one's
+    seconds clipped to every cell it crosses, and counted once, at the cell of its midpoint
+    (clamped to the cells). Returns, per (lane, cell, category) touched, its key
+    ``(lane * cells + cell) * n_cats + cat`` (sorted, distinct), its seconds and its count.
+    Start/stops outside ``[lo, lo + cells * width)`` add nothing outside it."""
+    hi = lo + cells * width
+    a = np.clip(start, lo, hi)
+    b = np.clip(stop, lo, hi)
+    keep = b > a
+    i0 = np.minimum(((a - lo) / width).astype("i8"), cells - 1)
+    i1 = np.minimum(np.maximum(((b - lo) / width).astype("i8"), 0), cells - 1)
+    # A start/stop ending exactly on an edge adds nothing to the next cell.
+    i1 = np.where((i1 > i0) & (lo + i1 * width >= b), i1 - 1, i1)
+    base = lane.astype("i8") * cells
+    same = keep & (i1 == i0)
+    cross = np.flatnonzero(keep & (i1 > i0))
+    keys = [(base[same] + i0[same]) * n_cats + cat[same]]
+    secs = [(b - a)[same]]
+    # the cell each crossing start/stop starts and ends in, and every cell between
+    c0, c1 = i0[cross], i1[cross]
+    keys.append((base[cross] + c0) * n_cats + cat[cross])
+    secs.append(lo + (c0 + 1) * width - a[cross])
+    keys.append((base[cross] + c1) * n_cats + cat[cross])
+    secs.append(b[cross] - (lo + c1 * width))
+    between = c1 - c0 - 1
+    full = np.flatnonzero(between > 0)
+    if len(full):
+        reps = between[full]
+        owner = np.repeat(cross[full], reps)
+        step = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
+        cell = np.repeat(c0[full], reps) + 1 + step
+        keys.append((base[owner] + cell) * n_cats + cat[owner])
+        secs.append(np.full(len(owner), width))
+    mid = np.clip(((start + stop) / 2 - lo) / width, 0, cells - 1).astype("i8")
+    inside = (stop > lo) & (start < hi)
+    keys.append((base[inside] + mid[inside]) * n_cats + cat[inside])
+    secs.append(np.zeros(int(inside.sum())))
+    counted = np.concatenate(
+        [np.zeros(sum(len(k) for k in keys[:-1]), "i8"), np.ones(len(keys[-1]), "i8")]
+    )
+    all_keys = np.concatenate(keys)
+    distinct, inverse = np.unique(all_keys, return_inverse=True)
+    seconds = np.bincount(inverse, weights=np.concatenate(secs), minlength=len(distinct))
+    counts = np.bincount(inverse, weights=counted, minlength=len(distinct)).astype("i8")
+    return distinct, seconds, counts
+
+
+def merge(parts: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
+    """:func:`accumulate`'s answers for parts of the same cells, added up."""
+    if not parts:
+        return np.zeros(0, "i8"), np.zeros(0), np.zeros(0, "i8")
+    keys = np.concatenate([p[0] for p in parts])
+    distinct, inverse = np.unique(keys, return_inverse=True)
+    seconds = np.bincount(inverse, np.concatenate([p[1] for p in parts]), len(distinct))
+    counts = np.bincount(inverse, np.concatenate([p[2] for p in parts]), len(distinct))
+    return distinct, seconds, counts.astype("i8")
+
+
+def dense(
+    keys: Any, seconds: Any, counts: Any, n_lanes: int, cells: int, n_cats: int
+) -> dict[str, Any]:
+    """Per lane and cell: ``busy`` seconds, ``count`` of start/stops, and the dominant
+    category ``top`` (-1 where idle) with its seconds ``top_s`` and count ``top_n``."""
+    size = n_lanes * cells
+    cell = keys // n_cats
+    cat = keys % n_cats
+    busy = np.bincount(cell, weights=seconds, minlength=size)
+    count = np.bincount(cell, weights=counts, minlength=size)
+    top = np.full(size, -1, dtype="i4")
+    top_s = np.zeros(size)
+    top_n = np.zeros(size, dtype="i8")
+    if len(keys) and size * n_cats <= DENSE_MAX:
+        table = np.bincount(keys, weights=seconds, minlength=size * n_cats).reshape(size, n_cats)
+        tallies = np.bincount(keys, weights=counts, minlength=size * n_cats).reshape(size, n_cats)
+        # the most seconds, ties (zero-second start/stops) to the most start/stops
+        best = np.argmax(table + tallies * 1e-12, axis=1)
+        rows = np.arange(size)
+        held = np.zeros(size, dtype=bool)
+        held[cell] = True
+        top[held] = best[held]
+        top_s = table[rows, best]
+        top_n = tallies[rows, best].astype("i8")
+    elif len(keys):
+        # the last of each cell's entries, ordered by seconds then count, is its dominant one
+        order = np.lexsort((counts, seconds, cell))
+        last = np.flatnonzero(np.append(cell[order][1:] != cell[order][:-1], True))
+        pick = order[last]
+        top[cell[pick]] = cat[pick]
+        top_s[cell[pick]] = seconds[pick]
+        top_n[cell[pick]] = counts[pick]
+    shape = (n_lanes, cells)
+    return {
+        "busy": busy.reshape(shape),
+        "count": count.reshape(shape).astype("i8"),
+        "top": top.reshape(shape),
+        "top_s": top_s.reshape(shape),
+        "top_n": top_n.reshape(shape),
+    }
+
+
+def level_cells(n_lanes: int, n_rects: int) -> list[int]:
+    """The pyramid's cells per lane, finest first: a power of two within the budget and
+    no more than the run has start/stops, each level above a quarter of the one below,
+    down to :data:`MIN_CELLS`."""
+    cells = MAX_CELLS
+    while cells > MIN_CELLS and (cells * max(n_lanes, 1) > CELL_BUDGET or cells > 2 * n_rects):
+        cells //= 2
+    out = [cells]
+    while out[-1] // 4 >= MIN_CELLS:
+        out.append(out[-1] // 4)
+    return out
+
+
+def base_key(db: Session, run: m.Run) -> str:
+    """Where a run's tiles are: next to the version of its compacted copy they came from."""
+    return f"{compact_prefix(db, run)}/{run_tag(db, run)}/{VERSION}"
+
+
+def _npz(arrays: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return zstandard.ZstdCompressor(level=3).compress(buf.getvalue())
+
+
+def read_npz(body: bytes) -> dict[str, Any]:
+    raw = zstandard.ZstdDecompressor().decompress(body)
+    with np.load(io.BytesIO(raw)) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _chunk_parquet(r: Rects, keys: Any, lo: int, hi: int) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sl = slice(lo, hi)
+    table = pa.table(
+        {
+            "lane": r.lane[sl],
+            "cat": r.cat[sl],
+            "prefix": r.prefix[sl],
+            "action": r.action[sl],
+            "start": r.start[sl],
+            "stop": r.stop[sl],
+            "erred": r.erred[sl],
+            "key": keys.take(pa.array(r.task[sl])),
+        }
+    )
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
+    """Write a run's tiles under ``base`` from its tasks table; returns the index (written
+    last: an index present means every file it names is)."""
+    r = rects_of(table)
+    n, n_lanes, cats = len(r.start), len(r.lanes), r.cats
+    keys = table["key"].combine_chunks() if table.num_rows else None
+    chunks = []
+    for i, lo in enumerate(range(0, n, CHUNK)):
+        hi = min(n, lo + CHUNK)
+        blobs.put(f"{base}/rects-{i}.parquet", _chunk_parquet(r, keys, lo, hi))
+        chunks.append([float(r.start[lo]), float(r.stop[lo:hi].max()), hi - lo])
+    span = float(r.stop.max()) if n else 0.0
+    span = span if span > 0 else 1.0
+    levels = level_cells(n_lanes, n)
+    finest = levels[0]
+    parts = []
+    for lo in range(0, n, 1 << 20):  # bounded working memory
+        sl = slice(lo, lo + (1 << 20))
+        parts.append(
+            accumulate(
+                r.lane[sl],
+                r.cat[sl],
+                r.start[sl],
+                r.stop[sl],
+                0.0,
+                span / finest,
+                finest,
+                len(cats),
+            )
+        )
+    k, s, c = merge(parts)
+    for level, cells in enumerate(levels):
+        if level:  # the cells of the level below, four to one
+            lane, rest = np.divmod(k // len(cats), levels[level - 1])
+            k = (lane * cells + rest // (levels[level - 1] // cells)) * len(cats) + k % len(cats)
+            k, s, c = merge([(k, s, c)])
+        d = dense(k, s, c, n_lanes, cells, len(cats))
+        for j, lo in enumerate(range(0, cells, TILE)):
+            sl = (slice(None), slice(lo, lo + TILE))
+            arrays = {
+                "busy": d["busy"][sl].astype("f4"),
+                "count": d["count"][sl].astype("i4"),
+                "top": d["top"][sl].astype("i2" if len(cats) < 32_000 else "i4"),
+                "top_s": d["top_s"][sl].astype("f4"),
+                "top_n": d["top_n"][sl].astype("i4"),
+            }
+            blobs.put(f"{base}/level-{level}-{j}.npz.zst", _npz(arrays))
+    index = {
+        "version": VERSION,
+        "count": n,
+        "origin": r.origin,
+        "span": span,
+        "lanes": [list(x) for x in r.lanes],
+        "cats": cats,
+        "prefixes": r.prefixes,
+        "actions": r.actions,
+        "chunks": chunks,
+        "levels": levels,
+        "tile": TILE,
+    }
+    blobs.put(f"{base}/index.json.zst", zstandard.ZstdCompressor().compress(_enc(index)))
+    return index
+
+
+_enc = msgspec.json.Encoder().encode
+_indexes = RecentCache(64)
+
+
+def load_index(blobs: BlobStore, base: str) -> dict[str, Any] | None:
+    """A run's tile index, or None where its tiles were not built."""
+    hit = _indexes.get(base)
+    if hit is not None:
+        return hit
+    try:
+        body = blobs.get(f"{base}/index.json.zst")
+    except FileNotFoundError:
+        return None
+    index = msgspec.json.decode(zstandard.ZstdDecompressor().decompress(body))
+    _indexes.put(base, index)
+    return index
+
+
+def ensure(db: Session, blobs: BlobStore, run: m.Run, tasks: Any) -> dict[str, Any] | None:
+    """The tile index of a run that is no longer running, building its tiles if they are
+    missing (a run finished before tiles existed); None for a running run. ``tasks``: a
+    function returning its tasks table (read only if needed)."""
+    if run.status == "running":
+        return None
+    base = base_key(db, run)
+    index = load_index(blobs, base)
+    if index is None:
+        index = build(blobs, base, tasks())
+        logger.info(
+            "built the task-stream tiles of run %s (%d start/stops)", run.public_id, index["count"]
+        )
+        _indexes.put(base, index)
+    return index
+
+
+def finish(fr: FinishedRun) -> None:
+    """Finisher (``storage.jobs.finish``): the run's task-stream tiles."""
+    ensure(fr.db, fr.blobs, fr.run, lambda: fr.data().tasks)
