@@ -61,7 +61,7 @@ class Served:
 
 
 def test_a_restarted_server_finishes_the_run_a_kill_left_claimed(tmp_path):
-    """Found by a held-out check: ``hindsight serve`` killed while finishing a run left the
+    """``hindsight serve`` killed while finishing a run left the
     job claimed (a 10-minute lease then): restarted, the server, the index's only worker,
     waited it out, the run without lake rows meanwhile. It frees its own claims on start."""
     import sqlite3
@@ -142,7 +142,7 @@ def test_serve_answers_408_to_a_body_shorter_than_its_content_length(tmp_path):
 def test_the_first_token_of_an_index_that_recorded_without_auth_says_whose_runs_are_whose(
     tmp_path,
 ):
-    """Found by a new user: after recording with ``make run``, the first token said it had
+    """After recording with ``make run``, the first token said it had
     "created a new index" (it had not), and the runs vanished behind auth (they are the
     tenant default's). The note now says what is true."""
     assert run("db", "upgrade", "--data-dir", str(tmp_path), env=env()).returncode == 0
@@ -169,7 +169,7 @@ def test_tokens_create_then_serve_with_auth_required(tmp_path):
     assert created.returncode == 0, created.stderr
     token = created.stdout.strip().splitlines()[-1]
     assert token.startswith("hs_")
-    # Found by an operator: run without the service's variables, it made an index of its
+    # Run without the service's variables, it made an index of its
     # own in silence (the services answered 401). It says so; the next token, not.
     assert f"created a new index at {(tmp_path / 'index.db').resolve()}" in created.stderr
     again = run("tokens", "create", "--tenant", "acme", "--data-dir", str(tmp_path), env=env())
@@ -205,8 +205,8 @@ def test_serve_refuses_a_public_address_without_auth(tmp_path):
 
 
 def test_tokens_list_and_revoke(tmp_path):
-    """A leaked token can be revoked (found by a fresh pair of eyes: the docs said so, and
-    only SQL could): by its id from ``tokens list``, or by the token itself."""
+    """A leaked token can be revoked, as the docs say: by its id from ``tokens list``, or by
+    the token itself."""
     from storage.core.db import make_engine, make_sessionmaker
     from storage.core.tokens import hash_token, verify_token
 
@@ -294,7 +294,7 @@ def test_help(module):
 
 
 def test_commands_that_read_a_servers_data_refuse_a_data_dir_with_none(tmp_path):
-    """Found by a fresh pair of eyes: a mistyped --data-dir (or the wrong working directory)
+    """A mistyped --data-dir (or the wrong working directory)
     made tokens list, reindex and retention create a fresh, empty index there and report
     an empty success. serve took any port number (85036 bound 19500; -5 a traceback)."""
     typo = tmp_path / "hindsight-dat"

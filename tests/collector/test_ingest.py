@@ -266,7 +266,7 @@ def test_unknown_content_type_or_encoding_is_415(
 
 @pytest.mark.parametrize("encoding", ["gzip", "zstd"])
 def test_a_compressed_body_sent_without_its_encoding_says_so(services, make_token, stack, encoding):
-    """Found by a new user: a gzip body without Content-Encoding got "malformed JSON:
+    """A gzip body without Content-Encoding got "malformed JSON:
     invalid character (byte 0)", with no word of the header."""
     collector, query = services
     token = make_token()
@@ -323,7 +323,7 @@ def test_get_and_put_on_unknown_routes_and_methods_are_json_errors(services, mak
 
 
 def test_a_request_sent_to_the_other_service_says_where_to_go(services, make_token):
-    """Found by a new user: an agent pointed at the query service, or a reader at the
+    """An agent pointed at the query service, or a reader at the
     collector, got werkzeug's "The requested URL was not found on the server"."""
     collector, query = services
     token = make_token()
@@ -388,7 +388,7 @@ def test_index_down_after_blob_write_is_503_and_the_retry_converges(
 
 @pytest.mark.parametrize("stack", ["full"], indirect=True)
 def test_every_index_connection_busy_is_503_and_the_retry_is_indexed(stack, make_token):
-    """Found by an operator: with every connection of a process's pool busy (a slow index,
+    """With every connection of a process's pool busy (a slow index,
     more request threads than connections) a batch was answered 500, and agents drop a batch
     on a 500. It is a 503: the agent retries it."""
     from collector.app import create_app
@@ -411,7 +411,7 @@ def test_every_index_connection_busy_is_503_and_the_retry_is_indexed(stack, make
 
 
 def test_readyz_says_when_the_index_was_never_migrated(tmp_path):
-    """Found by an operator: with HINDSIGHT_AUTO_UPGRADE off (as compose sets it) and
+    """With HINDSIGHT_AUTO_UPGRADE off (as compose sets it) and
     `hindsight db upgrade` not run, /readyz said ready while every request failed 503."""
     from collector.app import create_app
     from storage.core.db import make_engine, upgrade
@@ -432,7 +432,7 @@ def test_readyz_says_when_the_index_was_never_migrated(tmp_path):
 
 @pytest.mark.parametrize("stack", ["full"], indirect=True)
 def test_readyz_names_a_missing_bucket(stack):
-    """Found by an operator: a bucket that does not exist read '"blob_store": "error: "'."""
+    """A bucket that does not exist read '"blob_store": "error: "'."""
     from collector.app import create_app
 
     collector = create_app({**stack, "blob_url": "s3://no-such-bucket-here/x"}).test_client()
@@ -442,7 +442,7 @@ def test_readyz_names_a_missing_bucket(stack):
 
 
 def test_an_index_unreachable_at_start_names_its_setting(tmp_path):
-    """Found by an operator: with HINDSIGHT_AUTO_UPGRADE on (the default outside compose) a
+    """With HINDSIGHT_AUTO_UPGRADE on (the default outside compose) a
     Postgres nobody listens on stopped the service with sixty lines of driver traceback."""
     import socket
 

@@ -28,7 +28,7 @@ from services.dashboard.plots import _envelopes, progress_series, with_gaps
     ],
 )
 def test_bytes_read_in_binary_units_to_three_digits(value, text):
-    """Found by a new user: the memory axes read "976.563KiB / 1.431MiB"."""
+    """The memory axes read "976.563KiB / 1.431MiB"."""
     assert format_bytes(value) == text
 
 
@@ -72,7 +72,7 @@ def test_a_prefix_line_starts_where_the_prefix_does():
 
 
 def test_prefixes_take_distinct_colours_by_name():
-    """Found by a new user: parse_chunk and call_api were both teal (Dask hashes a prefix
+    """Parse_chunk and call_api were both teal (Dask hashes a prefix
     into 18 viridis colours). Sorted by name, a page's prefixes take the palette in turn:
     twenty distinct colours, and the same prefix the same colour whatever order a page
     meets them in."""

@@ -201,7 +201,7 @@ def open_run(page: Any, server: Any, run: dict[str, Any], width: int = 1400) -> 
 
 
 def test_every_plot_of_several_series_has_a_legend_above_its_data(recorded, page):
-    """Found by a new user: the task stream, progress, memory, CPU, activity and task graph
+    """The task stream, progress, memory, CPU, activity and task graph
     plots had no legend. Each names its series now, above its frame (off the data), whole
     on the canvas: on a wide screen and on a phone."""
     server, run, _ = recorded
@@ -237,7 +237,7 @@ def test_every_plot_of_several_series_has_a_legend_above_its_data(recorded, page
 
 
 def test_a_prefix_has_one_colour_on_the_page_and_no_two_share_one(recorded, page):
-    """Found by a new user: parse_chunk and call_api were both teal, and an array run's
+    """Parse_chunk and call_api were both teal, and an array run's
     three prefixes near-identical purples (Dask hashes a prefix into 18 viridis colours).
     Every plot of the run page gives a prefix the same colour, and the run's prefixes
     (fourteen here) have as many colours."""
@@ -281,7 +281,7 @@ def test_a_prefix_has_one_colour_in_both_streams_of_a_comparison(recorded, page)
 
 
 def test_axes_read_as_bytes_and_seconds_and_start_at_zero(recorded, page):
-    """Found by a new user: byte axes read "976.563KiB / 1.431MiB", an all-zero spilled
+    """Byte axes read "976.563KiB / 1.431MiB", an all-zero spilled
     plot spanned -1 to 1 B and the lines began at -0.45 s. Bytes read as the Python
     formatter writes them, ticks fall a power of two apart, every y range of the time plots
     starts at 0 (an all-zero one spans 0 to 1), and so does the time axis."""
@@ -326,7 +326,7 @@ def test_axes_read_as_bytes_and_seconds_and_start_at_zero(recorded, page):
 
 
 def test_the_flame_graph_is_as_tall_as_its_levels(recorded, page):
-    """Found by a new user: flame graphs were mostly empty space. The profile's plot is
+    """Flame graphs were mostly empty space. The profile's plot is
     about a row of 18 px per level of frames one can see."""
     from services.dashboard.why_plots import MAX_PX, MIN_PX, ROW_PX, SHOWN_WIDTH
 

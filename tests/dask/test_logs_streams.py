@@ -24,7 +24,7 @@ from tests.dask.conftest import EmbeddedServer, wait_for_run, wait_until
 
 def emitting(i: int) -> int:
     # what pandas and NumPy hand a task (a df["x"].sum() is an np.int64) is a number too:
-    # it was recorded as the text 'np.int64(3)' (found by a fresh pair of eyes)
+    # it was recorded as the text 'np.int64(3)'
     hindsight.emit("progress", np.int64(i) if i % 2 else i)
     hindsight.emit("note", {"i": i, "even": np.bool_(i % 2 == 0)})
     if i == 3:
@@ -44,7 +44,7 @@ def odd_text(i: int) -> int:
 
 
 def test_a_config_value_json_has_no_number_for_is_recorded_as_text():
-    """Found by a trial: ``worker-saturation: inf`` (root-task queuing off) was recorded
+    """``worker-saturation: inf`` (root-task queuing off) was recorded
     as null, as if it were not set: JSON has no infinity."""
     import math
     from types import SimpleNamespace
@@ -232,7 +232,7 @@ def test_a_workers_warning_comes_back_from_the_logs_route(hindsight_server, reco
     assert hindsight_server.get(base, q="looks odd", since=record["time"] + 0.001)["logs"] == []
     assert hindsight_server.get(base, q="looks odd", until=record["time"])["logs"] == []
     assert hindsight_server.get(base, worker=record["worker"], q="odd")["logs"] == [record]
-    # Python's alias: it matched nothing (found by a fresh pair of eyes)
+    # Python's alias: it matched nothing
     assert hindsight_server.get(base, level="warn", q="looks odd")["logs"] == [record]
     logs = hindsight.Client(hindsight_server.url).logs(run["id"], level="warning")
     (got,) = logs[logs.logger == "user.task"].to_dict("records")
@@ -241,7 +241,7 @@ def test_a_workers_warning_comes_back_from_the_logs_route(hindsight_server, reco
 
 
 def test_a_retried_tasks_failure_is_logged_with_its_key_in_its_run(hindsight_server, recorded):
-    """Found by a trial: Dask logs "Compute Failed" on the worker's event loop, after the
+    """Dask logs "Compute Failed" on the worker's event loop, after the
     task's thread let go of it, so the record had no key and was placed in a run by its
     time alone (a failure of one run was listed in the next). A failed attempt that
     ``retries=`` ran again is not in Dask's task stream: this record is where it shows."""
@@ -259,7 +259,7 @@ def test_a_retried_tasks_failure_is_logged_with_its_key_in_its_run(hindsight_ser
 
 
 def test_an_attempt_that_retries_ran_again_is_a_task_record(hindsight_server, recorded):
-    """Found by a trial: Dask passes nothing of an attempt ``retries=`` runs again to
+    """Dask passes nothing of an attempt ``retries=`` runs again to
     plugins (nor is it in Dask's task stream), so its thread's seconds read as idle and
     the critical path waited for the task meanwhile. It is an erred record with
     ``attrs.retried``; the run, whose task succeeded in the end, is finished."""
@@ -302,7 +302,7 @@ def test_an_attempt_that_retries_ran_again_is_a_task_record(hindsight_server, re
 
 
 def test_a_restart_is_in_the_logs_of_the_run_it_cut_short(hindsight_server, recorded):
-    """Found by a trial: ``client.restart()`` cancelled a run's tasks and left no trace
+    """``client.restart()`` cancelled a run's tasks and left no trace
     (Dask logs it at INFO); the run read finished, most of its tasks never run."""
     run = wait_for_run(hindsight_server, recorded["cluster"], "restarted", 1)
     base = f"/v1/runs/{run['id']}/logs"
@@ -314,7 +314,7 @@ def test_a_restart_is_in_the_logs_of_the_run_it_cut_short(hindsight_server, reco
 
 
 def test_a_nul_in_a_key_a_log_or_a_value_loses_nothing(hindsight_server, recorded):
-    """Found by a fresh pair of eyes: the collector refuses a batch holding U+0000, and a
+    """The collector refuses a batch holding U+0000, and a
     NUL in one task's key lost its whole run (in a log or a value, the batch's other
     events). The agent sends U+FFFD in its place."""
     run = wait_for_run(hindsight_server, recorded["cluster"], "nul-in-text", 10)
@@ -377,7 +377,7 @@ def test_a_killed_worker_is_in_the_lifecycle_with_what_it_took_down(hindsight_se
 
 
 def test_a_worker_killed_by_the_runs_last_task_left_during_the_run(hindsight_server, recorded):
-    """Found by a fresh pair of eyes: the task a KilledWorker fails has no times, and Dask
+    """The task a KilledWorker fails has no times, and Dask
     removes the worker after the span ended, so the departure fell after the run's window
     and the run page did not show it, nor what it took down."""
     run = wait_for_run(hindsight_server, recorded["cluster"], "dies-last", 4, status="erred")
@@ -385,7 +385,7 @@ def test_a_worker_killed_by_the_runs_last_task_left_during_the_run(hindsight_ser
     life = hindsight_server.get(f"/v1/runs/{run['id']}/lifecycle")["workers"]
     (gone,) = [w for w in life if w["left_during_run"]]
     assert gone["cause"] == "lost" and gone["took_down"]["erred"] == ["die-last"]
-    # Found by a fresh pair of eyes: the run ended at the last task that succeeded, before
+    # The run ended at the last task that succeeded, before
     # die-last was even submitted, and the scheduler's error about it fell outside the run.
     assert detail["finished_at"] >= recorded["die_last_submitted"] + 0.3
     errors = hindsight_server.get(f"/v1/runs/{run['id']}/logs", worker="scheduler", level="ERROR")
@@ -405,7 +405,7 @@ def fail_on(worker: str) -> None:
 
 
 def test_workers_sharing_a_process_keep_their_own_values_and_logs(hindsight_server):
-    """Found by a fresh pair of eyes: in a LocalCluster(processes=False), the usual notebook
+    """In a LocalCluster(processes=False), the usual notebook
     cluster, one process-wide context sent every value to the last worker set up (the other
     worker's were lost) and each log record was kept once per worker, under both."""
     import dask
@@ -442,7 +442,7 @@ def test_workers_sharing_a_process_keep_their_own_values_and_logs(hindsight_serv
     logs = wait_until(logged, 60, "the tasks' 8 warnings")
     assert sorted((r["key"], r["worker"]) for r in logs) == sorted((k, where[k]) for k in keys[::5])
     # each failure once, with its task and the worker that ran it (the process's first
-    # worker kept both, and the other's without its task: found by a review)
+    # worker kept both, and the other's without its task)
     failed = wait_until(
         lambda: hindsight_server.get(f"/v1/runs/{run['id']}/logs", q="Compute Failed")["logs"],
         60, "the failures",

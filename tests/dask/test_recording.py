@@ -124,7 +124,7 @@ def test_delayed_graph_with_a_failing_task(recorded, hindsight_server):
     assert erred["key"] == str(bad.key)
     assert "boom on 4" in erred["exception"]
     assert "raise ValueError" in erred["traceback"]
-    # Found by a fresh pair of eyes: the task that erred without running was not recorded,
+    # The task that erred without running was not recorded,
     # while Dask's future of it raises (it was missing from tasks, counts and /errors).
     (blamed,) = [t for t in tasks if not t["startstops"]]
     assert (blamed["key"], blamed["status"]) == (str(total.key), "erred")
@@ -247,7 +247,7 @@ def test_reduce_of_a_tree(recorded, hindsight_server):
 
 
 def test_keys_past_the_protocols_limit_stay_distinct(recorded, hindsight_server):
-    """Found by a fresh pair of eyes: keys longer than 4,096 characters were cut there, so
+    """Keys longer than 4,096 characters were cut there, so
     keys sharing their first 4,096 characters came back as one task."""
     from hindsight.dask.records import KEY_MAX, key_text
 
@@ -275,7 +275,7 @@ def late_boom(x: int) -> int:
 
 
 def test_a_run_whose_last_task_erred_ends_when_that_task_did(recorded, hindsight_server):
-    """Found by a fresh pair of eyes: a run's end was Dask's Span.stop, which counts only
+    """A run's end was Dask's Span.stop, which counts only
     the tasks that succeeded, so a run whose last task erred ended before that task did."""
     client, cluster = recorded
     with span("ends-in-error"), get_task_stream(client) as ts:
@@ -289,7 +289,7 @@ def test_a_run_whose_last_task_erred_ends_when_that_task_did(recorded, hindsight
 
 
 def test_numbers_past_what_the_protocol_holds_do_not_cost_the_batch():
-    """Found by a fresh pair of eyes: a result whose sizeof passed 2**53 (a lazy table
+    """A result whose sizeof passed 2**53 (a lazy table
     reporting 10 PB) had the collector refuse the whole batch (400), and the agent dropped
     it: 307 events, a run's name and most of its tasks. A worker metric of inf likewise."""
     from hindsight.dask.records import task_event

@@ -149,8 +149,8 @@ def recorded(hindsight_server: EmbeddedServer) -> dict[str, Any]:
         events[1].set()
         client.gather(futures)
         # Another run starts at once, before the scheduler sees this one done (up to one
-        # interval later): its tasks are not this run's end (they were, found by a fresh
-        # pair of eyes: at the end of a run, both workers "processing" the next's).
+        # interval later): its tasks are not this run's end (at the end of a run, neither
+        # worker reads as "processing" the next run's tasks).
         later = Event(f"{cluster}-later", client)
         with span("later"):
             nexts = [client.submit(hold_later, i, later.name) for i in range(2)]
@@ -178,8 +178,8 @@ def test_replay_equals_the_live_scheduler_at_held_moments(hindsight_server, reco
         assert workers == snap["workers"]
         hold_row = got["prefixes"].set_index("prefix").loc["hold"]
         assert {k: int(hold_row[k]) for k in FIELDS} == snap["prefixes"]["hold"]
-        # A naive datetime is UTC here as in every other parameter (found by a fresh pair
-        # of eyes: state() read it in the machine's zone, runs(since=) as UTC).
+        # A naive datetime is UTC here as in every other parameter (state() and
+        # runs(since=) alike, whatever the machine's zone).
         naive = datetime.fromtimestamp(at, UTC).replace(tzinfo=None)
         with local_zone("America/New_York"):
             got = HindsightClient(server.url).state(rid, at=naive)["time"]

@@ -153,7 +153,7 @@ if __name__ == "__main__":
 
 
 def test_a_script_that_never_closes_its_cluster_finishes_its_run(hindsight_server, tmp_path):
-    """Found by a fresh pair of eyes: Python runs exit handlers last-registered first, so
+    """Python runs exit handlers last-registered first, so
     the agent's (registered when the scheduler started) closed it before distributed's
     closed the cluster; the scheduler's close then found the agent closed and the run
     stayed "running" for good, with every batch delivered."""

@@ -235,7 +235,7 @@ def test_cpu_bound_and_sleep_bound_prefixes_show_where_their_time_went(hindsight
 def test_the_critical_path_tells_a_task_not_yet_submitted_from_one_waiting(
     hindsight_server, recorded
 ):
-    """Found by a held-out check: a task submitted once the client had another's result
+    """A task submitted once the client had another's result
     read as seconds of "wait" (queued, or no free thread) after its dependency, though it
     did not exist yet."""
     run_id = run_of(hindsight_server, recorded, "submitted-later", 3)

@@ -189,7 +189,7 @@ BAD = [
     ("/v1/lake/tasks", {"limit": "10001"}, "limit"),
     ("/v1/lake/tasks", {"format": "xml"}, "format"),
     ("/v1/lake/tasks/files", {"columns": "key,key"}, "columns"),
-    # a typo'd filter answered every row (found by a fresh pair of eyes)
+    # a typo'd filter answered every row
     ("/v1/lake/tasks", {"prefx": "inc"}, "prefx"),
     ("/v1/lake/tasks/files", {"clustr": "prod"}, "clustr"),
     ("/v1/lake/tasks", {"sort": "--duration"}, "sort"),

@@ -79,7 +79,7 @@ def test_every_route_answers_only_the_callers_tenant(apps, make_token):
             assert not any(
                 body.get(k) for k in ("runs", "clusters", "points", "workers", "rows", "files")
             ), url
-    # a cluster nobody recorded is no cluster (it answered zeros: found by a new user)
+    # a cluster nobody recorded is no cluster (it answered zeros)
     assert query.get("/v1/clusters/nope/time", headers=auth(alice)).status_code == 404
 
 

@@ -315,7 +315,7 @@ def test_histories_from_rollups(history):
     points = get(h, "/v1/history/clusters", cluster=cluster, bucket="day")["points"]
     assert sum(p["runs"] for p in points) == 3
     # tasks by when they ran; the sum that erred without running counts too (by its
-    # batch's time): the history agrees with the runs list (found by a fresh pair of eyes)
+    # batch's time): the history agrees with the runs list
     ran = [t for r in runs for t in h["server"].tasks(r["id"]) if t["startstops"]]
     assert sum(r["task_count"] for r in runs) == len(ran) + 1
     assert sum(p["tasks"] for p in points) == len(ran) + 1
@@ -363,8 +363,8 @@ def test_chrome_trace_has_a_track_per_worker_thread(history):
     }
     assert first_lanes == {(t["worker"], f"thread {t['thread']}") for t in tasks}
     # ... transfers on their worker's transfer tracks, and on no track do two slices
-    # overlap (found by a fresh pair of eyes: transfers drawn across the compute of the
-    # thread whose task they fed, which Perfetto shows as if nested)
+    # overlap (a transfer drawn across the compute of the thread whose task it fed would
+    # show in Perfetto as if nested)
     by_track: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for e in events:
         if e["ph"] == "X":
@@ -398,7 +398,7 @@ def test_python_client_round_trips_every_endpoint(history):
     assert len(tasks) == c.run(a)["task_count"]
     some = c.tasks(a, prefix=tasks["prefix"].iloc[0])
     assert len(some) == (tasks["prefix"] == tasks["prefix"].iloc[0]).sum()
-    # Found by a fresh pair of eyes: a filter gave other columns (the NDJSON records), one
+    # A filter gave other columns (the NDJSON records), one
     # that matched nothing no columns at all; limit was ignored; runs(limit=0) gave a run.
     assert list(some.columns) == list(tasks.columns) and "compute" in tasks.columns
     assert list(c.tasks(a, prefix="no-such-prefix").columns) == list(tasks.columns)
@@ -452,7 +452,7 @@ def test_python_client_round_trips_every_endpoint(history):
     assert set(c.cluster_time(cluster)["worker"]) == history["workers"]
     reg = c.regressions(b, threshold=10_000)
     assert list(reg.columns)[:1] == ["prefix"] and reg.attrs["baseline_runs"] == [a]
-    # Found by a new user: misspelled, the threshold was the default's; and an empty frame
+    # Misspelled, the threshold was the default's; and an empty frame
     # did not tell "no baseline" from "no regression" (the route's baseline_runs)
     with pytest.raises(HindsightError) as err:
         c.regressions(b, treshold=500)
@@ -464,7 +464,7 @@ def test_python_client_round_trips_every_endpoint(history):
     prefix = summary["prefix"].iloc[0]
     assert c.prefix_history(prefix, bucket="day", cluster=cluster)["count"].sum() > 0
     assert c.cluster_history(cluster=cluster, bucket="day")["runs"].sum() == 3
-    # Found by a new user: an empty answer was a frame without columns (the README's
+    # An empty answer was a frame without columns (the README's
     # ``runs.id[0]`` raised AttributeError), and a misspelled filter was ignored (every
     # run came back). Empty frames have the columns full ones have; a typo is a 400.
     for empty, full in (
@@ -487,7 +487,7 @@ def test_python_client_round_trips_every_endpoint(history):
     with pytest.raises(HindsightError) as err:
         c.run("no-such-run")
     assert err.value.status == 404 and err.value.code == "not_found"
-    # Found by a fresh pair of eyes: these raised bare ValueError / URLError, not the
+    # These raised bare ValueError / URLError, not the
     # documented HindsightError; lifecycle's columns came only with a departed worker.
     for bad in ({"since": "bogus"}, {"min_duration": "abc"}):
         with pytest.raises(HindsightError) as err:

@@ -79,7 +79,7 @@ def test_a_date_alone_as_until_includes_that_day(history):
         assert names(query.get(f"/v1/runs?until={day.isoformat()}", headers=h)) == expected
         assert names(query.get(f"/v1/runs?until={day.isocalendar()[0]}-W{day.isocalendar()[1]:02}-{day.isocalendar()[2]}",
                                headers=h)) == expected  # fmt: skip
-        # Found by a new user: 20261126 was read as epoch seconds (1970): all runs
+        # 20261126 was read as epoch seconds (1970): all runs
         assert names(query.get(f"/v1/runs?until={day:%Y%m%d}", headers=h)) == expected
         midnight = f"{day.isoformat()}T00:00:00"
         before = [f"job-r{i}" for i in (5, 4, 3, 2, 1, 0) if days[i] < day]
@@ -127,7 +127,7 @@ def test_bad_parameters_are_400(history, query_string):
      ("_=123&cluster=dev", None)],
 )  # fmt: skip
 def test_a_misspelled_filter_is_400_not_ignored(history, query_string, message):
-    """Found by a new user: ``?clusters=dev`` answered every run, as if filtered; and
+    """``?clusters=dev`` answered every run, as if filtered; and
     ``min_duration=-1`` said "must be between 0.0 and None"."""
     query, token = history
     resp = query.get(f"/v1/runs?{query_string}", headers=auth(token))
@@ -138,7 +138,7 @@ def test_a_misspelled_filter_is_400_not_ignored(history, query_string, message):
 
 
 def test_every_route_refuses_a_parameter_it_does_not_take(history):
-    """Found by a new user, route after route: ``/v1/history/prefixes?clusters=prod``
+    """``/v1/history/prefixes?clusters=prod``
     answered every cluster, ``regressions?treshold=500`` kept the default threshold and
     ``compare?acton=transfer`` compared compute. Every GET route answers 400 naming what it
     takes; the parameters it documents pass."""
@@ -161,7 +161,7 @@ def test_every_route_refuses_a_parameter_it_does_not_take(history):
         assert query.head(f"{url}?clusters=prod", headers=h).status_code == 400, path
         checked += 1
     assert checked >= 30
-    # the lake's file listing too (found by a held-out check: ?limit=1 answered every file)
+    # the lake's file listing too: ?limit=1 answers one file
     resp = query.get("/v1/lake/tasks/files?limit=1", headers=h)
     assert resp.status_code == 400 and "limit" in resp.json["error"]["message"]
     msg = query.get("/v1/clusters?x=1", headers=h).json["error"]["message"]
@@ -177,7 +177,7 @@ def test_every_route_refuses_a_parameter_it_does_not_take(history):
     ["/v1/runs", "/v1/history/clusters", "/v1/history/prefixes?prefix=inc", "/v1/lake/tasks"],
 )
 def test_times_outside_what_a_batch_may_carry_are_400(history, route, value):
-    """Found by a fresh pair of eyes: ``since=nan`` or ``until=1e308`` was a 500 where the
+    """``since=nan`` or ``until=1e308`` was a 500 where the
     routes did date maths (history by hour, the lake's day partitions)."""
     query, token = history
     for param in ("since", "until"):
@@ -279,9 +279,9 @@ def test_openapi_documents_every_route(stack, factory):
 
 
 def test_runs_outside_any_span_are_fingerprinted_by_their_prefixes(clients, make_token):
-    """Dask files work outside any span under the span ``default``: found by a fresh pair
-    of eyes, every such run shared one fingerprint (``name:default``), so regressions and
-    "the previous run of this job" mixed unrelated work."""
+    """Dask files work outside any span under the span ``default``: such runs are told
+    apart by their prefixes, or they would share one fingerprint (``name:default``), and
+    regressions and "the previous run of this job" would mix unrelated work."""
     collector, query = clients
     token = make_token()
     for i, prefix in enumerate(("inc", "sum", "inc")):
@@ -304,7 +304,7 @@ def test_runs_outside_any_span_are_fingerprinted_by_their_prefixes(clients, make
 
 
 def test_a_run_still_running_is_no_baseline(clients, make_token):
-    """Found by a fresh pair of eyes: a finished run's regressions took an earlier run of
+    """A finished run's regressions took an earlier run of
     the same job that was still running (part of its tasks) as a baseline."""
     collector, query = clients
     token = make_token()
@@ -321,7 +321,7 @@ def test_a_run_still_running_is_no_baseline(clients, make_token):
 
 
 def test_regressions_can_take_their_baselines_from_the_runs_cluster_only(clients, make_token):
-    """Found by a new user: a prod run's baselines included a dev cluster's run of the same
+    """A prod run's baselines included a dev cluster's run of the same
     job (a job is its span name, on any cluster), with no way to keep to prod."""
     collector, query = clients
     token = make_token()
@@ -337,7 +337,7 @@ def test_regressions_can_take_their_baselines_from_the_runs_cluster_only(clients
 
 
 def test_a_name_prefix_matches_case_as_exact_names_do(clients, make_token):
-    """Found by a fresh pair of eyes: name=ETL* matched "etl-nightly" on SQLite, not on
+    """Name=ETL* matched "etl-nightly" on SQLite, not on
     Postgres (an exact name is case-sensitive on both)."""
     collector, query = clients
     token = make_token()
@@ -353,7 +353,7 @@ def test_a_name_prefix_matches_case_as_exact_names_do(clients, make_token):
 
 
 def test_errors_that_differ_only_by_numbers_or_ids_are_one_group(clients, make_token):
-    """Found by fresh pairs of eyes: 'bad record 1' and 'bad record 2', or Ray's
+    """'bad record 1' and 'bad record 2', or Ray's
     'Task: TaskID(98b3...) was cancelled', made a group per task."""
     collector, query = clients
     token = make_token()
@@ -363,7 +363,7 @@ def test_errors_that_differ_only_by_numbers_or_ids_are_one_group(clients, make_t
         f"TaskCancelledError: Task: TaskID({h}) was cancelled." for h in ("98b3ff0a", "0c1d2e3f")
     ]
     texts += ["ZeroDivisionError: division by zero"]
-    # ... but a number that names the error keeps it apart (found by a reviewer)
+    # ... but a number that names the error keeps it apart
     texts += ["CalledProcessError: exit status 1", "CalledProcessError: exit status 137"]
     body["events"][1:1] = [
         {"kind": "task", "key": f"bad-{i}", "prefix": "bad", "status": "erred", "run": "r",
@@ -384,9 +384,9 @@ def test_errors_that_differ_only_by_numbers_or_ids_are_one_group(clients, make_t
 
 
 def test_time_counts_a_worker_only_while_it_was_there(clients, make_token):
-    """Found by a fresh pair of eyes on Ray: each worker process (alive for a few tasks)
-    was given the whole run's makespan of capacity, 105.8 s of it on 2 CPUs over 17.6 s.
-    The same held for a Dask worker that joined an adaptive cluster during the run."""
+    """Each worker process (alive for a few tasks, as Ray's are) counts as capacity only
+    while it was there, not for the whole run's makespan (that made 105.8 s of capacity on
+    2 CPUs over 17.6 s); the same for a Dask worker joining an adaptive cluster mid-run."""
     collector, query = clients
     token = make_token()
     body = run_batch("prod", "s1", "r", 0, n_tasks=0)
@@ -410,7 +410,7 @@ def test_time_counts_a_worker_only_while_it_was_there(clients, make_token):
 
 
 def test_a_clusters_time_counts_a_thread_once_when_its_runs_overlap(clients, make_token):
-    """Found by a trial: two runs computed at once from two clients read the cluster as
+    """Two runs computed at once from two clients read the cluster as
     twice its size, half of it idle (16.6 s of capacity, 8.6 idle, for ~8.6 s of threads
     ~93% busy). Each run's own view still offers it the threads over its makespan."""
     collector, query = clients
@@ -444,7 +444,7 @@ def test_a_clusters_time_counts_a_thread_once_when_its_runs_overlap(clients, mak
 
 
 def test_one_slow_run_does_not_set_the_regression_baseline(clients, make_token):
-    """Found by a trial: the baseline was the p90 of the previous runs' tasks pooled, so
+    """The baseline was the p90 of the previous runs' tasks pooled, so
     one slow run among four set it: the normal run after it read 61% faster, and a
     slowdown right after it would have been hidden. It is the median of their p90s."""
     collector, query = clients
@@ -479,7 +479,7 @@ def test_one_slow_run_does_not_set_the_regression_baseline(clients, make_token):
 
 
 def test_transfers_leave_the_threads_idle(clients, make_token):
-    """Found by a held-out check: a transfer-bound run's workers read 4.4 s idle of 7.9 s
+    """A transfer-bound run's workers read 4.4 s idle of 7.9 s
     of thread capacity, its 3.5 s of transfers taken from the threads; Dask transfers on
     the worker's event loop before a task takes a thread, and its own metrics had the
     threads idle (~11.5 of 15.8 s). A task's disk reads hold its thread's slot (a

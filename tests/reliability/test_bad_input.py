@@ -128,7 +128,7 @@ def test_decompress_round_trips_under_the_cap_and_is_413_over_it(data, encoding)
 @given(st.lists(st.binary(min_size=1, max_size=CAP), min_size=1, max_size=4))
 def test_gzip_of_several_members_is_their_concatenation(parts):
     """RFC 1952: a gzip stream may hold several members (``cat a.gz b.gz``); they were
-    refused as trailing data (found by a fresh pair of eyes)."""
+    refused as trailing data."""
     body = b"".join(gzip.compress(p) for p in parts)
     data = b"".join(parts)
     if len(data) <= CAP:
@@ -243,7 +243,7 @@ def test_no_rejected_request_writes_anything(tmp_path):
     ids=["seq", "dropped", "nbytes", "nthreads", "nul-key", "nul-in-json"],
 )
 def test_values_the_index_cannot_hold_are_400_before_anything_is_stored(stack, make_token, change):
-    """Found by the OpenAPI fuzz: these were stored, then failed the index on every retry."""
+    """These were stored, then failed the index on every retry."""
     from collector.app import create_app
     from tests.helpers import example, post
 
@@ -280,7 +280,7 @@ def _deep(depth: int) -> bytes:
     ids=["nesting", "deep-nul", "newline-cluster", "newline-agent"],
 )
 def test_deep_nesting_and_names_ending_in_a_newline_are_400(stack, make_token, body, message):
-    """Found by a fresh pair of eyes: nesting past msgspec's limit (even in a field nobody
+    """Nesting past msgspec's limit (even in a field nobody
     reads) was a 500, and a name ending in "\\n" passed the name pattern (``$`` matches
     before a final newline): 503 forever from S3, a directory with a newline on disk."""
     from collector.app import create_app
@@ -299,7 +299,7 @@ def test_deep_nesting_and_names_ending_in_a_newline_are_400(stack, make_token, b
 
 
 def test_a_chunked_body_over_the_cap_is_413_under_gunicorn(pg_url, moto_endpoint):
-    """Found by a fresh pair of eyes: gunicorn marks a chunked body's input terminated, and
+    """Gunicorn marks a chunked body's input terminated, and
     werkzeug then stopped reading at the cap without a word: a body over the cap was decoded
     cut short and answered 400 (an agent drops a batch on a 400; a 413 tells it to split)."""
     import requests
@@ -340,7 +340,7 @@ def test_a_chunked_body_over_the_cap_is_413_under_gunicorn(pg_url, moto_endpoint
 
 
 def test_a_body_shorter_than_its_content_length_is_408_under_gunicorn(pg_url, moto_endpoint):
-    """Found by fresh pairs of eyes: a body shorter than its Content-Length held one of the
+    """A body shorter than its Content-Length held one of the
     collector's threads until the client hung up; cut by a closed connection, gunicorn
     handed over what had arrived, and a cut that was valid JSON was stored as a batch. Now
     each read waits HINDSIGHT_BODY_TIMEOUT, a short body is 408 (an agent retries it),

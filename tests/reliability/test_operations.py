@@ -87,7 +87,7 @@ def test_metrics_on_the_query_and_embedded_services_name_no_tenant(embedded, fac
     assert "hindsight_http_request_seconds_bucket" in text
     assert 'route="/v1/runs"' in text
     assert tenant not in text
-    # Found by an operator: the query service showed the collector's families at zero
+    # The query service showed the collector's families at zero
     # (hindsight_ingested_events_total 0); the embedded server, which ingests, keeps them.
     ingest = ("hindsight_ingested_events_total", "hindsight_index_seconds_bucket")
     if factory is create_query:
@@ -188,7 +188,7 @@ def test_saturated_process_answers_503_with_retry_after_before_reading_the_body(
 def test_one_metrics_answer_for_all_gunicorn_workers_from_a_directory_it_makes(
     pg_url, moto_endpoint, tmp_path
 ):
-    """Found by an operator: under gunicorn without PROMETHEUS_MULTIPROC_DIR each scrape
+    """Under gunicorn without PROMETHEUS_MULTIPROC_DIR each scrape
     read one worker's counters (1 2 3 2 3 4...), and a directory that did not exist stopped
     every worker at boot. The shipped gunicorn configuration makes (and empties) it."""
     from bench.lib_faults import Gunicorn, collector_env
@@ -236,7 +236,7 @@ def test_a_process_outside_gunicorn_starts_with_a_metrics_directory_not_yet_made
 
 
 def test_json_logs_are_json_lines_gunicorns_own_included(pg_url, moto_endpoint, tmp_path):
-    """Found by an operator: with HINDSIGHT_LOG_FORMAT=json the services' lines were JSON
+    """With HINDSIGHT_LOG_FORMAT=json the services' lines were JSON
     but gunicorn's own ("Booting worker with pid", "Handling signal", a worker timeout)
     were not, so a log pipeline parsing JSON dropped or mangled exactly those."""
     from bench.lib_faults import Gunicorn, collector_env

@@ -94,7 +94,7 @@ def test_dry_run_changes_nothing_then_max_age_removes_blobs_and_rows(world):
 
 
 def test_max_age_keeps_the_history_of_the_sessions_it_keeps(world, stack):
-    """Found by a fresh pair of eyes: cluster hours older than the age cut-off were deleted
+    """Cluster hours older than the age cut-off were deleted
     whatever their sessions, so a session delivered late (a spool pushed long after) kept
     its runs and lost their history, for good (reindex does not redo what it has)."""
     from collector.app import create_app as collector_app
@@ -117,7 +117,7 @@ def test_max_age_keeps_the_history_of_the_sessions_it_keeps(world, stack):
 
 
 def test_max_age_removes_a_removed_clusters_history_whatever_other_clusters_keep(world, stack):
-    """Found by an operator: the hours kept for a late-delivered session were kept across
+    """The hours kept for a late-delivered session were kept across
     the whole tenant, so a removed cluster's history (hours and prefix days) stayed: the
     history counted runs that were gone, and disagreed with a rebuilt index."""
     from collector.app import create_app as collector_app
@@ -190,7 +190,7 @@ class LateWriter:
 
 
 def test_a_compacted_copy_written_while_its_session_goes_goes_too(world):
-    """Found by a fresh pair of eyes: retention listed the session's compacted copies once,
+    """Retention listed the session's compacted copies once,
     before deleting its index rows, and a copy a finisher wrote meanwhile stayed for good
     (a second apply has no session to look under)."""
     w, (t, _) = world, world["tenants"]

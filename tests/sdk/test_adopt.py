@@ -250,8 +250,8 @@ def test_spool_push_delivers_every_orphan_with_progress(collector, tmp_path):
 
 
 def test_spool_push_says_what_is_wrong_with_a_url_without_a_scheme(collector, tmp_path):
-    """Found by a new user's fresh pair of eyes: it logged "ignoring invalid argument url"
-    and then asked for --url, which had been given."""
+    """A URL without a scheme is named as the problem (not logged as "ignoring invalid
+    argument url" before asking for the --url that was given)."""
     orphan = make_orphan(collector, tmp_path)
     result = CliRunner().invoke(main, ["spool", "push", str(tmp_path), "--url",
                                        collector.url.removeprefix("http://")])  # fmt: skip
@@ -260,7 +260,7 @@ def test_spool_push_says_what_is_wrong_with_a_url_without_a_scheme(collector, tm
 
 
 def test_spool_push_without_a_spool_is_not_a_loss(collector, tmp_path, monkeypatch):
-    """Found by a new user: with no spool directory it exited 1, which its help defines as
+    """With no spool directory it exited 1, which its help defines as
     "some batches were corrupted or refused and are lost"."""
     import tempfile
 
@@ -269,7 +269,7 @@ def test_spool_push_without_a_spool_is_not_a_loss(collector, tmp_path, monkeypat
     assert not os.path.exists(tmp_path / "hindsight-spool")
     result = push("--url", collector.url)
     assert result.exit_code == 0 and "no spool here, nothing to push" in result.output
-    # a place named and missing is a mistake (a volume not mounted; found by a reviewer)
+    # a place named and missing is a mistake (a volume not mounted)
     monkeypatch.setenv("HINDSIGHT_SPOOL_DIR", str(tmp_path / "not-mounted"))
     assert push("--url", collector.url).exit_code == 2
     result = CliRunner().invoke(

@@ -90,7 +90,7 @@ def test_an_event_that_cannot_be_built_is_counted_not_raised(collector, tmp_path
 
 
 def test_a_lone_surrogate_in_a_value_is_sent_as_u_fffd_with_the_rest(collector, tmp_path):
-    """Found by a fresh pair of eyes: a file name Python decoded with surrogateescape
+    """A file name Python decoded with surrogateescape
     ('caf\udce9.csv'), logged or emitted, is no UTF-8: the whole batch was lost, its
     sequence number with it, and nothing counted."""
     agent = make_agent(collector, tmp_path)
@@ -121,7 +121,7 @@ def test_retryable_answers_are_retried_until_accepted(collector, tmp_path, statu
 def test_an_answer_that_the_url_is_no_collector_keeps_the_batch(
     collector, tmp_path, status, caplog
 ):
-    """Found by a new user: pointed at a query service, a proxy's page or a wrong path, the
+    """Pointed at a query service, a proxy's page or a wrong path, the
     agent dropped every batch (404: the whole run lost, nothing spooled to push later). It
     is the URL that is wrong, not the batch: it is kept and retried, and the log says so."""
     collector.script.extend([(status, {}), (status, {})])
@@ -145,7 +145,7 @@ def test_the_endpoints_url_works_as_the_collectors(collector, tmp_path, suffix):
 
 
 def test_closing_tries_at_once_whatever_backoff_an_outage_left(collector, tmp_path):
-    """Found by a held-out check: after a collector outage, an agent closing within its
+    """After a collector outage, an agent closing within its
     backoff (up to 30 s, or a long Retry-After) did not try at all (the backoff outlived
     the close budget; a nanny kills its worker 4 s into closing), and its batches waited
     in the spool for some later agent. The collector is back: closing delivers."""

@@ -58,7 +58,7 @@ def test_invalid_values_fall_back_with_a_warning(caplog):
      ("x" * 200, "x" * 128), ("é", "default"), ("-", "default")],
 )  # fmt: skip
 def test_an_invalid_cluster_name_is_recorded_under_a_valid_one_it_names(caplog, given, recorded):
-    """Found by a new user: ``cluster="my cluster"`` was recorded under ``default``, the
+    """``cluster="my cluster"`` was recorded under ``default``, the
     log saying only that the argument was ignored."""
     s = load_settings({"cluster": given}, environ={}, dask_config={})
     assert s.cluster == recorded

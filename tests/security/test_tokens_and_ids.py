@@ -145,7 +145,7 @@ def test_hostile_strings_inside_events_are_stored_and_returned_verbatim(stack, m
 
 
 def test_no_token_in_a_url_reaches_gunicorns_access_log(pg_url, moto_endpoint, tmp_path):
-    """Found by an operator: the deployment's command lines turned on gunicorn's access log,
+    """The deployment's command lines turned on gunicorn's access log,
     whose default line is the whole request line, so a Ray cluster's ingest URL
     (``?token=...``) was written to the collector's log. The compose file no longer turns it
     on, and if an operator does, the line holds the path without the query string."""

@@ -73,7 +73,7 @@ def test_critical_path_segments_compute_transfer_and_wait():
 
 
 def test_critical_path_names_a_tasks_own_phases_after_its_compute():
-    """Found by a fresh pair of eyes: the last task's disk-write after its compute (it sets
+    """The last task's disk-write after its compute (it sets
     the task's stop) was counted as waiting."""
     tasks = [
         {"key": "load-1", "worker": "a", "startstops": [
@@ -93,13 +93,13 @@ def test_critical_path_names_a_tasks_own_phases_after_its_compute():
 
 
 def test_critical_path_tells_a_task_not_yet_submitted_from_one_waiting():
-    """Found by a held-out check: in one span, base ran, then a 3 s slowstep was computed
+    """In one span, base ran, then a 3 s slowstep was computed
     and waited for, and only then was finish(base) submitted. The path read 3 s of "wait"
     for finish (queued, or no free thread), though no thread was busy and nothing was
     queued: finish did not exist. With the graph's submission times that time is
     "unsubmitted". The step stays with the dependency: what the client waited for is not
     recorded (the task that ended last before the submission was, in a busy run, often
-    not it: found by a reviewer)."""
+    not it)."""
     tasks = [
         {"key": "base-0", "worker": "a", "startstops": [c(0.0, 0.25)]},
         {"key": "slow-0", "worker": "b", "startstops": [c(0.25, 3.0)]},
@@ -154,7 +154,7 @@ def test_critical_path_clips_clock_skew_between_workers():
 
 
 def test_critical_path_covers_a_run_that_computed_keys_twice():
-    """Found by a fresh pair of eyes: a run that computed the same keys twice (a second
+    """A run that computed the same keys twice (a second
     compute(), a recomputation after a worker died) kept one record per key, so the path
     started at the second computation and covered 0.31 s of a 1.63 s run."""
     tasks = [
@@ -172,7 +172,7 @@ def test_critical_path_covers_a_run_that_computed_keys_twice():
     ]
     assert cp["makespan"] == sum(s["seconds"] for s in cp["segments"]) == 2.0
     # the recomputation's worker clock runs ahead: it appears to end after sum-1 began,
-    # and is still the record sum-1 waited for (found by a reviewer)
+    # and is still the record sum-1 waited for
     skewed = [*tasks[:3], {"key": "sum-1", "worker": "a", "startstops": [c(1.4, 2.0)]}]
     cp, got = path_of(skewed, {"sum-1": ["load-1"]})
     assert [(kind, key) for kind, key, *_ in got] == [
@@ -181,8 +181,8 @@ def test_critical_path_covers_a_run_that_computed_keys_twice():
 
 
 def test_a_tasks_failed_attempts_are_not_waiting():
-    """Found by a review: an attempt that erred and ran again (``retries=``, recorded
-    since a trial found it missing; ``client.retry``) read as waiting for the task."""
+    """An attempt that erred and ran again (``retries=``, ``client.retry``) is its own
+    segment, not waiting for the task."""
     tasks = [
         {"key": "load-1", "worker": "a", "startstops": [c(0.0, 1.0)]},
         {"key": "sum-1", "worker": "a", "status": "erred", "startstops": [c(1.0, 2.0)]},

@@ -165,7 +165,7 @@ def test_completeness_reports_gaps(sessions):
 
 
 def test_completeness_lists_workers_that_left_with_no_batch_of_their_own(sessions):
-    """Found by a held-out check: a worker whose agent never got a batch through (killed
+    """A worker whose agent never got a batch through (killed
     first, or closed while the collector was away: its batches wait in a spool) was not in
     completeness at all, which read ratio 1.0, closed. Its address is listed now, and the
     run is not closed; a worker still in the cluster (it may not have sent yet) is not."""

@@ -131,10 +131,10 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
 
 
 def test_a_run_whose_scheduler_went_silent_is_closed_lost(apps, make_token):
-    """Found by a fresh pair of eyes: a scheduler killed with SIGKILL (the OOM killer, a pod
+    """A scheduler killed with SIGKILL (the OOM killer, a pod
     evicted) never ends its runs; they stayed running for ever, with no finished-run work
     and nothing in the lake. Closed "lost", a run still takes the end its agent sends later
-    (a scheduler that was only cut off; found by a reviewer: closed erred, it stayed so)."""
+    (a scheduler that was only cut off: had it been closed erred, it would stay so)."""
     collector, query, app = apps
     token = make_token()
     body = run_batch("c", "s", "r", 0, n_tasks=3, status=None)  # no end, no final batch
@@ -177,8 +177,8 @@ def test_a_late_batch_finishes_the_run_again(apps, make_token):
     assert detail(query, token, run["id"])["finished_work"]["pending"] is True
     finish.drain(st.sessions, st.blobs)
     again = compacted(app, run["id"])
-    # a copy of the new data, in place of the old (found by a fresh pair of eyes: every
-    # version, a late batch's or a rebuild's, left a full copy behind)
+    # a copy of the new data, in place of the old (no version, a late batch's or a
+    # rebuild's, leaves a full copy behind)
     assert len(again) == len(first) and not set(first) & set(again)
     assert query.get(f"/v1/runs/{run['id']}/tasks", headers=auth(token)).json["total"] == 9
 
@@ -209,7 +209,7 @@ def test_a_failing_finisher_is_retried_and_does_not_stop_the_others(apps, make_t
 def test_a_finisher_failing_as_a_late_batch_arrives_leaves_the_job_due(
     apps, make_token, monkeypatch
 ):
-    """Found by a fresh pair of eyes: a late batch moves the job's due time; when a finisher
+    """A late batch moves the job's due time; when a finisher
     failed meanwhile, its error was written to no row and the job stayed claimed for the
     whole lease (10 minutes), its failure nowhere to be seen."""
     collector, query, app = apps
@@ -236,10 +236,10 @@ def test_a_finisher_failing_as_a_late_batch_arrives_leaves_the_job_due(
 def test_a_crashed_workers_job_is_taken_once_its_lease_runs_out_a_live_one_is_not(
     apps, make_token, monkeypatch
 ):
-    """Found in a read of the leftovers: a collector killed mid-job (``kill -9``) left that
-    run's job leased for 10 minutes (no lake rows, no page facts meanwhile). The lease is
-    now short and renewed while the work goes on: a live worker keeps its job however long
-    its finishers take, a dead one's is taken as soon as its lease runs out."""
+    """A collector killed mid-job (``kill -9``) does not leave the run's job leased for long
+    (no lake rows, no page facts meanwhile): the lease is short and renewed while the work
+    goes on, so a live worker keeps its job however long its finishers take, and a dead
+    one's is taken as soon as its lease runs out."""
     collector, query, app = apps
     token = make_token()
     st = store_of(app)
@@ -285,7 +285,7 @@ def test_a_crashed_workers_job_is_taken_once_its_lease_runs_out_a_live_one_is_no
 
 
 def test_a_finished_run_counts_each_graph_task_once(apps, make_token):
-    """Found by a fresh pair of eyes: Dask's agent sends a graph event for every task a
+    """Dask's agent sends a graph event for every task a
     submission touched, earlier submissions' too, and graph_count added them up: a
     ``client.submit(total, *futures)`` counted the futures twice (41 for 21 tasks)."""
     collector, query, app = apps

@@ -186,7 +186,7 @@ def test_a_rebuild_years_later_still_finds_a_runs_metrics(stack, tmp_path):
 
 
 def test_a_rebuilt_index_keeps_when_each_batch_arrived(stack, make_token, tmp_path):
-    """Found by a fresh pair of eyes: reindex indexed every batch as arriving at the time of
+    """Reindex indexed every batch as arriving at the time of
     the rebuild, so afterwards every session was new and retention by age kept everything
     for another term. A batch is indexed as of when it was stored."""
     import os

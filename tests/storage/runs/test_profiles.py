@@ -81,7 +81,7 @@ def test_an_ambiguous_leafless_tree_is_shared_out_and_stays_consistent():
 
 
 def test_callees_the_tree_cannot_tell_apart_are_named_together_not_split():
-    """Found by a held-out check: a loop calling two pure-Python helpers, one 9x the other's
+    """A loop calling two pure-Python helpers, one 9x the other's
     cost (cProfile: 0.241 s against 0.026 s), came out even (577 against 574 samples) and
     nothing said the split was made up. Dask's tree holds only that x's innermost callees
     had 10 samples between them: they go to one frame that names both."""

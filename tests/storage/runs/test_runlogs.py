@@ -130,7 +130,7 @@ def test_logs_streams_and_lifecycle_survive_reindex_and_leave_with_retention(sta
         {"key": "inc-1", "worker": W2, "status": "memory", "stop": T0 + 3.5}
     ]
     # inc-2's result went with w1 and was never computed again (its future was released):
-    # lost, not "recomputed" as the page said (found by a fresh pair of eyes)
+    # lost, not "recomputed" as the page said
     assert w1["took_down"]["lost"] == ["inc-2"]
     assert "left_at" in life[1] and life[1]["left_at"] is None and "took_down" not in life[1]
 
@@ -166,7 +166,7 @@ def test_logs_streams_and_lifecycle_survive_reindex_and_leave_with_retention(sta
 def test_a_worker_lost_while_paused_for_memory_is_said_likely_killed_at_its_limit(
     stack, make_token
 ):
-    """Found by a trial: a worker its nanny killed past 95% of its memory limit read
+    """A worker its nanny killed past 95% of its memory limit read
     "killed or crashed" alone, its memory line short of the limit (the last sample came
     before the spike); the scheduler knew it had paused it for memory."""
     from collector.app import create_app as collector_app
@@ -192,7 +192,7 @@ def test_a_worker_lost_while_paused_for_memory_is_said_likely_killed_at_its_limi
 
 
 def test_level_filters_take_any_case_on_both_sides():
-    """Found by a fresh pair of eyes: records written "warning" or "Error" (structlog, zap)
+    """Records written "warning" or "Error" (structlog, zap)
     were missed by ``level=warning`` and ``level=error``, and ``level=notice`` missed
     "NOTICE", though the docs say any case."""
     import pyarrow as pa
