@@ -46,13 +46,13 @@ def list_rules() -> Any:
     return {"rules": rules.list_rules(db(), principal.tenant_id)}
 
 
-@bp.delete("/v1/alerts/rules/<int:rule_id>")
-def delete_rule(rule_id: int) -> Any:
-    principal = require("admin")
-    if not rules.delete_rule(db(), principal.tenant_id, rule_id):
+@bp.delete("/v1/alerts/rules/<rule_id>")
+def delete_rule(rule_id: str) -> Any:
+    principal = require("admin")  # before the id is looked at: a stranger gets 401
+    if not rule_id.isdigit() or not rules.delete_rule(db(), principal.tenant_id, int(rule_id)):
         raise ApiError(404, "not_found", f"no alert rule {rule_id} for this tenant")
     db().commit()
-    return {"deleted": rule_id}
+    return {"deleted": int(rule_id)}
 
 
 @bp.get("/v1/alerts/deliveries")
