@@ -1,17 +1,16 @@
 """Scans of the history lake for the query service.
 
-A scan is planned from the index's copy of the lake catalog (``lake_files``: one indexed
-query by tenant, table, cluster and day, however many partitions there are), pruned by
-each file's statistics (time span, runs, and per prefix its rows, longest duration and
-largest result, statuses, metric and stream names), then read in parallel from the blob
-store with the row filter pushed into the Parquet reader (row groups whose statistics
-cannot match are skipped). A sort on duration or bytes, descending, reads files in
-the order of their statistics and stops as soon as no unread file can hold a row of the
-answer: "the 100 slowest tasks of a prefix over 30 days" opens a handful of files, not all.
+A scan is planned by the lake's Iceberg table (``storage/lake/write.py``): the tenant's
+partitions, pruned by partition (clusters, days up to ``until``) and by each data file's
+column bounds against the filters (time window, run, prefix, status, durations...), then
+the files are read in parallel from the blob store with the row filter pushed into the
+Parquet reader (row groups whose statistics cannot match are skipped). A sort on
+duration or bytes, descending, reads files in the order of their upper bounds and stops
+as soon as no unread file can hold a row of the answer: "the 100 slowest tasks of a prefix
+over 30 days" opens a handful of files, not all.
 
-The planner trusts the index's catalog; if a file it names is gone (the catalog lagging
-the manifests after a rolled-back commit, or a superseded file past its grace period), the
-scan is planned again from the partitions' manifests in the blob store and restarts once.
+A plan is of one snapshot; a file it names stays for ``write.RETAIN_S`` after a newer
+snapshot dropped it. If one is gone all the same, the route plans again and restarts once.
 """
 
 from __future__ import annotations
@@ -21,36 +20,46 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import literal, or_, select
-from sqlalchemy.orm import Session
-
 from hindsight import lake as layout
-from hindsight.lake import FileEntry, Filters
-from storage.core import models as m
+from hindsight.lake import Filters
 from storage.core.blobs import BlobStore, LocalBlobStore
-from storage.lake.write import read_manifest
+from storage.lake import write
+from storage.lake.write import Location
 
 logger = logging.getLogger(__name__)
 
 IO_THREADS = 8
-#: Per table, the sorts a file's statistics bound (column -> index in stats["prefixes"]).
-_BOUNDED_SORTS = {("tasks", "duration"): 1, ("tasks", "nbytes"): 2}
+#: The sorts a data file's upper bound on the column bounds (descending: stop early).
+_BOUNDED_SORTS = {
+    ("tasks", "duration"),
+    ("tasks", "nbytes"),
+    ("tasks", "start"),
+    ("tasks", "stop"),
+    ("metrics", "value"),
+    ("metrics", "time"),
+    ("runs", "makespan"),
+    ("runs", "started_at"),
+    ("streams", "time"),
+}
 
 
 @dataclass
 class PlannedFile:
-    """A file a scan reads, with its partition."""
+    """A data file a scan reads, with its partition."""
 
     cluster: str
     day: str
-    entry: FileEntry
+    key: str  # relative to the blob store's root
+    rows: int
+    bytes: int
+    upper: dict[str, float] = field(default_factory=dict)  # bounded sort columns' bounds
 
     @property
     def name(self) -> str:
-        return self.entry.key.rsplit("/", 1)[1]
+        return self.key.rsplit("/", 1)[1]
 
 
 @dataclass
@@ -68,72 +77,57 @@ class ScanResult:
     truncated: bool
 
 
-def plan(db: Session, tenant_id: int, table: str, filters: Filters) -> list[PlannedFile]:
-    """The files of the tenant's ``table`` that ``filters`` may match (partition and
-    statistics pruning), in partition order."""
+def plan(loc: Location, tenant: str, table: str, filters: Filters) -> list[PlannedFile]:
+    """The data files of the tenant's ``table`` that ``filters`` may match (partition and
+    column-bound pruning by the Iceberg planner), in partition order."""
+    from pyiceberg.conversions import from_bytes
+
     filters.check(table)
-    F, P, C = m.LakeFile, m.LakePartition, m.Cluster
-    # A file's run list is only read for a run filter (decoding 1,500 of them is ~30% of
-    # planning a month of a 50-cluster lake).
-    runs_col = F.runs if filters.run else literal(None)
-    q = (
-        select(C.name, P.day, F.key, F.rows, F.bytes, F.t_min, F.t_max, runs_col, F.stats)
-        .join(P, P.id == F.partition_id)
-        .join(C, C.id == P.cluster_id)
-        .where(P.tenant_id == tenant_id, F.tbl == table)
-        .order_by(P.day, C.name, F.key)
-    )
-    if filters.cluster:
-        q = q.where(C.name.in_(filters.cluster))
-    if filters.until is not None:
-        # A run's rows live in the partition of the day it started, before any of them.
-        q = q.where(P.day <= layout.day_of(filters.until))
-        q = q.where(or_(F.t_min.is_(None), F.t_min < filters.until))
-    if filters.since is not None:
-        q = q.where(or_(F.t_max.is_(None), F.t_max >= filters.since))
-    if filters.run:
-        q = q.where(
-            P.id.in_(
-                select(m.LakeRun.partition_id)
-                .join(m.Run, m.Run.id == m.LakeRun.run_id)
-                .where(m.Run.tenant_id == tenant_id, m.Run.public_id.in_(filters.run))
+    tbl = write.table(loc, table)
+    schema = tbl.schema()
+    bounded = {
+        schema.find_field(c).field_id: (c, schema.find_field(c).field_type)
+        for t, c in _BOUNDED_SORTS
+        if t == table
+    }
+    out = []
+    for task in tbl.scan(row_filter=filters.iceberg(table, tenant)).plan_files():
+        f = task.file
+        upper = {}
+        for fid, raw in (f.upper_bounds or {}).items():
+            if fid in bounded:
+                col, kind = bounded[fid]
+                upper[col] = float(from_bytes(kind, raw))
+        out.append(
+            PlannedFile(
+                f.partition[1],
+                f.partition[2],
+                loc.key(f.file_path),
+                f.record_count,
+                f.file_size_in_bytes,
+                upper,
             )
         )
-    out = []
-    for cluster, day, key, rows, nbytes, t_min, t_max, runs, stats in db.execute(q):
-        entry = FileEntry(table, key, rows, nbytes, runs or [], t_min, t_max, stats or {})
-        if filters.file_may_match(entry):
-            out.append(PlannedFile(cluster, day, entry))
-    return out
-
-
-def replan(
-    blobs: BlobStore, tenant: str, table: str, filters: Filters, files: Sequence[PlannedFile]
-) -> list[PlannedFile]:
-    """``files`` planned again from the manifests of their partitions (the truth)."""
-    out = []
-    for cluster, day in sorted({(f.cluster, f.day) for f in files}):
-        manifest = read_manifest(blobs, tenant, cluster, day)
-        out += [PlannedFile(cluster, day, e) for e in layout.plan([manifest], table, filters)]
+    out.sort(key=lambda p: (p.day, p.cluster, p.key))
     return out
 
 
 def read_file(
     blobs: BlobStore, f: PlannedFile, table: str, filters: Filters, columns: Sequence[str]
 ) -> Any:
-    """One file's rows matching ``filters``: its ``columns`` (all if empty), with the
-    partition columns (cluster, day) where asked."""
+    """One file's rows matching ``filters``: its ``columns`` (all but ``tenant`` if empty)."""
     import pyarrow.parquet as pq
 
     # A local file is read in place (only the column chunks asked for; memory-mapping such
     # small files measured slower), from S3 whole.
-    source = blobs.path(f.entry.key) if isinstance(blobs, LocalBlobStore) else None
+    source = blobs.path(f.key) if isinstance(blobs, LocalBlobStore) else None
+    names = layout.answer_columns(table, columns)
     t = pq.read_table(
-        str(source) if source is not None else io.BytesIO(blobs.get(f.entry.key)),
-        columns=layout.stored_columns(columns),
+        str(source) if source is not None else io.BytesIO(blobs.get(f.key)),
+        columns=names,
         filters=filters.expression(table),
     )
-    return layout.with_partition_columns(t, f.cluster, f.day, columns)
+    return layout.conform(t, table, names)
 
 
 def _bounded_map(fn: Callable[[Any], Any], items: Sequence[Any], ahead: int) -> Iterator[Any]:
@@ -153,20 +147,6 @@ def _bounded_map(fn: Callable[[Any], Any], items: Sequence[Any], ahead: int) -> 
             if nxt is not None:
                 pending.append(pool.submit(fn, nxt))
             yield head.result()
-
-
-def _bound(f: PlannedFile, sort: Sort, table: str, filters: Filters) -> float | None:
-    """The largest value of the sort column any row of ``f`` can hold (None: unknown)."""
-    index = _BOUNDED_SORTS.get((table, sort.column))
-    prefixes = f.entry.stats.get("prefixes")
-    if index is None or prefixes is None:
-        return None
-    wanted = (
-        [prefixes[p] for p in filters.prefix if p in prefixes]
-        if filters.prefix
-        else prefixes.values()
-    )
-    return max((w[index] for w in wanted), default=float("-inf"))
 
 
 def _top(t: Any, sort: Sort, k: int) -> Any:
@@ -198,7 +178,7 @@ def scan(
     bounds: dict[int, float] = {}
     order = list(files)
     if sort is not None and sort.descending:
-        known = [(f, _bound(f, sort, table, filters)) for f in files]
+        known = [(f, f.upper.get(sort.column)) for f in files]
         if all(b is not None for _, b in known):
             known.sort(key=lambda fb: -fb[1])  # type: ignore[operator]
             order = [f for f, _ in known]
@@ -241,7 +221,7 @@ def scan(
                 f = todo.popleft()
                 inflight.append(pool.submit(read_file, blobs, f, table, filters, read_cols))
                 opened += 1
-                rows_opened += f.entry.rows
+                rows_opened += f.rows
             if not inflight:
                 break
             t = inflight.popleft().result()
@@ -251,7 +231,8 @@ def scan(
                 fold()
     fold()
     if acc is None:
-        acc = layout.with_partition_columns(layout.schema(table).empty_table(), "", "", read_cols)
+        full = layout.schema(table, with_partition=True).empty_table()
+        acc = full.select(layout.answer_columns(table, read_cols))
     if sort is None and len(acc) > limit:
         truncated = True
         acc = acc.slice(0, limit)
