@@ -59,7 +59,7 @@ def run_tag(db: Session, run: m.Run, summary: dict[str, Any]) -> str:
         .where(m.RunBatch.run_id == run.id)
         .order_by(m.Batch.blob_key)
     )
-    h = hashlib.sha256(b"lake-iceberg\n")
+    h = hashlib.sha256(b"lake-v1\n")  # as the lake before Iceberg: migrated runs stay current
     h.update(msgspec.json.encode(summary))
     for key in keys:
         h.update(b"\n" + key.encode())

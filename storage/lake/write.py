@@ -101,8 +101,9 @@ class Location:
     def name(self) -> str:
         """The catalog's name: one index database may hold the catalogs of several blob
         stores (a staging and a production deployment on one Postgres database; the test
-        suite), so the name is the warehouse's, ``hindsight-`` and a hash of it."""
-        return f"{CATALOG}-{hashlib.sha256(self.warehouse.encode()).hexdigest()[:10]}"
+        suite), so the name is the warehouse's: ``hindsight_`` and a hash of it (an
+        identifier Spark and Trino take as a catalog name without quotes)."""
+        return f"{CATALOG}_{hashlib.sha256(self.warehouse.encode()).hexdigest()[:10]}"
 
     def key(self, path: str) -> str:
         """The blob key of a file the catalog names by its full location."""
