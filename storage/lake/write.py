@@ -147,13 +147,13 @@ def location_from_settings(settings: Any) -> Location:
 
 
 def _sqlalchemy_url(url: str, secrets: bool) -> str:
-    from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import URL, make_url
 
     u = make_url(url)
     if u.get_backend_name() == "postgresql" and u.get_driver_name() in ("", "psycopg2"):
         u = u.set(drivername="postgresql+psycopg2")
-    if not secrets:
-        u = u.set(password=None)
+    if not secrets:  # (URL.set keeps a field given None)
+        u = URL.create(u.drivername, u.username, None, u.host, u.port, u.database, u.query)
     return u.render_as_string(hide_password=False)
 
 
