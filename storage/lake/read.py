@@ -3,10 +3,13 @@
 A scan is planned by the lake's Iceberg table (``storage/lake/write.py``): the tenant's
 partitions, pruned by partition (clusters, days up to ``until``) and by each data file's
 column bounds against the filters (time window, run, prefix, status, durations...), then
-the files are read in parallel from the blob store with the row filter pushed into the
-Parquet reader (row groups whose statistics cannot match are skipped). A sort on
-duration or bytes, descending, reads files in the order of their upper bounds and stops
-as soon as no unread file can hold a row of the answer: "the 100 slowest tasks of a prefix
+by the statistics in each file's footer (which prefixes, statuses, metric and stream
+names it holds, and per prefix its longest duration and largest result; read once per
+file and cached, files never change). The files left are read in parallel from the blob
+store with the row filter pushed into the Parquet reader (row groups whose statistics
+cannot match are skipped). A descending sort reads files in the order of their bounds
+(per prefix for duration and bytes) and stops as soon as no unread file can hold a row of
+the answer: "the 100 slowest tasks of a prefix
 over 30 days" opens a handful of files, not all.
 
 A plan is of one snapshot; a file it names stays for ``write.RETAIN_S`` after a newer
@@ -16,6 +19,7 @@ snapshot dropped it. If one is gone all the same, the route plans again and rest
 from __future__ import annotations
 
 import io
+import json
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +34,9 @@ from storage.lake import write
 from storage.lake.write import Location
 
 logger = logging.getLogger(__name__)
+
+#: Sorts the footer statistics bound per prefix (column -> index in stats["prefixes"]).
+_PREFIX_BOUNDS = {("tasks", "duration"): 1, ("tasks", "nbytes"): 2}
 
 IO_THREADS = 8
 #: The sorts a data file's upper bound on the column bounds (descending: stop early).
@@ -56,6 +63,7 @@ class PlannedFile:
     rows: int
     bytes: int
     upper: dict[str, float] = field(default_factory=dict)  # bounded sort columns' bounds
+    stats: dict[str, Any] | None = None  # the file's footer statistics (write._stats)
 
     @property
     def name(self) -> str:
@@ -79,7 +87,8 @@ class ScanResult:
 
 def plan(loc: Location, tenant: str, table: str, filters: Filters) -> list[PlannedFile]:
     """The data files of the tenant's ``table`` that ``filters`` may match (partition and
-    column-bound pruning by the Iceberg planner), in partition order."""
+    column-bound pruning by the Iceberg planner, then per prefix, status, metric and stream
+    by each file's footer statistics), in partition order."""
     from pyiceberg.conversions import from_bytes
 
     filters.check(table)
@@ -108,8 +117,84 @@ def plan(loc: Location, tenant: str, table: str, filters: Filters) -> list[Plann
                 upper,
             )
         )
+    if table != "runs" and out:
+        paths = [f"{loc.blob_url.rstrip('/')}/{p.key}" for p in out]
+        for p, stats in zip(
+            out, _bounded_map(lambda x: footer_stats(tbl.io, x), paths, 8), strict=True
+        ):
+            p.stats = stats
+        out = [p for p in out if may_match(table, filters, p.stats)]
     out.sort(key=lambda p: (p.day, p.cluster, p.key))
     return out
+
+
+#: Footer statistics by file location (files never change; a bounded cache).
+_STATS: dict[str, dict[str, Any] | None] = {}
+_STATS_MAX = 200_000
+
+
+def footer_stats(io: Any, path: str) -> dict[str, Any] | None:
+    """A data file's statistics from its Parquet footer."""
+    import pyarrow.parquet as pq
+
+    if path in _STATS:
+        return _STATS[path]
+    try:
+        with io.new_input(path).open() as fh:
+            kv = pq.read_metadata(fh).metadata or {}
+    except (FileNotFoundError, OSError, ValueError):
+        return None  # unknown: the file is kept, its read says what went wrong
+    raw = kv.get(write.STATS_KEY)
+    stats = None if raw is None else json.loads(raw)
+    if len(_STATS) >= _STATS_MAX:
+        _STATS.clear()
+    _STATS[path] = stats
+    return stats
+
+
+def may_match(table: str, f: Filters, stats: dict[str, Any] | None) -> bool:
+    """Whether a file's footer statistics leave any chance of a matching row."""
+    if not stats:
+        return True
+    if table == "tasks":
+        prefixes = stats.get("prefixes")
+        if prefixes is not None:
+            wanted = (
+                [prefixes[p] for p in f.prefix if p in prefixes]
+                if f.prefix
+                else list(prefixes.values())
+            )
+            if not wanted:
+                return False
+            if f.min_duration is not None and max(w[1] for w in wanted) < f.min_duration:
+                return False
+            if f.min_nbytes is not None and max(w[2] for w in wanted) < f.min_nbytes:
+                return False
+        statuses = stats.get("statuses")
+        if f.status and statuses is not None and not set(f.status) & set(statuses):
+            return False
+    for name, stat in (("name", "names"), ("stream", "streams")):
+        wanted_names = getattr(f, name)
+        present = stats.get(stat)
+        if wanted_names and present is not None and not set(wanted_names) & set(present):
+            return False
+    return True
+
+
+def _bound(f: PlannedFile, sort: Sort, table: str, filters: Filters) -> float | None:
+    """The largest value of the sort column any matching row of ``f`` can hold (None:
+    unknown): per prefix from the footer statistics where they say, else the file's
+    Iceberg upper bound."""
+    index = _PREFIX_BOUNDS.get((table, sort.column))
+    prefixes = (f.stats or {}).get("prefixes")
+    if index is not None and prefixes is not None:
+        wanted = (
+            [prefixes[p] for p in filters.prefix if p in prefixes]
+            if filters.prefix
+            else prefixes.values()
+        )
+        return max((w[index] for w in wanted), default=float("-inf"))
+    return f.upper.get(sort.column)
 
 
 def read_file(
@@ -178,7 +263,7 @@ def scan(
     bounds: dict[int, float] = {}
     order = list(files)
     if sort is not None and sort.descending:
-        known = [(f, f.upper.get(sort.column)) for f in files]
+        known = [(f, _bound(f, sort, table, filters)) for f in files]
         if all(b is not None for _, b in known):
             known.sort(key=lambda fb: -fb[1])  # type: ignore[operator]
             order = [f for f, _ in known]

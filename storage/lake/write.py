@@ -30,9 +30,11 @@ that planned within ``RETAIN_S`` still finds every file it planned.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 import urllib.parse
+import uuid
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -76,8 +78,10 @@ TABLE_PROPERTIES = {
     "commit.retry.min-wait-ms": "20",
     "commit.retry.max-wait-ms": "2000",
     "commit.retry.total-timeout-ms": "120000",
-    # Bounds of the string columns whole (run ids are 36 characters): file pruning by run.
+    # Bounds of the string columns whole (run ids are 36 characters): file pruning by run;
+    # the partition columns always whole (add_files reads a file's partition from them).
     "write.metadata.metrics.default": "truncate(64)",
+    **{f"write.metadata.metrics.column.{c}": "full" for c in layout.PARTITION_COLUMNS},
 }
 
 
@@ -201,7 +205,11 @@ def _ensure_tables(cat: Any) -> None:
                 schema=schema,
                 partition_spec=_partition_spec(schema),
                 sort_order=_sort_order(schema, table),
-                properties=TABLE_PROPERTIES,
+                # Our files carry no Iceberg field ids: columns are mapped by name.
+                properties={
+                    **TABLE_PROPERTIES,
+                    "schema.name-mapping.default": schema.name_mapping.model_dump_json(),
+                },
             )
         except TableAlreadyExistsError:  # another process made it meanwhile
             pass
@@ -252,6 +260,111 @@ def _sort_order(schema: Any, table: str) -> Any:
 def table(loc: Location, name: str) -> Any:
     """The lake table ``name``, as the catalog has it now."""
     return catalog(loc).load_table(f"{NAMESPACE}.{name}")
+
+
+# ---------------------------------------------------------------- data files
+
+#: The Parquet footer key of a file's statistics (see ``_stats``).
+STATS_KEY = b"hindsight.stats"
+
+
+def _stats(table_name: str, t: Any) -> dict[str, Any]:
+    """What pruning needs beyond Iceberg's column bounds (see docs/lake.md): tasks per
+    prefix [rows, longest duration, largest nbytes, erred] and statuses; metric names;
+    stream names. Kept in the file's Parquet footer; the query service caches it."""
+    import pyarrow.compute as pc
+
+    if table_name == "tasks":
+        g = t.group_by("prefix").aggregate(
+            [("prefix", "count"), ("duration", "max"), ("nbytes", "max")]
+        )
+        erred = _counts(t.filter(pc.equal(t["status"], "erred"))["prefix"])
+        prefixes = {
+            p: [n, mc or 0.0, mb or 0, erred.get(p, 0)]
+            for p, n, mc, mb in zip(
+                g["prefix"].to_pylist(),
+                g["prefix_count"].to_pylist(),
+                g["duration_max"].to_pylist(),
+                g["nbytes_max"].to_pylist(),
+                strict=True,
+            )
+            if p is not None
+        }
+        return {"prefixes": prefixes, "statuses": _counts(t["status"])}
+    if table_name == "metrics":
+        return {"names": _counts(t["name"])}
+    if table_name == "streams":
+        return {"streams": _counts(t["stream"])}
+    return {}
+
+
+def _counts(col: Any) -> dict[str, int]:
+    vc = col.value_counts()
+    return {
+        str(v): int(c)
+        for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist(), strict=True)
+        if v is not None
+    }
+
+
+def _merge_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in set(a) | set(b):
+        x, y = a.get(k, {}), b.get(k, {})
+        if k == "prefixes":
+            merged = dict(x)
+            for p, (n, mc, mb, e) in y.items():
+                if p in merged:
+                    n0, mc0, mb0, e0 = merged[p]
+                    merged[p] = [n0 + n, max(mc0, mc), max(mb0, mb), e0 + e]
+                else:
+                    merged[p] = [n, mc, mb, e]
+            out[k] = merged
+        else:
+            out[k] = {n: x.get(n, 0) + y.get(n, 0) for n in set(x) | set(y)}
+    return out
+
+
+def _span(table_name: str, t: Any) -> tuple[float | None, float | None]:
+    import pyarrow.compute as pc
+
+    lo_col, hi_col = layout.TIME_COLUMNS[table_name]
+    return pc.min(t[lo_col]).as_py(), pc.max(t[hi_col]).as_py()
+
+
+def parquet_options(schema: Any) -> dict[str, Any]:
+    """How lake files are encoded: zstd; floats (times, seconds, values) byte-stream-split
+    rather than dictionary-encoded, which takes a task record from ~65 to ~49 bytes and
+    writes faster (measured on bench/lake.py's records); dictionaries for the rest."""
+    import pyarrow as pa
+
+    floats = [f.name for f in schema if f.type == pa.float64()]
+    others = [f.name for f in schema if f.type != pa.float64()]
+    return {"compression": "zstd", "use_dictionary": others, "use_byte_stream_split": floats}
+
+
+def write_files(tbl: Any, name: str, part: Partition, rows: Any) -> list[str]:
+    """Write a partition's rows (sorted, with the partition columns) as data files of at
+    most ``TARGET_ROWS`` rows where pyiceberg would (``{table}/data/tenant=…/cluster=…/
+    day=…/``), our statistics in each footer. Returns their locations, for ``add_files``."""
+    import pyarrow.parquet as pq
+
+    q = lambda v: urllib.parse.quote_plus(v, safe="")  # noqa: E731
+    base = f"{tbl.location().rstrip('/')}/data/tenant={q(part.tenant)}/cluster={q(part.cluster)}"
+    paths = []
+    step = TARGET_ROWS[name]
+    for i, start in enumerate(range(0, max(len(rows), 1), step)):
+        chunk = rows.slice(start, step)
+        if not len(chunk):
+            break
+        meta = {STATS_KEY: json.dumps(_stats(name, chunk), separators=(",", ":")).encode()}
+        schema = chunk.schema.with_metadata(meta)
+        path = f"{base}/day={q(part.day)}/{i:05d}-0-{uuid.uuid4()}.parquet"
+        with tbl.io.new_output(path).create() as fh:
+            with pq.ParquetWriter(fh, schema, **parquet_options(schema)) as w:
+                w.write_table(chunk.replace_schema_metadata(meta), row_group_size=ROW_GROUP)
+        paths.append(path)
+    return paths
 
 
 # ---------------------------------------------------------------- commits
@@ -338,14 +451,42 @@ def commit_runs(
         # Deleting costs a plan and a snapshot: only where the lake may hold the runs. (Two
         # writers of one run at once cannot be: the finish queue leases a run to one.)
         held = replace and any(True for _ in tbl.scan(row_filter=where).plan_files())
-        if held:
+        paths = write_files(tbl, name, part, rows) if rows is not None else []
+        if not held and not paths:
+            continue
+        try:
             with tbl.transaction() as txn, warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "did not match any records"
-                txn.delete(where, snapshot_properties=props)
-                if rows is not None:
-                    txn.append(rows, snapshot_properties=props)
-        elif rows is not None:
-            tbl.append(rows, snapshot_properties=props)
+                if held:
+                    txn.delete(where, snapshot_properties=props)
+                if paths:
+                    # The files are new, named by a fresh uuid: no need to look for them in
+                    # the table (a scan of every manifest).
+                    txn.add_files(paths, snapshot_properties=props, check_duplicate_files=False)
+        except Exception:
+            _discard(tbl, paths)  # never committed: no snapshot will ever name them
+            raise
+
+
+def append_partitions(loc: Location, name: str, parts: Iterable[tuple[Partition, Any]]) -> None:
+    """Append rows of many partitions (each with its partition columns, sorted) to a table
+    in one commit: a bulk load (bench/lake.py builds its lake so)."""
+    tbl = table(loc, name)
+    paths = [p for part, rows in parts if len(rows) for p in write_files(tbl, name, part, rows)]
+    if paths:
+        try:
+            tbl.add_files(paths, check_duplicate_files=False)
+        except Exception:
+            _discard(tbl, paths)
+            raise
+
+
+def _discard(tbl: Any, paths: list[str]) -> None:
+    for path in paths:
+        try:
+            tbl.io.delete(path)
+        except (FileNotFoundError, OSError):
+            logger.warning("lake: could not delete uncommitted %s", path)
 
 
 def delete_rows(loc: Location, row_filter: Any) -> None:
@@ -386,7 +527,7 @@ def compact(loc: Location, part: Partition, *, now: float | None = None) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
     from pyiceberg.exceptions import CommitFailedException, ValidationException
-    from pyiceberg.io.pyarrow import _dataframe_to_data_files
+    from pyiceberg.io.pyarrow import parquet_files_to_data_files
 
     now = time.time() if now is None else now
     seal = part.day < layout.day_of(now)
@@ -407,6 +548,7 @@ def compact(loc: Location, part: Partition, *, now: float | None = None) -> int:
             .cast(layout.schema(name, with_partition=True))
             .sort_by(SORT_KEYS[name])
         )
+        paths = write_files(tbl, name, part, rows)
         try:
             with tbl.transaction() as txn:
                 with txn.update_snapshot(
@@ -414,11 +556,12 @@ def compact(loc: Location, part: Partition, *, now: float | None = None) -> int:
                 ).overwrite() as ow:
                     for f in chosen:
                         ow.delete_data_file(f)
-                    for df in _dataframe_to_data_files(txn.table_metadata, rows, tbl.io):
+                    for df in parquet_files_to_data_files(tbl.io, txn.table_metadata, iter(paths)):
                         ow.append_data_file(df)
         except (CommitFailedException, ValidationException) as exc:
             # A run of the partition changed meanwhile: the next commit merges.
             logger.info("lake: merge of %s %s gave way to a concurrent commit: %s", name, part, exc)
+            _discard(tbl, paths)
             continue
         merged += len(chosen)
     return merged
