@@ -100,8 +100,7 @@ def plan(loc: Location, tenant: str, table: str, filters: Filters) -> list[Plann
         if t == table
     }
     out = []
-    for task in tbl.scan(row_filter=filters.iceberg(table, tenant)).plan_files():
-        f = task.file
+    for f in data_files(tbl, filters.iceberg(table, tenant)):
         upper = {}
         for fid, raw in (f.upper_bounds or {}).items():
             if fid in bounded:
@@ -125,6 +124,58 @@ def plan(loc: Location, tenant: str, table: str, filters: Filters) -> list[Plann
             p.stats = stats
         out = [p for p in out if may_match(table, filters, p.stats)]
     out.sort(key=lambda p: (p.day, p.cluster, p.key))
+    return out
+
+
+#: Live data files of each manifest, by its location (manifests never change: decoding
+#: them is most of planning a large table, so it is done once per manifest and process).
+_ENTRIES: dict[str, list[Any]] = {}
+_ENTRIES_MAX = 2_000
+
+
+def data_files(tbl: Any, row_filter: Any) -> list[Any]:
+    """The data files of ``tbl``'s current snapshot that ``row_filter`` may match: what
+    pyiceberg's ``scan(row_filter).plan_files()`` plans (manifest, partition and column-
+    bound pruning, with its own evaluators), from manifests decoded once. The lake writes no
+    delete files; a table with some is planned by pyiceberg itself."""
+    from pyiceberg.expressions.visitors import (
+        _InclusiveMetricsEvaluator,
+        expression_evaluator,
+        manifest_evaluator,
+    )
+    from pyiceberg.manifest import ManifestContent
+    from pyiceberg.schema import Schema
+
+    scan = tbl.scan(row_filter=row_filter)
+    snapshot = scan.snapshot()
+    if snapshot is None:
+        return []
+    manifests = snapshot.manifests(tbl.io)
+    if any(mf.content != ManifestContent.DATA for mf in manifests):
+        return [t.file for t in scan.plan_files()]
+    schema, specs = tbl.schema(), tbl.metadata.specs()
+    metrics = _InclusiveMetricsEvaluator(schema, scan.row_filter, True, False).eval
+    evaluators: dict[int, tuple[Any, Any]] = {}
+    out = []
+    for mf in manifests:
+        sid = mf.partition_spec_id
+        if sid not in evaluators:
+            spec, pfilter = specs[sid], scan.partition_filters[sid]
+            pschema = Schema(*spec.partition_type(schema).fields)
+            evaluators[sid] = (
+                manifest_evaluator(spec, schema, pfilter, True),
+                expression_evaluator(pschema, pfilter, True),
+            )
+        keep_manifest, keep_partition = evaluators[sid]
+        if not keep_manifest(mf):
+            continue
+        entries = _ENTRIES.get(mf.manifest_path)
+        if entries is None:
+            entries = [e.data_file for e in mf.fetch_manifest_entry(tbl.io, discard_deleted=True)]
+            if len(_ENTRIES) >= _ENTRIES_MAX:
+                _ENTRIES.clear()
+            _ENTRIES[mf.manifest_path] = entries
+        out += [f for f in entries if keep_partition(f.partition) and metrics(f)]
     return out
 
 
