@@ -63,6 +63,8 @@ SORT_KEYS = {
     "runs": [("started_at", "ascending")],
     "streams": [("stream", "ascending"), ("time", "ascending")],
 }
+_BOUND_STRINGS = ("run", "session", "prefix", "status", "worker", "name", "stream", "key")
+_BOUND_NUMBERS = ("start", "stop", "time", "started_at", "duration", "nbytes", "value", "makespan")
 TABLE_PROPERTIES = {
     "format-version": "2",
     "write.parquet.compression-codec": "zstd",
@@ -78,9 +80,12 @@ TABLE_PROPERTIES = {
     "commit.retry.min-wait-ms": "20",
     "commit.retry.max-wait-ms": "2000",
     "commit.retry.total-timeout-ms": "120000",
-    # Bounds of the string columns whole (run ids are 36 characters): file pruning by run;
-    # the partition columns always whole (add_files reads a file's partition from them).
-    "write.metadata.metrics.default": "truncate(64)",
+    # Bounds only of the columns filters and sorts use (others: counts), so manifests stay
+    # small to keep and quick to decode; strings to 64 characters (a run id whole); the
+    # partition columns always whole (add_files reads a file's partition from them).
+    "write.metadata.metrics.default": "counts",
+    **{f"write.metadata.metrics.column.{c}": "truncate(64)" for c in _BOUND_STRINGS},
+    **{f"write.metadata.metrics.column.{c}": "full" for c in _BOUND_NUMBERS},
     **{f"write.metadata.metrics.column.{c}": "full" for c in layout.PARTITION_COLUMNS},
 }
 
