@@ -140,7 +140,7 @@ def location_of(db: Any, blobs: Any) -> Location:
     url = db.get_bind().url.render_as_string(hide_password=False)
     return Location(
         url,
-        blobs.url,
+        _blob_root(blobs.url),
         getattr(inner, "endpoint_url", None),
         getattr(inner, "region", None) or "us-east-1",
     )
@@ -149,10 +149,21 @@ def location_of(db: Any, blobs: Any) -> Location:
 def location_from_settings(settings: Any) -> Location:
     return Location(
         settings.database_url,
-        settings.blob_url,
+        _blob_root(settings.blob_url),
         settings.s3_endpoint_url or None,
         settings.s3_region or "us-east-1",
     )
+
+
+def _blob_root(url: str) -> str:
+    """A blob store URL as its store spells it (the catalog's name derives from it: the
+    finisher, given a store, and the services, given settings, must find one catalog)."""
+    from pathlib import Path
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file":
+        return Path(urllib.parse.unquote(parts.path)).as_uri()
+    return url.rstrip("/")
 
 
 def _sqlalchemy_url(url: str, secrets: bool) -> str:
