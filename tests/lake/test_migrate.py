@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from typing import Any
 
+import pytest
 from sqlalchemy import func, select
 
 from hindsight import lake as layout
@@ -108,3 +110,25 @@ def test_an_old_lake_moves_into_iceberg_with_every_row_once(stack, storage):
     put_old_partition(storage, tenant, day1, 5, [c])
     assert migrate(storage.blobs, storage.sessions)["tasks"] == 50
     assert iceberg_rows(storage, tenant, "tasks") == want
+
+
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)
+def test_the_migrate_command_moves_a_servers_old_lake(stack, storage):
+    """``hindsight lake migrate --data-dir`` on an embedded server's directory."""
+    import subprocess
+    import sys
+
+    from tests.conftest import new_tenant
+
+    tenant = new_tenant()
+    put_old_partition(storage, tenant, layout.day_of(T0), 3, [synthetic("m", 40, T0)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "hindsight.cli", "lake", "migrate", "--data-dir", stack["data_dir"]],
+        env=env, capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert out.startswith("1 partitions moved: 40 tasks rows")
+    assert list(storage.blobs.list("lake/v1/")) == []
+    assert iceberg_rows(storage, tenant, "tasks") == sorted(
+        (layout.day_of(T0), "m", f"m-{i}") for i in range(40)
+    )
