@@ -251,7 +251,7 @@ def _maintain(db: Session, loc: Location, part: Partition, cluster_id: int) -> l
         ).all():
             write.compact(loc, Partition(part.tenant, part.cluster, day))
             sealed.append(pid)
-        write.expire(loc)
+        write.expire(loc, every=write.EXPIRE_EVERY_S)
     except Exception:  # noqa: BLE001 - maintenance must not fail the run's finish
         logger.exception("lake: maintenance after %s failed", part)
     return sealed

@@ -38,7 +38,6 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import cached_property
 from threading import Lock
 from typing import Any
@@ -57,6 +56,8 @@ BASE_ROWS = 16_384  # files below this are tier 0; each tier above holds FANOUT 
 FANOUT = 4
 #: Seconds a snapshot stays readable after a newer one replaced it.
 RETAIN_S = 3600.0
+#: A finisher expires snapshots once the oldest has been due this long.
+EXPIRE_EVERY_S = 300.0
 SORT_KEYS = {
     "tasks": [("prefix", "ascending"), ("start", "ascending")],
     "metrics": [("name", "ascending"), ("worker", "ascending"), ("time", "ascending")],
@@ -586,9 +587,13 @@ def compact(loc: Location, part: Partition, *, now: float | None = None) -> int:
 # ---------------------------------------------------------------- expiry
 
 
-def expire(loc: Location, *, now: float | None = None, retain: float = RETAIN_S) -> int:
+def expire(
+    loc: Location, *, now: float | None = None, retain: float = RETAIN_S, every: float = 0.0
+) -> int:
     """Expire snapshots older than ``retain`` seconds (the current one always stays) and
-    delete the files only they held. Returns files deleted."""
+    delete the files only they held; with ``every``, only once the oldest has been due that
+    long (expiring reads the manifests of every snapshot kept: a finisher does it every
+    few minutes, not at each run). Returns files deleted."""
     now = time.time() if now is None else now
     deleted = 0
     for name in layout.TABLES:
@@ -600,7 +605,7 @@ def expire(loc: Location, *, now: float | None = None, retain: float = RETAIN_S)
             for s in tbl.metadata.snapshots
             if s.timestamp_ms < cutoff_ms and s.snapshot_id != current
         ]
-        if not old:
+        if not old or min(s.timestamp_ms for s in old) > cutoff_ms - every * 1000:
             continue
         kept = [s for s in tbl.metadata.snapshots if s not in old]
         live_data, live_meta = _referenced(tbl, kept, live=True)
@@ -631,11 +636,6 @@ def _referenced(tbl: Any, snapshots: list[Any], *, live: bool) -> tuple[set[str]
             for e in mf.fetch_manifest_entry(tbl.io, discard_deleted=live):
                 data.add(e.data_file.file_path)
     return data, meta
-
-
-def snapshot_time(tbl: Any) -> datetime | None:
-    s = tbl.current_snapshot()
-    return None if s is None else datetime.fromtimestamp(s.timestamp_ms / 1000, UTC)
 
 
 def file_key(loc: Location, table_name: str, tenant: str, cluster: str, day: str, name: str) -> str:
