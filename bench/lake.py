@@ -1,14 +1,14 @@
 """History lake benchmark: 20,000,000 task records over 50 clusters and 90 days, asked
 through the query service and scanned with Dask.
 
-The lake is built by the documented bulk path: for each (cluster, day), the day's runs
-(Dask-shaped task records, metric samples, emitted values and run summaries, generated
-here) are committed together with the lake's own commit code (``storage.lake.write.commit``)
-into a day that is over. That produces the files the finisher produces for the same runs
-once their day is sealed — one file per table per (cluster, day) — with the same manifests
-and the same index catalog (runs, sessions and clusters are in the index as well).
-``tests/lake/test_writer.py`` checks that a day committed run by run and sealed holds the
-same rows in as many files as the same runs committed at once.
+The lake is built by the bulk path: for each day, the runs of every cluster (Dask-shaped
+task records, metric samples, emitted values and run summaries, generated here) are
+written as the finisher writes them (``storage.lake.write.write_files``: partition columns,
+sort order, footer statistics) and added to the Iceberg tables in one commit per table
+(``append_partitions``). That produces the files
+the finisher produces for the same runs once their day is sealed — one file per table per
+(cluster, day) — (``tests/lake/test_writer.py`` checks that a day finished run by run
+seals into one file holding every run); runs, sessions and clusters are in the index too.
 
 Clusters differ in size (a lognormal spread of daily volume) and run 2-4 of 30 job
 templates of 3-6 prefixes each; ``read_parquet`` is in a quarter of the templates. Index in
@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import requests
 from distributed import Client, LocalCluster
-from sqlalchemy import insert, select
+from sqlalchemy import insert
 
 import hindsight
 from bench.lib_faults import Gunicorn, fresh_database
@@ -286,9 +286,9 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
     gen_s = commit_s = 0.0
     t_build = time.perf_counter()
 
-    def commit(
-        c: int, session: str, index_runs: list[dict[str, Any]], rows: list[Any], day: int
-    ) -> None:
+    loc = lakewrite.Location(db_url, blobs.url)
+
+    def index(c: int, session: str, index_runs: list[dict[str, Any]], day: int) -> None:
         with sessions.begin() as db:
             sess = m.Session(
                 cluster_id=cluster_ids[c],
@@ -299,13 +299,25 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
             db.add(sess)
             db.flush()
             db.execute(insert(m.Run), [{**r, "session_id": sess.id} for r in index_runs])
-            part = lakewrite.Partition(
-                TENANT, f"cluster-{c:02d}", layout.day_of(T0 + day * DAY), tenant_id, cluster_ids[c]
-            )
-            lakewrite.commit(db, blobs, part, add=rows, now=T0 + (args.days + 1) * DAY)
 
-    # Commits of different partitions are independent (and wait on fsync): 4 at a time.
-    with ThreadPoolExecutor(4) as pool:
+    def commit(day: int, work: list[tuple[Any, ...]]) -> None:
+        """One day of every cluster: one append per table (pyiceberg splits partitions)."""
+        for c, session, index_runs, _rows, _day in work:
+            index(c, session, index_runs, day)
+        for name in layout.TABLES:
+            parts = []
+            for c, _session, _index_runs, rows, _day in work:
+                part = lakewrite.Partition(
+                    TENANT, f"cluster-{c:02d}", layout.day_of(T0 + day * DAY)
+                )
+                t = pa.concat_tables([r.tables[name] for r in rows])
+                if len(t):
+                    parts.append((part, lakewrite.with_partition(t, name, part)))
+            lakewrite.append_partitions(loc, name, parts)
+
+    # Generating the next day overlaps committing this one.
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
         for day in range(args.days):
             t = time.perf_counter()
             work = []
@@ -352,14 +364,19 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
                 work.append((c, session, index_runs, rows, day))
             gen_s += time.perf_counter() - t
             t = time.perf_counter()
-            for f in [pool.submit(commit, *w) for w in work]:
-                f.result()
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(commit, day, work)
             commit_s += time.perf_counter() - t
             if day % 10 == 9 or day == args.days - 1:
                 log(
                     f"day {day + 1}/{args.days}: {total:,} task records, {runs_n:,} runs "
-                    f"(generating {gen_s:.0f} s, committing {commit_s:.0f} s)"
+                    f"(generating {gen_s:.0f} s, waiting on commits {commit_s:.0f} s)"
                 )
+        t = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        commit_s += time.perf_counter() - t
     engine.dispose()
     return {
         "token": token,
@@ -373,27 +390,23 @@ def build(db_url: str, blob_dir: Path, args: argparse.Namespace) -> dict[str, An
 
 def top100_phases(db_url: str, blob_dir: Path, since: float, until: float) -> dict[str, float]:
     """The top-100 query's plan and scan, timed in this process (median of 5)."""
-    from storage.core import models as m
     from storage.core.blobs import LocalBlobStore
-    from storage.core.db import make_engine, make_sessionmaker
     from storage.lake import read as lakequery
+    from storage.lake import write as lakewrite
     from storage.lake.read import Sort
 
-    engine = make_engine(db_url)
     blobs = LocalBlobStore(blob_dir)
+    loc = lakewrite.Location(db_url, blobs.url)
     f = layout.Filters(prefix=["read_parquet"], since=since, until=until)
     cols = ["cluster", "day", "run", "key", "worker", "duration", "nbytes"]
     plan_ms, scan_ms = [], []
-    with make_sessionmaker(engine)() as db:
-        tenant_id = db.scalar(select(m.Tenant.id).where(m.Tenant.name == TENANT))
-        for _ in range(5):
-            t = time.perf_counter()
-            files = lakequery.plan(db, tenant_id, "tasks", f)
-            plan_ms.append((time.perf_counter() - t) * 1000)
-            t = time.perf_counter()
-            lakequery.scan(blobs, files, "tasks", f, cols, Sort("duration", True), 100)
-            scan_ms.append((time.perf_counter() - t) * 1000)
-    engine.dispose()
+    for _ in range(5):
+        t = time.perf_counter()
+        files = lakequery.plan(loc, TENANT, "tasks", f)
+        plan_ms.append((time.perf_counter() - t) * 1000)
+        t = time.perf_counter()
+        lakequery.scan(blobs, files, "tasks", f, cols, Sort("duration", True), 100)
+        scan_ms.append((time.perf_counter() - t) * 1000)
     return {
         "lake_top100_plan_ms": round(statistics.median(plan_ms), 1),
         "lake_top100_scan_ms": round(statistics.median(scan_ms), 1),
@@ -401,11 +414,19 @@ def top100_phases(db_url: str, blob_dir: Path, since: float, until: float) -> di
 
 
 def lake_bytes(blob_dir: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for table in (*layout.TABLES, "_manifests"):
-        base = blob_dir / "lake" / "v1" / table
-        out[table] = sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
-        out[f"{table}_files"] = sum(1 for p in base.rglob("*") if p.is_file())
+    """Bytes and files of each table's data, and of every table's Iceberg metadata."""
+    out: dict[str, int] = {"metadata": 0, "metadata_files": 0}
+    for table in layout.TABLES:
+        base = blob_dir / "lake" / "iceberg" / "hindsight" / table
+        data = [p for p in (base / "data").rglob("*") if p.is_file()]
+        out[table] = sum(p.stat().st_size for p in data)
+        out[f"{table}_files"] = len(data)
+        meta = [p for p in (base / "metadata").rglob("*") if p.is_file()]
+        out["metadata"] += sum(p.stat().st_size for p in meta)
+        out["metadata_files"] += len(meta)
+    out["partitions"] = len(
+        {p.parent for p in (blob_dir / "lake/iceberg/hindsight/tasks/data").rglob("*.parquet")}
+    )
     return out
 
 
@@ -445,10 +466,10 @@ def main() -> int:
                 build_records_per_s=round(built["tasks"] / built["commit_s"]),
                 bytes_per_task_record=round(sizes["tasks"] / built["tasks"], 1),
                 lake_bytes_per_task_record=round(
-                    sum(sizes[t] for t in (*layout.TABLES, "_manifests")) / built["tasks"], 1
+                    sum(sizes[t] for t in (*layout.TABLES, "metadata")) / built["tasks"], 1
                 ),
                 task_files=sizes["tasks_files"],
-                partitions=sizes["_manifests_files"],
+                partitions=sizes["partitions"],
             )
             log(f"built in {built['build_s']:.0f} s: {json.dumps(figures)} {json.dumps(sizes)}")
 

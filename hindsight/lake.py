@@ -1,51 +1,39 @@
 """The history lake: every task, metric sample, emitted value and run summary of every
-finished run, as Hive-partitioned Parquet in the blob store (docs/lake.md).
+finished run, as Apache Iceberg tables (docs/lake.md).
 
-This module is the one definition of the lake's layout, its manifests and its filters. The
-server writes the lake (``storage/lake/build.py``) and answers ``/v1/lake/...`` with it; readers
-use it here without a server: ``files()`` plans a scan from the manifests, ``dataset()``
-gives a ``pyarrow.dataset`` and ``dataframe()`` a ``dask.dataframe`` (one partition per
-file), straight from ``s3://bucket/prefix`` or a local directory.
+This module is the one definition of the lake's columns and its filters, and of reading
+it without a server. The server writes the lake (``storage/lake/``) and answers
+``/v1/lake/...`` with it. The tables are ``hindsight.tasks``, ``.metrics``, ``.runs`` and
+``.streams`` in an Iceberg SQL catalog (``hindsight lake catalog`` prints its properties):
+any engine that reads Iceberg reads them; ``dataframe()`` here gives a ``dask.dataframe``
+with one partition per data file the catalog plans.
 
-Layout (``{root}`` is the blob store's root, e.g. ``s3://bucket/hindsight``)::
+Partitions: ``tenant``, ``cluster`` and ``day`` (identity), columns of every table; ``day``
+is the UTC date the run started, so all rows of a run live in one partition per table.
 
-    {root}/lake/v1/{table}/tenant={tenant}/cluster={cluster}/day={YYYY-MM-DD}/part-{seq}-{hash}.parquet
-    {root}/lake/v1/_manifests/tenant={tenant}/cluster={cluster}/day={YYYY-MM-DD}/{seq}.json
-
-``day`` is the UTC date the run started: all rows of a run live in one partition per table.
-A partition's manifest with the highest ``seq`` names its live files; files it lists under
-``removed`` are kept for a grace period (readers holding an older manifest still find them)
-and then deleted. Readers that plan from the manifests never count a run twice or miss one;
-listing the Parquet files directly can see both a merged file and its inputs for that grace
-period.
-
-pyarrow, and dask for ``dataframe()``, are imported when first needed.
+pyarrow, pyiceberg, and dask for ``dataframe()``, are imported when first needed.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import urllib.parse
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-import msgspec
-
-LAKE_VERSION = 1
-ROOT = f"lake/v{LAKE_VERSION}"
-MANIFESTS = f"{ROOT}/_manifests"
+NAMESPACE = "hindsight"
 TABLES = ("tasks", "metrics", "runs", "streams")
-#: Hive partition columns, in path order; they are not stored inside the files.
+#: Partition columns (identity partitions, in path order), stored in every file too.
 PARTITION_COLUMNS = ("tenant", "cluster", "day")
 
-_FILE_RE = re.compile(r"^part-\d{10}-[0-9a-f]{16}\.parquet$")
-_DAY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-_MANIFEST_RE = re.compile(
-    rf"^{MANIFESTS}/tenant=(?P<tenant>[^/]+)/cluster=(?P<cluster>[^/]+)/day=(?P<day>[^/]+)/(?P<seq>\d{{10}})\.json$"
+#: Data file names as pyiceberg writes them: {task}-{n}-{write uuid}(-{counter}).parquet
+_FILE_RE = re.compile(
+    r"^\d{5}-\d+-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}(-\d+)?\.parquet$"
 )
+_DAY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
 # ---------------------------------------------------------------- layout
@@ -77,39 +65,6 @@ def valid_day(day: str) -> bool:
 
 def valid_file_name(name: str) -> bool:
     return bool(_FILE_RE.match(name))
-
-
-def partition_dir(table: str, tenant: str, cluster: str, day: str) -> str:
-    return f"{ROOT}/{table}/tenant={tenant}/cluster={cluster}/day={day}"
-
-
-def manifest_dir(tenant: str, cluster: str, day: str) -> str:
-    return f"{MANIFESTS}/tenant={tenant}/cluster={cluster}/day={day}"
-
-
-def manifest_key(tenant: str, cluster: str, day: str, seq: int) -> str:
-    return f"{manifest_dir(tenant, cluster, day)}/{seq:010d}.json"
-
-
-def parse_manifest_key(key: str) -> tuple[str, str, str, int] | None:
-    """(tenant, cluster, day, seq) of a manifest key, or None."""
-    m = _MANIFEST_RE.match(key)
-    if m is None:
-        return None
-    return m["tenant"], m["cluster"], m["day"], int(m["seq"])
-
-
-def latest_manifests(keys: Iterable[str]) -> dict[tuple[str, str, str], str]:
-    """The newest manifest key of each (tenant, cluster, day) among ``keys``."""
-    best: dict[tuple[str, str, str], tuple[int, str]] = {}
-    for key in keys:
-        parsed = parse_manifest_key(key)
-        if parsed is None:
-            continue
-        part, seq = parsed[:3], parsed[3]
-        if part not in best or seq > best[part][0]:
-            best[part] = (seq, key)
-    return {part: key for part, (_, key) in best.items()}
 
 
 #: The columns of each table, in order (Arrow types by name). This is the lake's contract:
@@ -175,6 +130,7 @@ COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("fingerprint", "string"),
         ("span", "list<string>"),
         ("client", "string"),
+        ("tag", "string"),  # the version of the run's rows (storage/lake/build.py)
     ),
     "streams": (
         ("run", "string"),
@@ -208,71 +164,6 @@ def schema(table: str, with_partition: bool = False) -> Any:
 def columns_of(table: str) -> tuple[str, ...]:
     """Every column a scan of ``table`` can return: the stored ones, then cluster and day."""
     return (*(n for n, _ in COLUMNS[table]), "cluster", "day")
-
-
-# ---------------------------------------------------------------- manifests
-
-
-class FileEntry(msgspec.Struct):
-    """One live Parquet file of a partition."""
-
-    table: str
-    key: str  # relative to the blob store's root
-    rows: int
-    bytes: int
-    runs: list[str]  # public ids of the runs with rows in this file
-    t_min: float | None = None  # earliest start/time of its rows (pruning)
-    t_max: float | None = None  # latest stop/time of its rows
-    # Per-file statistics for pruning; see docs/lake.md ("prefixes": {prefix: [rows,
-    # max compute, max nbytes, erred]}, "statuses", "names", "streams", "max_compute", ...).
-    stats: dict[str, Any] = {}
-
-
-class RunEntry(msgspec.Struct):
-    """A run present in a partition, at the version (``tag``) of its data written."""
-
-    tag: str
-    session: str
-
-
-class Removed(msgspec.Struct):
-    """A file superseded at ``at``; deleted once the grace period has passed."""
-
-    key: str
-    at: float
-
-
-class Manifest(msgspec.Struct):
-    """The state of one (tenant, cluster, day) partition at commit ``seq``."""
-
-    format: str
-    lake: int
-    tenant: str
-    cluster: str
-    day: str
-    seq: int
-    committed_at: float
-    runs: dict[str, RunEntry] = {}
-    files: list[FileEntry] = []
-    removed: list[Removed] = []
-
-
-_manifest_decoder = msgspec.json.Decoder(Manifest)
-
-
-def decode_manifest(data: bytes) -> Manifest:
-    manifest = _manifest_decoder.decode(data)
-    if manifest.format != "hindsight-lake" or manifest.lake != LAKE_VERSION:
-        raise ValueError(f"not a lake v{LAKE_VERSION} manifest: {manifest.format} v{manifest.lake}")
-    return manifest
-
-
-def encode_manifest(manifest: Manifest) -> bytes:
-    return msgspec.json.encode(manifest)
-
-
-def empty_manifest(tenant: str, cluster: str, day: str) -> Manifest:
-    return Manifest("hindsight-lake", LAKE_VERSION, tenant, cluster, day, 0, 0.0)
 
 
 # ---------------------------------------------------------------- filters
@@ -403,38 +294,39 @@ class Filters:
             out = out & c
         return out
 
-    def file_may_match(self, entry: FileEntry) -> bool:
-        """Whether a file's statistics leave any chance of a matching row."""
-        if self.since is not None and entry.t_max is not None and entry.t_max < self.since:
-            return False
-        if self.until is not None and entry.t_min is not None and entry.t_min >= self.until:
-            return False
-        if self.run and not set(self.run) & set(entry.runs):
-            return False
-        stats = entry.stats
-        if entry.table == "tasks":
-            prefixes = stats.get("prefixes")
-            if prefixes is not None:
-                wanted = (
-                    [prefixes[p] for p in self.prefix if p in prefixes]
-                    if self.prefix
-                    else list(prefixes.values())
-                )
-                if not wanted:
-                    return False
-                if self.min_duration is not None and max(w[1] for w in wanted) < self.min_duration:
-                    return False
-                if self.min_nbytes is not None and max(w[2] for w in wanted) < self.min_nbytes:
-                    return False
-            statuses = stats.get("statuses")
-            if self.status and statuses is not None and not set(self.status) & set(statuses):
-                return False
-        for name, stat in (("name", "names"), ("stream", "streams")):
-            wanted_names = getattr(self, name)
-            present = stats.get(stat)
-            if wanted_names and present is not None and not set(wanted_names) & set(present):
-                return False
-        return True
+    def iceberg(self, table: str, tenant: str) -> Any:
+        """The scan's condition as a pyiceberg expression, the tenant's partitions only: the
+        partition filter (tenant, clusters, days up to ``until``) and every row condition,
+        which the Iceberg planner checks against each data file's column bounds."""
+        from pyiceberg import expressions as ex
+
+        conds: list[Any] = [ex.EqualTo("tenant", tenant)]
+        if self.cluster:
+            conds.append(ex.In("cluster", self.cluster))
+        if self.until is not None:
+            # A run's rows live in the partition of the day it started, before any of them.
+            conds.append(ex.LessThanOrEqual("day", day_of(self.until)))
+        lo_col, hi_col = TIME_COLUMNS[table]
+        if self.since is not None:
+            conds.append(ex.GreaterThanOrEqual(hi_col, self.since))
+        if self.until is not None:
+            conds.append(ex.LessThan(lo_col, self.until))
+        for name, (col, _tables) in _LIST_FILTERS.items():
+            values = getattr(self, name)
+            if values:
+                conds.append(ex.In(col, values) if len(values) > 1 else ex.EqualTo(col, values[0]))
+        for name, (col, op, _tables) in _RANGE_FILTERS.items():
+            value = getattr(self, name)
+            if value is not None:
+                if col == "nbytes" and float(value) != int(value):  # a long column
+                    value = math.ceil(value) if op == ">=" else math.floor(value)
+                value = int(value) if col == "nbytes" else float(value)
+                cond = ex.GreaterThanOrEqual if op == ">=" else ex.LessThanOrEqual
+                conds.append(cond(col, value))
+        out = conds[0]
+        for c in conds[1:]:
+            out = ex.And(out, c)
+        return out
 
 
 def _epoch(value: Any, day_end: bool = False) -> float:
@@ -473,12 +365,52 @@ def _epoch(value: Any, day_end: bool = False) -> float:
 # ---------------------------------------------------------------- direct reads
 
 
+def catalog(**props: Any) -> Any:
+    """The lake's Iceberg catalog from the properties ``hindsight lake catalog`` prints
+    (``name`` and ``namespace`` among them are taken here; the rest go to pyiceberg)."""
+    from pyiceberg.catalog import load_catalog
+
+    props = {k: v for k, v in props.items() if k not in ("namespace",)}
+    return load_catalog(props.pop("name", NAMESPACE), **props)
+
+
+@dataclass
+class LakeFile:
+    """One data file a scan reads: where it is and what it holds."""
+
+    table: str
+    cluster: str
+    day: str
+    path: str  # its full location, e.g. s3://bucket/prefix/lake/iceberg/hindsight/tasks/data/...
+    rows: int
+    bytes: int
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[1]
+
+
+def plan(iceberg_table: Any, table: str, tenant: str, filters: Filters) -> list[LakeFile]:
+    """The data files of ``tenant``'s rows of ``table`` that ``filters`` may match, as the
+    Iceberg table's current snapshot plans them (partition and column statistics pruning),
+    in partition order."""
+    filters.check(table)
+    tasks = iceberg_table.scan(row_filter=filters.iceberg(table, tenant)).plan_files()
+    out = []
+    for t in tasks:
+        f = t.file
+        cluster, day = f.partition[1], f.partition[2]
+        out.append(LakeFile(table, cluster, day, f.file_path, f.record_count, f.file_size_in_bytes))
+    out.sort(key=lambda f: (f.day, f.cluster, f.path))
+    return out
+
+
 def filesystem(
     location: str, *, endpoint_url: str | None = None, region: str | None = None
 ) -> tuple[Any, str]:
-    """(pyarrow filesystem, base path) for a blob store location: ``s3://bucket/prefix``,
-    ``file:///path`` or a local path. S3 credentials come from the usual AWS variables,
-    files or instance roles."""
+    """(pyarrow filesystem, path) for a location: ``s3://bucket/key``, ``file:///path`` or
+    a local path. S3 credentials come from the usual AWS variables, files or instance
+    roles."""
     from pyarrow import fs as pafs
 
     parsed = urllib.parse.urlsplit(location)
@@ -497,165 +429,29 @@ def filesystem(
     return pafs.LocalFileSystem(), location.rstrip("/")
 
 
-@dataclass
-class LakeFile:
-    """One file a scan reads: where it is and what it holds."""
-
-    table: str
-    cluster: str
-    day: str
-    path: str  # for the filesystem it was planned with
-    rows: int
-    bytes: int
-    runs: list[str]
-
-
-def manifests(fs: Any, base: str, tenant: str, clusters: Sequence[str] = ()) -> list[Manifest]:
-    """The newest manifest of every partition of ``tenant`` (of ``clusters`` if given)."""
-    from pyarrow import fs as pafs
-
-    roots = [f"{base}/{MANIFESTS}/tenant={tenant}"]
-    if clusters:
-        roots = [f"{roots[0]}/cluster={c}" for c in clusters]
-    keys = []
-    for root in roots:
-        try:
-            infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-        except FileNotFoundError:
-            continue
-        keys += [i.path[len(base) + 1 :] for i in infos if i.type == pafs.FileType.File]
-    latest = sorted(latest_manifests(keys).values())
-
-    def read(key: str) -> Manifest | None:
-        for _ in range(3):
-            try:
-                with fs.open_input_stream(f"{base}/{key}") as fh:
-                    return decode_manifest(fh.read())
-            except FileNotFoundError:  # superseded while listing: take the newer one
-                parsed = parse_manifest_key(key)
-                assert parsed is not None
-                t, c, d, _ = parsed
-                sel = pafs.FileSelector(f"{base}/{manifest_dir(t, c, d)}", allow_not_found=True)
-                newer = latest_manifests(i.path[len(base) + 1 :] for i in fs.get_file_info(sel))
-                if not newer:
-                    return None
-                key = next(iter(newer.values()))
-        raise RuntimeError(f"lake manifest {key} keeps changing; retry")
-
-    with ThreadPoolExecutor(16) as pool:
-        return [m for m in pool.map(read, latest) if m is not None]
-
-
-def plan(manifests: Iterable[Manifest], table: str, filters: Filters) -> list[FileEntry]:
-    """The live files of ``table`` in ``manifests`` that ``filters`` may match."""
-    filters.check(table)
-    until_day = day_of(filters.until) if filters.until is not None else None
-    out = []
-    for m in manifests:
-        if filters.cluster and m.cluster not in filters.cluster:
-            continue
-        # A run's rows live in the partition of the day it started, never before its tasks.
-        if until_day is not None and m.day > until_day:
-            continue
-        out += [f for f in m.files if f.table == table and filters.file_may_match(f)]
-    return out
-
-
-def files(
-    location: str,
-    table: str,
-    tenant: str,
-    *,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    **filters: Any,
-) -> list[LakeFile]:
-    """The files of ``table`` a scan with ``filters`` reads, planned from the manifests."""
-    f = Filters.from_kwargs(**filters)
-    fs, base = filesystem(location, endpoint_url=endpoint_url, region=region)
-    out = []
-    for m in manifests(fs, base, tenant, f.cluster):
-        for e in plan([m], table, f):
-            out.append(
-                LakeFile(table, m.cluster, m.day, f"{base}/{e.key}", e.rows, e.bytes, e.runs)
-            )
-    return out
-
-
-def _partitioning() -> Any:
-    import pyarrow as pa
-    import pyarrow.dataset as ds
-
-    return ds.partitioning(pa.schema([(n, pa.string()) for n in PARTITION_COLUMNS]), flavor="hive")
-
-
-def dataset(
-    location: str,
-    table: str,
-    tenant: str,
-    *,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    **filters: Any,
-) -> Any:
-    """A ``pyarrow.dataset.Dataset`` of the files a scan with ``filters`` reads, with the
-    partition columns (tenant, cluster, day). Apply ``Filters(...).expression(table)`` (or
-    your own) when scanning it: planning prunes files, not rows."""
-    import pyarrow.dataset as ds
-
-    fs, base = filesystem(location, endpoint_url=endpoint_url, region=region)
-    planned = files(location, table, tenant, endpoint_url=endpoint_url, region=region, **filters)
-    return ds.dataset(
-        [f.path for f in planned],
-        schema=schema(table, with_partition=True),
-        filesystem=fs,
-        format="parquet",
-        partitioning=_partitioning(),
-        partition_base_dir=f"{base}/{ROOT}/{table}",
-    )
-
-
-def stored_columns(columns: Sequence[str] | None) -> list[str] | None:
-    """The columns to read from a file for ``columns`` (None: all of them)."""
-    if not columns:
-        return None
-    return [c for c in columns if c not in PARTITION_COLUMNS]
+def answer_columns(table: str, columns: Sequence[str] | None) -> list[str]:
+    """The columns a read gives: ``columns``, or every column but ``tenant``."""
+    return list(columns) if columns else list(columns_of(table))
 
 
 def read_file(
     fs: Any, path: str, table: str, filters: Filters, columns: Sequence[str] | None = None
 ) -> Any:
-    """One lake file's rows matching ``filters`` (stored ``columns`` only, all if None), as
-    a pyarrow Table."""
+    """One data file's rows matching ``filters`` (``columns``, else all but ``tenant``), as
+    a pyarrow Table in the lake's Arrow schema."""
     import pyarrow.parquet as pq
 
-    return pq.read_table(
-        path,
-        filesystem=fs,
-        columns=None if columns is None else list(columns),
-        filters=filters.expression(table),
-    )
+    names = answer_columns(table, columns)
+    t = pq.read_table(path, filesystem=fs, columns=names, filters=filters.expression(table))
+    return conform(t, table, names)
 
 
-class _DirectPart:
-    """Reads one planned file in a Dask task (picklable: a location, not a filesystem)."""
-
-    def __init__(
-        self,
-        location: str,
-        endpoint_url: str | None,
-        region: str | None,
-        table: str,
-        filters: Filters,
-        columns: Sequence[str] | None,
-    ) -> None:
-        self.location, self.endpoint_url, self.region = location, endpoint_url, region
-        self.table, self.filters, self.columns = table, filters, list(columns or [])
-
-    def __call__(self, file: LakeFile) -> Any:
-        fs, _base = filesystem(self.location, endpoint_url=self.endpoint_url, region=self.region)
-        t = read_file(fs, file.path, self.table, self.filters, stored_columns(self.columns))
-        return to_pandas(with_partition_columns(t, file.cluster, file.day, self.columns))
+def conform(t: Any, table: str, names: Sequence[str]) -> Any:
+    """``t`` in the lake's Arrow types (Iceberg files may hold large strings) and order."""
+    full = schema(table, with_partition=True)
+    target = full.empty_table().select(list(names)).schema
+    t = t.select(list(names))
+    return t if t.schema.equals(target) else t.cast(target)
 
 
 class LocationPart:
@@ -675,55 +471,41 @@ class LocationPart:
 
     def __call__(self, file: dict[str, Any]) -> Any:
         fs, path = filesystem(file["location"], endpoint_url=self.endpoint_url, region=self.region)
-        t = read_file(fs, path, self.table, self.filters, stored_columns(self.columns))
-        return to_pandas(with_partition_columns(t, file["cluster"], file["day"], self.columns))
-
-
-def with_partition_columns(
-    table: Any, cluster: str, day: str, columns: Sequence[str] | None = None
-) -> Any:
-    """``table`` with ``cluster`` and ``day`` columns added (when ``columns`` asks for
-    them, or always when it is empty)."""
-    import pyarrow as pa
-
-    for name, value in (("cluster", cluster), ("day", day)):
-        if not columns or name in columns:
-            table = table.append_column(name, pa.repeat(pa.scalar(value, pa.string()), len(table)))
-    if columns:
-        table = table.select(list(columns))
-    return table
+        return to_pandas(read_file(fs, path, self.table, self.filters, self.columns))
 
 
 def dataframe(
-    location: str,
+    props: dict[str, Any],
     table: str,
     tenant: str,
     *,
     columns: Sequence[str] | None = None,
-    endpoint_url: str | None = None,
-    region: str | None = None,
     **filters: Any,
 ) -> Any:
-    """A ``dask.dataframe`` of ``table``, one partition per planned file, read straight
+    """A ``dask.dataframe`` of ``tenant``'s rows of ``table``, one partition per data file
+    the catalog (``props``: what ``hindsight lake catalog`` prints) plans, read straight
     from the blob store (for operators with its credentials; users go through
-    ``hindsight.Client.lake``). Columns ``cluster`` and ``day`` come from the partition."""
+    ``hindsight.Client.lake``)."""
     import dask.dataframe as dd
 
     f = Filters.from_kwargs(**filters)
-    planned = files(location, table, tenant, endpoint_url=endpoint_url, region=region, **filters)
-    reader = _DirectPart(location, endpoint_url, region, table, f, columns)
+    cat = catalog(**props)
+    planned = plan(cat.load_table(f"{NAMESPACE}.{table}"), table, tenant, f)
+    reader = LocationPart(
+        table, f, columns, endpoint_url=props.get("s3.endpoint"), region=props.get("s3.region")
+    )
     meta = empty_frame(table, columns)
     if not planned:
         return dd.from_pandas(meta, npartitions=1)
-    return dd.from_map(reader, planned, meta=meta, enforce_metadata=False)
+    located = [{"location": p.path, "cluster": p.cluster, "day": p.day} for p in planned]
+    return dd.from_map(reader, located, meta=meta, enforce_metadata=False)
 
 
 def empty_frame(table: str, columns: Sequence[str] | None = None) -> Any:
     """A pandas DataFrame with no rows and the columns (and dtypes) a read of ``table``
     gives: the meta of a Dask DataFrame over the lake."""
-    s = schema(table)
-    t = with_partition_columns(s.empty_table(), "", "", columns)
-    return to_pandas(t)
+    full = schema(table, with_partition=True)
+    return to_pandas(full.empty_table().select(answer_columns(table, columns)))
 
 
 def to_pandas(table: Any) -> Any:

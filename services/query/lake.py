@@ -7,8 +7,9 @@
 - ``GET /v1/lake/{table}/files/{cluster}/{day}/{name}``: one planned file's matching rows
   as Arrow IPC (what each Dask partition reads).
 
-Every key read is built from the caller's tenant (never from the request), so no filter,
-name or path can reach another tenant's partitions.
+Every plan is of the caller's tenant's partitions (the tenant is a partition column of each
+Iceberg table, never taken from the request), and a file named in a path is looked up under
+the caller's tenant's partition, so no filter, name or path can reach another tenant's rows.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, current_app, request
 
 from hindsight import lake as layout
 from hindsight.lake import Filters
 from hindsight.schema import valid_name
 from services.common.params import MAX_PARAM, arg, bad, choice_arg, float_arg, int_arg, time_arg
-from services.common.web import ApiError, db, require, store, unavailable
+from services.common.web import ApiError, require, store, unavailable
 from storage.lake import read as lakequery
+from storage.lake import write as lakewrite
 from storage.lake.read import PlannedFile, Sort
 
 bp = Blueprint("lake", __name__)
@@ -54,6 +56,10 @@ _FLOAT_PARAMS = (
 
 _PARAMS = {f.name for f in fields(Filters)} | {"columns", "sort", "format", "limit"}
 MAX_KEY = 4096  # hindsight.schema.Key
+
+
+def _location() -> lakewrite.Location:
+    return lakewrite.location_from_settings(current_app.config["SETTINGS"])
 
 
 def _table(table: str) -> str:
@@ -152,7 +158,7 @@ def lake_rows(table: str) -> Any:
         limit = int_arg("limit", SORTED_LIMIT, 1, SORTED_LIMIT)
     else:
         limit = int_arg("limit", 0, 1, 10**12) or None
-    files = lakequery.plan(db(), principal.tenant_id, table, f)
+    files = lakequery.plan(_location(), principal.tenant, table, f)
     headers = {"X-Hindsight-Lake-Files": str(len(files))}
     if fmt == "json" or sort is not None:
         result = _scan(principal.tenant, table, files, f, columns, sort, limit or SORTED_LIMIT)
@@ -195,8 +201,8 @@ def _scan(
     try:
         return lakequery.scan(blobs, files, table, f, columns, sort, limit)
     except FileNotFoundError:
-        # The index's catalog lags the lake: plan from the manifests and try once more.
-        files = lakequery.replan(blobs, tenant, table, f, files)
+        # A file of an expired snapshot (a plan older than its retention): plan again.
+        files = lakequery.plan(_location(), tenant, table, f)
         try:
             return lakequery.scan(blobs, files, table, f, columns, sort, limit)
         except FileNotFoundError:
@@ -270,7 +276,7 @@ def lake_files(table: str) -> Any:
     principal = require("read")
     req = parse_request(table)
     table, f, columns = req.table, req.filters, req.columns
-    files = lakequery.plan(db(), principal.tenant_id, table, f)
+    files = lakequery.plan(_location(), principal.tenant, table, f)
     root = store().blobs.url.rstrip("/")
     schema = _answer_schema(table, columns)
     return {
@@ -282,10 +288,10 @@ def lake_files(table: str) -> Any:
                 "cluster": p.cluster,
                 "day": p.day,
                 "name": p.name,
-                "rows": p.entry.rows,
-                "bytes": p.entry.bytes,
+                "rows": p.rows,
+                "bytes": p.bytes,
                 "path": f"/v1/lake/{table}/files/{p.cluster}/{p.day}/{p.name}",
-                "location": f"{root}/{p.entry.key}",
+                "location": f"{root}/{p.key}",
             }
             for p in files
         ],
@@ -300,13 +306,13 @@ def lake_file(table: str, cluster: str, day: str, name: str) -> Any:
     table, f, columns = req.table, req.filters, req.columns
     if not valid_name(cluster) or not layout.valid_day(day) or not layout.valid_file_name(name):
         raise ApiError(404, "not_found", "no such lake file")
-    key = f"{layout.partition_dir(table, principal.tenant, cluster, day)}/{name}"
-    planned = PlannedFile(cluster, day, layout.FileEntry(table, key, 0, 0, []))
+    key = lakewrite.file_key(_location(), table, principal.tenant, cluster, day, name)
+    planned = PlannedFile(cluster, day, key, 0, 0)
     try:
         t = lakequery.read_file(store().blobs, planned, table, f, columns)
     except FileNotFoundError:
         raise ApiError(
-            404, "not_found", "no such lake file (merged or removed since it was planned?)"
+            404, "not_found", "no such lake file (merged and expired since it was planned?)"
         ) from None
     schema = _answer_schema(table, columns)
     return Response(_arrow_stream(schema, [t]), mimetype=ARROW)

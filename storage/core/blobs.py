@@ -224,6 +224,8 @@ class S3BlobStore:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}"
+        # Where the bucket is, for readers beside boto3 (the lake's Iceberg tables).
+        self.endpoint_url, self.region = endpoint_url, region
         session = boto3.session.Session()
         self._client = client or session.client(
             "s3",

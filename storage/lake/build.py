@@ -1,6 +1,6 @@
 """The history lake's finisher, and how retention and reindex keep the lake in step.
 
-Layout, manifest format and filters: ``hindsight/lake.py``; commits and merging:
+Layout and filters: ``hindsight/lake.py``; the Iceberg tables, commits, merges and expiry:
 ``storage/lake/write.py``; the user's view: docs/lake.md.
 
 :func:`finish` runs once a run has finished and settled, again after a late batch, and for
@@ -8,8 +8,9 @@ every finished run on ``reindex`` (``storage/jobs/finish.py``). It takes the run
 from its compacted copy (``FinishedRun.data()``: tasks, metrics), adds the run's identity, a
 summary row and the values its tasks emitted, and commits them to the partition of the day
 the run started. It is idempotent: the run's ``tag`` (a hash of its summary and the blob
-keys of its batches, stable across a rebuilt index) says whether the lake already holds this
-version of the run, and then nothing is built or written.
+keys of its batches, stable across a rebuilt index; the ``tag`` column of the runs table,
+copied into the index's ``lake_runs``) says whether the lake already holds this version of
+the run, and then nothing is built or written.
 """
 
 from __future__ import annotations
@@ -17,20 +18,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
-from sqlalchemy import func, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from hindsight import lake as layout
-from hindsight.lake import Manifest
 from hindsight.schema import CustomEvent
 from storage.analysis.runfacts import fingerprint
 from storage.core import models as m
 from storage.core.blobs import BlobStore
-from storage.lake.write import TARGET_ROWS, Partition, RunRows, commit, read_manifest, schemas
+from storage.lake import write
+from storage.lake.write import Location, Partition, RunRows
 from storage.query.runs import run_summary
 from storage.runs import runlogs
 from storage.runs.context import FinishedRun
@@ -57,7 +59,7 @@ def run_tag(db: Session, run: m.Run, summary: dict[str, Any]) -> str:
         .where(m.RunBatch.run_id == run.id)
         .order_by(m.Batch.blob_key)
     )
-    h = hashlib.sha256(f"lake-v{layout.LAKE_VERSION}\n".encode())
+    h = hashlib.sha256(b"lake-v1\n")  # as the lake before Iceberg: migrated runs stay current
     h.update(msgspec.json.encode(summary))
     for key in keys:
         h.update(b"\n" + key.encode())
@@ -92,14 +94,19 @@ def emitted(db: Session, blobs: BlobStore, run: m.Run) -> Iterator[CustomEvent]:
 
 
 def build_tables(
-    run: m.Run, cluster: str, session: str, data: Any, values: Iterable[CustomEvent]
+    run: m.Run,
+    cluster: str,
+    session: str,
+    data: Any,
+    values: Iterable[CustomEvent],
+    tag: str | None = None,
 ) -> dict[str, Any]:
     """The lake tables of one run from its compacted copy (``data``: tasks, metrics) and the
     values its tasks emitted."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    sch = schemas()
+    sch = {t: layout.schema(t) for t in layout.TABLES}
     pid = run.public_id
     renamed = ["duration" if c == "compute" else c for c in data.tasks.column_names]
     tasks = _with_identity(data.tasks.rename_columns(renamed), pid, session, sch["tasks"])
@@ -133,6 +140,7 @@ def build_tables(
                 "fingerprint": fingerprint(run.name, run.run_key, prefixes),
                 "span": [str(s) for s in run.span or []],
                 "client": run.client,
+                "tag": tag,
             }
         ],
         schema=sch["runs"],
@@ -164,102 +172,89 @@ def build_tables(
 def finish(fr: FinishedRun) -> None:
     """The lake's finisher (``storage/jobs/finish.py``): put the run's current rows in the lake."""
     db, blobs, run = fr.db, fr.blobs, fr.run
+    loc = write.location_of(db, blobs)
     summary = run_summary(run, fr.cluster, fr.session)
     tag = run_tag(db, run, summary)
     day = run_day(run)
-    part = Partition(fr.tenant, fr.cluster, day, run.tenant_id, run.cluster_id)
     prev = db.execute(
-        select(m.LakePartition.day)
-        .join(m.LakeRun, m.LakeRun.partition_id == m.LakePartition.id)
+        select(m.LakeRun.tag, m.LakePartition.day)
+        .join(m.LakePartition, m.LakePartition.id == m.LakeRun.partition_id)
         .where(m.LakeRun.run_id == run.id)
-    ).scalar()
-    if prev is not None and prev != day:  # a late batch moved the run's start
-        commit(
-            db,
-            blobs,
-            Partition(fr.tenant, fr.cluster, prev, run.tenant_id, run.cluster_id),
-            remove=[run.public_id],
-        )
+    ).first()
+    if prev is not None and tuple(prev) == (tag, day):
+        return
+    part = Partition(fr.tenant, fr.cluster, day)
+    if prev is None and lake_tag(loc, part, run.public_id) == tag:
+        # In the lake at this version, unknown to the index (an index rebuilt from the
+        # batches): the index learns it, the lake is left alone.
+        pid = _partition_id(db, run.tenant_id, run.cluster_id, day)
+        db.add(m.LakeRun(run_id=run.id, partition_id=pid, tag=tag))
+        return
     rows = RunRows(
         run.public_id,
         fr.session,
         tag,
-        lambda: build_tables(run, fr.cluster, fr.session, fr.data(), emitted(db, blobs, run)),
+        lambda: build_tables(run, fr.cluster, fr.session, fr.data(), emitted(db, blobs, run), tag),
     )
-    commit(db, blobs, part, add=[rows])
-    seal_previous(db, blobs, part)
-    vacuum(db, blobs, limit=2)
+    # The index is written after the lake (its catalog lives in the same database: with
+    # SQLite, a write held open here would block the lake's commit). Replacing is also
+    # right for a run the index does not know to be there (an index rebuilt without
+    # ``reconcile``): never twice in the lake.
+    days = {day} | ({prev[1]} if prev is not None else set())
+    write.commit_runs(loc, part, [rows], replace=[run.public_id], days=days)
+    sealed = _maintain(db, loc, part, run.cluster_id)
+    pid = _partition_id(db, run.tenant_id, run.cluster_id, day)
+    db.execute(delete(m.LakeRun).where(m.LakeRun.run_id == run.id))
+    db.add(m.LakeRun(run_id=run.id, partition_id=pid, tag=tag))
+    if sealed:
+        db.execute(update(m.LakePartition).where(m.LakePartition.id.in_(sealed)).values(seq=1))
 
 
-def seal_previous(db: Session, blobs: BlobStore, part: Partition, now: float | None = None) -> None:
-    """Seal (merge into one file per table) the newest earlier day of the cluster left
-    with several small files: its runs finished while the day was still running."""
-    now = time.time() if now is None else now
-    P, F = m.LakePartition, m.LakeFile
-    pid = db.execute(
-        select(P.id)
-        .join(F, F.partition_id == P.id)
-        .where(
-            P.cluster_id == part.cluster_id,
-            P.day < layout.day_of(now),
-            P.day != part.day,
-            F.rows < min(TARGET_ROWS.values()) // 2,
-        )
-        .group_by(P.id, P.day, F.tbl)
-        .having(func.count() > 1)
-        .order_by(P.day.desc())
-        .limit(1)
-    ).scalar()
-    if pid is not None and _try_lock(db, pid):
-        commit(db, blobs, _partition_of(db, pid), now=now, seal=True)
+def lake_tag(loc: Location, part: Partition, run: str) -> str | None:
+    """The version (``tag``) of a run the lake's runs table holds in ``part``, if any."""
+    from pyiceberg.expressions import And, EqualTo
+
+    cond = And(part.expression(), EqualTo("run", run))
+    got = write.table(loc, "runs").scan(row_filter=cond, selected_fields=("tag",)).to_arrow()
+    return got["tag"][0].as_py() if len(got) else None
 
 
-def _try_lock(db: Session, pid: int) -> bool:
-    """Lock a partition's row unless another transaction holds it. Work a finisher does
-    on the side (sealing, vacuuming) never waits for a lock: two finishers each holding
-    their own run's partition and waiting for the other's would deadlock."""
+def _partition_id(db: Session, tenant_id: int, cluster_id: int, day: str) -> int:
+    """The index's row of a lake partition (made if missing), marked unsealed: a day the
+    lake has merged into one file per table has ``seq`` 1 until the next commit to it."""
     P = m.LakePartition
-    got = db.scalar(select(P.id).where(P.id == pid).with_for_update(skip_locked=True))
-    return got is not None
+    pid = db.scalar(select(P.id).where(P.cluster_id == cluster_id, P.day == day))
+    if pid is None:
+        row = P(tenant_id=tenant_id, cluster_id=cluster_id, day=day, seq=0)
+        db.add(row)
+        db.flush()
+        return row.id
+    db.execute(update(P).where(P.id == pid).values(seq=0))
+    return pid
 
 
-def _partition_of(db: Session, pid: int) -> Partition:
-    tenant, cluster, day, tenant_id, cluster_id = db.execute(
-        select(
-            m.Tenant.name,
-            m.Cluster.name,
-            m.LakePartition.day,
-            m.LakePartition.tenant_id,
-            m.LakePartition.cluster_id,
-        )
-        .join(m.Cluster, m.Cluster.id == m.LakePartition.cluster_id)
-        .join(m.Tenant, m.Tenant.id == m.LakePartition.tenant_id)
-        .where(m.LakePartition.id == pid)
-    ).one()
-    return Partition(tenant, cluster, day, tenant_id, cluster_id)
-
-
-def vacuum(
-    db: Session,
-    blobs: BlobStore,
-    *,
-    now: float | None = None,
-    limit: int = 100,
-    tenant_id: int | None = None,
-) -> int:
-    """Delete superseded files past their grace period in up to ``limit`` partitions (a
-    commit of each, so the manifests stop naming them). Returns partitions vacuumed."""
-    now = time.time() if now is None else now
+def _maintain(db: Session, loc: Location, part: Partition, cluster_id: int) -> list[int]:
+    """After a commit: merge the partition's small files, seal the cluster's earlier days
+    (their runs finished while the day ran), expire old snapshots. Returns the index rows
+    of the partitions sealed. Best effort: the run is in the lake already, and the next
+    finish does it. Only reads the index (its writes come after the lake's commits)."""
     P = m.LakePartition
-    q = select(P.id).where(P.vacuum_at <= now).order_by(P.vacuum_at).limit(limit)
-    if tenant_id is not None:
-        q = q.where(P.tenant_id == tenant_id)
-    done = 0
-    for pid in db.scalars(q).all():
-        if _try_lock(db, pid):
-            commit(db, blobs, _partition_of(db, pid), now=now)
-            done += 1
-    return done
+    sealed: list[int] = []
+    try:
+        write.compact(loc, part)
+        today = layout.day_of(time.time())
+        for pid, day in db.execute(
+            select(P.id, P.day)
+            .where(P.cluster_id == cluster_id, P.day < today, P.day != part.day, P.seq == 0)
+            .order_by(P.day.desc())
+            .limit(3)
+        ).all():
+            write.compact(loc, Partition(part.tenant, part.cluster, day))
+            sealed.append(pid)
+        write.expire(loc, every=write.EXPIRE_EVERY_S)
+    except Exception:  # noqa: BLE001 - maintenance must not fail the run's finish
+        logger.exception("lake: maintenance after %s failed", part)
+    return sealed
 
 
 # ---------------------------------------------------------------- retention and reindex
@@ -268,38 +263,38 @@ def vacuum(
 def forget_session(
     db: Session, blobs: BlobStore, tenant: str, session_id: int, now: float | None = None
 ) -> int:
-    """Take every run of a session out of the lake, deleting the files that held them at
-    once (retention: the rows must go, not wait for a grace period). Returns partitions
-    changed. Call it before the session's index rows go."""
+    """Take every run of a session out of the lake, and delete the files that held them at
+    once (retention: the rows must go, not wait for old snapshots to expire). Returns the
+    tables changed. Call it before the session's index rows go."""
+    from pyiceberg.expressions import And, EqualTo
+
     sess = db.get(m.Session, session_id)
     if sess is None:
         return 0
     cluster = db.get(m.Cluster, sess.cluster_id)
     assert cluster is not None
-    P = m.LakePartition
-    pids = set(
-        db.scalars(
-            select(m.LakeRun.partition_id)
-            .join(m.Run, m.Run.id == m.LakeRun.run_id)
-            .where(m.Run.session_id == session_id)
-        )
-    )
-    # Also the days the session was alive (a run the index no longer lists as in the lake):
-    # a run starts while its session lives; a day of slack for clocks.
-    lo = layout.day_of(sess.first_seen - 86_400)
-    pids |= set(
-        db.scalars(
-            select(P.id).where(
-                P.cluster_id == cluster.id, P.day >= lo, P.day <= layout.day_of(sess.last_seen)
-            )
-        )
+    loc = write.location_of(db, blobs)
+    cond = And(
+        EqualTo("tenant", tenant), EqualTo("cluster", cluster.name), EqualTo("session", sess.name)
     )
     changed = 0
-    for pid in sorted(pids):
-        part = _partition_of(db, pid)
-        before = read_manifest(blobs, *part.names).seq
-        after = commit(db, blobs, part, remove_session=sess.name, now=now, grace=0.0)
-        changed += after.seq != before
+    for name in layout.TABLES:
+        tbl = write.table(loc, name)
+        before = tbl.metadata.current_snapshot_id
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "did not match any records"
+            tbl.delete(cond)
+        changed += tbl.refresh().metadata.current_snapshot_id != before
+    if changed:
+        write.expire(loc, now=now, retain=0.0)
+    # The index's rows of partitions left without another session's run go too.
+    P, LR = m.LakePartition, m.LakeRun
+    others = (
+        select(LR.partition_id)
+        .join(m.Run, m.Run.id == LR.run_id)
+        .where(m.Run.session_id != session_id)
+    )
+    db.execute(delete(P).where(P.cluster_id == cluster.id, P.id.not_in(others)))
     return changed
 
 
@@ -307,50 +302,53 @@ def reconcile(
     blobs: BlobStore, sessions: sessionmaker[Session], *, now: float | None = None
 ) -> dict[str, int]:
     """Bring the lake in step with the index after ``reindex``: runs the index no longer
-    knows leave the lake, and the index's catalog is rebuilt from the manifests. Runs the
-    index knows but the lake lacks are the finishers' work (reindex finishes every run)."""
+    knows leave the lake, and the index's ``lake_runs`` come back from the runs table. Runs
+    the index knows but the lake lacks are the finishers' work (reindex finishes every
+    run)."""
+    from pyiceberg.expressions import And, EqualTo, In
+
     counts = {"partitions": 0, "runs_removed": 0}
-    for key in sorted(layout.latest_manifests(blobs.list(layout.MANIFESTS + "/")).values()):
-        tenant, cluster, day, _seq = layout.parse_manifest_key(key)  # type: ignore[misc]
+    with sessions() as db:
+        loc = write.location_of(db, blobs)
+    held = (
+        write.table(loc, "runs")
+        .scan(selected_fields=("tenant", "cluster", "day", "run", "tag"))
+        .to_arrow()
+    )
+    by_cluster: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in held.to_pylist():
+        by_cluster.setdefault((r["tenant"], r["cluster"]), []).append(r)
+    for (tenant, cluster), rows in sorted(by_cluster.items()):
         with sessions.begin() as db:
             ids = db.execute(
                 select(m.Tenant.id, m.Cluster.id)
                 .join(m.Cluster, m.Cluster.tenant_id == m.Tenant.id)
                 .where(m.Tenant.name == tenant, m.Cluster.name == cluster)
             ).first()
-            manifest = read_manifest(blobs, tenant, cluster, day)
-            if ids is None:
-                # The index has no such cluster: nothing of the partition is known.
-                known: set[str] = set()
-                tenant_id = cluster_id = None
-            else:
-                tenant_id, cluster_id = ids
-                known = set(
-                    db.scalars(
-                        select(m.Run.public_id).where(
-                            m.Run.tenant_id == tenant_id, m.Run.public_id.in_(list(manifest.runs))
+            known: dict[str, int] = {}
+            if ids is not None:
+                known = dict(
+                    db.execute(
+                        select(m.Run.public_id, m.Run.id).where(
+                            m.Run.tenant_id == ids[0],
+                            m.Run.public_id.in_([r["run"] for r in rows]),
                         )
-                    )
+                    ).all()
                 )
-            unknown = set(manifest.runs) - known
-            if ids is None:
-                _drop_partition(blobs, manifest)
-            else:
-                assert tenant_id is not None and cluster_id is not None
-                part = Partition(tenant, cluster, day, tenant_id, cluster_id)
-                commit(db, blobs, part, remove=unknown, now=now)
-            counts["partitions"] += 1
+            unknown = sorted({r["run"] for r in rows} - set(known))
+            for r in rows:
+                if r["run"] not in known or ids is None:
+                    continue
+                pid = _partition_id(db, ids[0], ids[1], r["day"])
+                db.execute(delete(m.LakeRun).where(m.LakeRun.run_id == known[r["run"]]))
+                db.add(m.LakeRun(run_id=known[r["run"]], partition_id=pid, tag=r["tag"] or ""))
+            counts["partitions"] += len({r["day"] for r in rows})
+        if unknown:
+            cond = And(
+                And(EqualTo("tenant", tenant), EqualTo("cluster", cluster)), In("run", unknown)
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                write.delete_rows(loc, cond)
             counts["runs_removed"] += len(unknown)
     return counts
-
-
-def _drop_partition(blobs: BlobStore, manifest: Manifest) -> None:
-    """Delete a partition the index cannot name (its cluster is gone): files, then manifests."""
-    for f in manifest.files:
-        blobs.delete(f.key)
-    for r in manifest.removed:
-        blobs.delete(r.key)
-    for key in blobs.list(
-        layout.manifest_dir(manifest.tenant, manifest.cluster, manifest.day) + "/"
-    ):
-        blobs.delete(key)

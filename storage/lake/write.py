@@ -1,93 +1,294 @@
-"""Commits to the history lake: one partition's manifest, files and merges.
+"""The history lake's Apache Iceberg tables: the catalog, commits, compaction and expiry.
 
-Layout, manifest format and filters: ``hindsight/lake.py``. What goes in (a run's rows) and
-when: ``storage/lake/build.py``.
+Layout and filters: ``hindsight/lake.py``; what goes in (a run's rows) and when:
+``storage/lake/build.py``; the user's view: docs/lake.md; why Iceberg:
+docs/decisions/0032-lake-on-iceberg.md.
 
-**A commit** to a (tenant, cluster, day) partition: under the partition's row lock in the
-index, read the newest manifest from the blob store (the truth), write the new files,
-then put manifest ``seq + 1`` with put-if-absent. Put-if-absent is the fence: a writer that
-lost its lock (or a second writer without one) cannot overwrite a commit; it re-reads and
-tries again. Files are never modified: a run that changes, or goes, makes the files that
-held it superseded (listed under ``removed`` with the time) and the rows of the other runs
-in them are rewritten into new files. Superseded files are deleted once ``GRACE_S`` has
-passed, so a reader holding an older manifest (a Dask graph planned a minute ago) still
-finds every file it planned. File names carry the commit's ``seq``, so no two commits ever
-write the same name and deleting a superseded file can never hit a live one. Only then is
-the index's copy of the catalog (``lake_partitions``, ``lake_files``, ``lake_runs``)
-updated, in the caller's transaction: if that rolls back, the blob store is ahead and the
-next commit (or the retried finisher) catches the index up.
+**The catalog** is pyiceberg's SQL catalog in the index database (its two tables,
+``iceberg_tables`` and ``iceberg_namespace_properties``, next to Hindsight's own: the SQLite
+file of ``hindsight serve``, Postgres for the full stack); the warehouse is
+``{blob store}/lake/iceberg``; the tables are ``hindsight.tasks``, ``.metrics``, ``.runs``
+and ``.streams``, partitioned by ``tenant``, ``cluster`` and ``day`` (identity: the UTC day
+the run started, so all of a run's rows are in one partition per table).
 
-**Merging.** A run's rows are written with the rows they are merged with, never written
-small and then rewritten at once: per table, when the partition already holds
-``FANOUT - 1`` small files of the new file's size tier or below (tiers by rows, x4 apart),
-they are merged with it; once the partition's day is over (it is before today, UTC), every
-small file is merged into one (sealing). A cluster's day thus ends as one file per table
-(or a few of ``TARGET_ROWS`` each), and while the day runs, each row is rewritten about
-log4(rows of the day) times. Merges stream row groups: memory stays near ``ROW_GROUP`` rows.
+**A commit** is one Iceberg transaction per table: a run new to the lake is appended; a
+run that changed (a late batch) is overwritten with a row filter on the run, its old rows
+deleted and its new rows added in one snapshot. Commits are optimistic: the catalog swaps
+the table's metadata pointer only if no one else did meanwhile, else pyiceberg refreshes,
+re-checks that nothing it deletes was changed, and retries (``commit.retry.*`` below), so
+two collectors committing to one partition at once both land.
+
+**Small files** are merged per partition: when a partition holds ``FANOUT`` or more small
+files of one size tier (or below; tiers by rows, ``FANOUT``x apart), they are rewritten
+into one sorted file in one snapshot; once the partition's day is over, every small file
+is (sealing). **Old snapshots expire** after ``RETAIN_S``, and the files only they held
+(data files replaced by overwrites, merges and deletes; their manifests and manifest lists)
+are deleted then, so storage follows the data, not the number of commits, while a reader
+that planned within ``RETAIN_S`` still finds every file it planned.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
+import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+import urllib.parse
+import uuid
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import cached_property
+from threading import Lock
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
-from sqlalchemy.orm import Session
-
 from hindsight import lake as layout
-from hindsight.lake import FileEntry, Manifest, Removed, RunEntry
-from storage.core import models as m
-from storage.core.blobs import BlobStore
 
 logger = logging.getLogger(__name__)
 
+CATALOG = "hindsight"
+NAMESPACE = "hindsight"
+WAREHOUSE = "lake/iceberg"  # under the blob store's root
 ROW_GROUP = 131_072
-#: Rows of a full file per table (~50-150 MB of Parquet for tasks); a file of at least half
-#: is never merged again.
+#: Rows of a full file per table; a file of at least half of it is never merged again.
 TARGET_ROWS = {"tasks": 1_000_000, "metrics": 4_000_000, "runs": 1_000_000, "streams": 1_000_000}
 BASE_ROWS = 16_384  # files below this are tier 0; each tier above holds FANOUT x more rows
 FANOUT = 4
-#: Seconds a superseded file stays readable before it is deleted.
-GRACE_S = 3600.0
-MAX_ATTEMPTS = 5
+#: Seconds a snapshot stays readable after a newer one replaced it.
+RETAIN_S = 3600.0
+#: A finisher expires snapshots once the oldest has been due this long.
+EXPIRE_EVERY_S = 300.0
 SORT_KEYS = {
     "tasks": [("prefix", "ascending"), ("start", "ascending")],
     "metrics": [("name", "ascending"), ("worker", "ascending"), ("time", "ascending")],
     "runs": [("started_at", "ascending")],
     "streams": [("stream", "ascending"), ("time", "ascending")],
 }
+_BOUND_STRINGS = ("run", "session", "prefix", "status", "worker", "name", "stream", "key")
+_BOUND_NUMBERS = ("start", "stop", "time", "started_at", "duration", "nbytes", "value", "makespan")
+TABLE_PROPERTIES = {
+    "format-version": "2",
+    "write.parquet.compression-codec": "zstd",
+    "write.parquet.row-group-limit": str(ROW_GROUP),
+    # Manifests merge as commits add them, so planning reads a few manifests, not one per run.
+    "commit.manifest-merge.enabled": "true",
+    "commit.manifest.min-count-to-merge": "16",
+    # Each commit writes a metadata file; the catalog points at the newest.
+    "write.metadata.delete-after-commit.enabled": "true",
+    "write.metadata.previous-versions-max": "10",
+    # Concurrent collectors: short waits, many tries (commits are small).
+    "commit.retry.num-retries": "20",
+    "commit.retry.min-wait-ms": "20",
+    "commit.retry.max-wait-ms": "2000",
+    "commit.retry.total-timeout-ms": "120000",
+    # Bounds only of the columns filters and sorts use (others: counts), so manifests stay
+    # small to keep and quick to decode; strings to 64 characters (a run id whole); the
+    # partition columns always whole (add_files reads a file's partition from them).
+    "write.metadata.metrics.default": "counts",
+    **{f"write.metadata.metrics.column.{c}": "truncate(64)" for c in _BOUND_STRINGS},
+    **{f"write.metadata.metrics.column.{c}": "full" for c in _BOUND_NUMBERS},
+    **{f"write.metadata.metrics.column.{c}": "full" for c in layout.PARTITION_COLUMNS},
+}
 
 
-def schemas() -> dict[str, Any]:
-    """The Arrow schema of each lake table (``hindsight.lake.COLUMNS``)."""
-    return {t: layout.schema(t) for t in layout.TABLES}
+# ---------------------------------------------------------------- the catalog
 
 
-@dataclass
-class RunRows:
-    """One run's rows for the lake; ``load`` builds the tables only when a commit needs them."""
+@dataclass(frozen=True)
+class Location:
+    """Where the lake is: the index database and the blob store."""
 
-    run: str  # public id
-    session: str
-    tag: str
-    load: Callable[[], dict[str, Any]]
+    database_url: str
+    blob_url: str
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
 
-    @cached_property
-    def tables(self) -> dict[str, Any]:
-        return self.load()
+    @property
+    def warehouse(self) -> str:
+        return f"{self.blob_url.rstrip('/')}/{WAREHOUSE}"
+
+    @property
+    def name(self) -> str:
+        """The catalog's name: one index database may hold the catalogs of several blob
+        stores (a staging and a production deployment on one Postgres database; the test
+        suite), so the name is the warehouse's: ``hindsight_`` and a hash of it (an
+        identifier Spark and Trino take as a catalog name without quotes)."""
+        return f"{CATALOG}_{hashlib.sha256(self.warehouse.encode()).hexdigest()[:10]}"
+
+    def key(self, path: str) -> str:
+        """The blob key of a file the catalog names by its full location."""
+        root = self.blob_url.rstrip("/") + "/"
+        if not path.startswith(root):
+            raise ValueError(f"{path} is not in the blob store {root}")
+        return path[len(root) :]
+
+    def properties(self, *, secrets: bool = True) -> dict[str, str]:
+        """The properties of ``pyiceberg.catalog.load_catalog(CATALOG, **props)``. Without
+        ``secrets``, the database password is left out (libpq takes it from PGPASSWORD or
+        ~/.pgpass) and S3 credentials are never in them (the usual AWS variables)."""
+        uri = _sqlalchemy_url(self.database_url, secrets)
+        props = {"type": "sql", "uri": uri, "warehouse": self.warehouse}
+        if self.blob_url.startswith("s3://"):
+            props["s3.region"] = self.s3_region
+            if self.s3_endpoint_url:
+                props["s3.endpoint"] = self.s3_endpoint_url
+        return props
 
 
-# ---------------------------------------------------------------- statistics
+def location_of(db: Any, blobs: Any) -> Location:
+    """The lake's location from an index session and the blob store it writes to."""
+    inner = getattr(blobs, "blobs", blobs)  # storage.runs.context.ReadOnce wraps the store
+    url = db.get_bind().url.render_as_string(hide_password=False)
+    return Location(
+        url,
+        _blob_root(blobs.url),
+        getattr(inner, "endpoint_url", None),
+        getattr(inner, "region", None) or "us-east-1",
+    )
+
+
+def location_from_settings(settings: Any) -> Location:
+    return Location(
+        settings.database_url,
+        _blob_root(settings.blob_url),
+        settings.s3_endpoint_url or None,
+        settings.s3_region or "us-east-1",
+    )
+
+
+def _blob_root(url: str) -> str:
+    """A blob store URL as its store spells it (the catalog's name derives from it: the
+    finisher, given a store, and the services, given settings, must find one catalog)."""
+    from pathlib import Path
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file":
+        return Path(urllib.parse.unquote(parts.path)).as_uri()
+    return url.rstrip("/")
+
+
+def _sqlalchemy_url(url: str, secrets: bool) -> str:
+    from sqlalchemy.engine import URL, make_url
+
+    u = make_url(url)
+    if u.get_backend_name() == "postgresql" and u.get_driver_name() in ("", "psycopg2"):
+        u = u.set(drivername="postgresql+psycopg2")
+    if not secrets:  # (URL.set keeps a field given None)
+        u = URL.create(u.drivername, u.username, None, u.host, u.port, u.database, u.query)
+    return u.render_as_string(hide_password=False)
+
+
+_catalogs: dict[Location, Any] = {}
+_catalogs_lock = Lock()
+
+
+def catalog(loc: Location) -> Any:
+    """The lake's catalog (one per process and location), its namespace and tables made
+    on first use."""
+    with _catalogs_lock:
+        cat = _catalogs.get(loc)
+        if cat is None:
+            from pyiceberg.catalog.sql import SqlCatalog
+            from sqlalchemy import create_engine
+            from sqlalchemy.pool import NullPool
+
+            props = loc.properties()
+            props.pop("type")
+            cat = SqlCatalog(loc.name, **props)
+            # No pooled connections held by a catalog cached for the process's life: a
+            # commit is a few statements, and an idle pool would hold the database open.
+            cat.engine.dispose()
+            cat.engine = create_engine(props["uri"], poolclass=NullPool)
+            _ensure_tables(cat)
+            _catalogs[loc] = cat
+        return cat
+
+
+def _ensure_tables(cat: Any) -> None:
+    from pyiceberg.exceptions import NamespaceAlreadyExistsError, TableAlreadyExistsError
+
+    try:
+        cat.create_namespace(NAMESPACE)
+    except NamespaceAlreadyExistsError:
+        pass
+    existing = {name for _ns, name in cat.list_tables(NAMESPACE)}
+    for table in layout.TABLES:
+        if table in existing:
+            continue
+        schema = iceberg_schema(table)
+        try:
+            cat.create_table(
+                f"{NAMESPACE}.{table}",
+                schema=schema,
+                partition_spec=_partition_spec(schema),
+                sort_order=_sort_order(schema, table),
+                # Our files carry no Iceberg field ids: columns are mapped by name.
+                properties={
+                    **TABLE_PROPERTIES,
+                    "schema.name-mapping.default": schema.name_mapping.model_dump_json(),
+                },
+            )
+        except TableAlreadyExistsError:  # another process made it meanwhile
+            pass
+
+
+def iceberg_schema(table: str) -> Any:
+    """The Iceberg schema of a lake table: its columns, then tenant, cluster and day."""
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import DoubleType, ListType, LongType, NestedField, StringType
+
+    types = {"string": StringType(), "int64": LongType(), "float64": DoubleType()}
+    cols = [*layout.COLUMNS[table], *((n, "string") for n in layout.PARTITION_COLUMNS)]
+    fields, next_id = [], len(cols) + 1  # list elements take ids after the columns'
+    for i, (name, kind) in enumerate(cols, start=1):
+        if kind == "list<string>":
+            t: Any = ListType(next_id, StringType(), element_required=False)
+            next_id += 1
+        else:
+            t = types[kind]
+        fields.append(NestedField(i, name, t, required=False))
+    return Schema(*fields)
+
+
+def _partition_spec(schema: Any) -> Any:
+    from pyiceberg.partitioning import PartitionField, PartitionSpec
+    from pyiceberg.transforms import IdentityTransform
+
+    return PartitionSpec(
+        *(
+            PartitionField(schema.find_field(n).field_id, 1000 + i, IdentityTransform(), n)
+            for i, n in enumerate(layout.PARTITION_COLUMNS)
+        )
+    )
+
+
+def _sort_order(schema: Any, table: str) -> Any:
+    from pyiceberg.table.sorting import SortField, SortOrder
+    from pyiceberg.transforms import IdentityTransform
+
+    return SortOrder(
+        *(
+            SortField(schema.find_field(c).field_id, IdentityTransform())
+            for c, _ in SORT_KEYS[table]
+        )
+    )
+
+
+def table(loc: Location, name: str) -> Any:
+    """The lake table ``name``, as the catalog has it now."""
+    return catalog(loc).load_table(f"{NAMESPACE}.{name}")
+
+
+# ---------------------------------------------------------------- data files
+
+#: The Parquet footer key of a file's statistics (see ``_stats``).
+STATS_KEY = b"hindsight.stats"
 
 
 def _stats(table_name: str, t: Any) -> dict[str, Any]:
-    """What pruning needs to know of a chunk of rows (see docs/lake.md)."""
+    """What pruning needs beyond Iceberg's column bounds (see docs/lake.md): tasks per
+    prefix [rows, longest duration, largest nbytes, erred] and statuses; metric names;
+    stream names. Kept in the file's Parquet footer; the query service caches it."""
     import pyarrow.compute as pc
 
     if table_name == "tasks":
@@ -148,9 +349,6 @@ def _span(table_name: str, t: Any) -> tuple[float | None, float | None]:
     return pc.min(t[lo_col]).as_py(), pc.max(t[hi_col]).as_py()
 
 
-# ---------------------------------------------------------------- writing files
-
-
 def parquet_options(schema: Any) -> dict[str, Any]:
     """How lake files are encoded: zstd; floats (times, seconds, values) byte-stream-split
     rather than dictionary-encoded, which takes a task record from ~65 to ~49 bytes and
@@ -162,116 +360,28 @@ def parquet_options(schema: Any) -> dict[str, Any]:
     return {"compression": "zstd", "use_dictionary": others, "use_byte_stream_split": floats}
 
 
-class _FileWriter:
-    """Writes one table's rows of a commit into files of at most ``TARGET_ROWS`` rows,
-    row groups sorted, statistics gathered as it goes."""
-
-    def __init__(
-        self, blobs: BlobStore, part: Partition, table: str, seq: int, tags: dict[str, str]
-    ) -> None:
-        self.blobs, self.part, self.table, self.seq, self.tags = blobs, part, table, seq, tags
-        self.schema = schemas()[table]
-        self.entries: list[FileEntry] = []
-        self._pending: list[Any] = []
-        self._pending_rows = 0
-        self._open()
-
-    def _open(self) -> None:
-        import pyarrow.parquet as pq
-
-        self._buf = io.BytesIO()
-        self._writer = pq.ParquetWriter(self._buf, self.schema, **parquet_options(self.schema))
-        self._rows = 0
-        self._runs: set[str] = set()
-        self._stats: dict[str, Any] = {}
-        self._t: list[float | None] = [None, None]
-
-    def add(self, t: Any) -> None:
-        if len(t) == 0:
-            return
-        self._pending.append(t.cast(self.schema) if t.schema != self.schema else t)
-        self._pending_rows += len(t)
-        if self._pending_rows >= ROW_GROUP:
-            self._flush_group()
-
-    def _flush_group(self) -> None:
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        if not self._pending:
-            return
-        t = pa.concat_tables(self._pending).sort_by(SORT_KEYS[self.table])
-        self._pending, self._pending_rows = [], 0
-        self._writer.write_table(t, row_group_size=ROW_GROUP)
-        self._rows += len(t)
-        self._runs.update(x for x in pc.unique(t["run"]).to_pylist() if x is not None)
-        self._stats = _merge_stats(self._stats, _stats(self.table, t))
-        lo, hi = _span(self.table, t)
-        if lo is not None and (self._t[0] is None or lo < self._t[0]):
-            self._t[0] = lo
-        if hi is not None and (self._t[1] is None or hi > self._t[1]):
-            self._t[1] = hi
-        if self._rows >= TARGET_ROWS[self.table]:
-            self._close()
-            self._open()
-
-    def _close(self) -> None:
-        self._writer.close()
-        if self._rows == 0:
-            return
-        runs = sorted(self._runs)
-        h = hashlib.sha256(self.table.encode())
-        for r in runs:
-            h.update(f"\n{r}@{self.tags.get(r, '')}".encode())
-        h.update(f"\n#{len(self.entries)}".encode())
-        name = f"part-{self.seq:010d}-{h.hexdigest()[:16]}.parquet"
-        key = f"{layout.partition_dir(self.table, *self.part.names)}/{name}"
-        body = self._buf.getvalue()
-        self.blobs.put(key, body, if_absent=True)
-        self.entries.append(
-            FileEntry(
-                self.table, key, self._rows, len(body), runs, self._t[0], self._t[1], self._stats
-            )
-        )
-
-    def finish(self) -> list[FileEntry]:
-        self._flush_group()
-        self._close()
-        return self.entries
-
-
-def _file_rows(blobs: BlobStore, entry: FileEntry, drop: set[str]) -> Iterator[Any]:
-    """The row groups of a lake file, without the runs in ``drop``."""
-    import pyarrow.compute as pc
+def write_files(tbl: Any, name: str, part: Partition, rows: Any) -> list[str]:
+    """Write a partition's rows (sorted, with the partition columns) as data files of at
+    most ``TARGET_ROWS`` rows where pyiceberg would (``{table}/data/tenant=…/cluster=…/
+    day=…/``), our statistics in each footer. Returns their locations, for ``add_files``."""
     import pyarrow.parquet as pq
 
-    f = pq.ParquetFile(io.BytesIO(blobs.get(entry.key)))
-    keep = None
-    for i in range(f.metadata.num_row_groups):
-        t = f.read_row_group(i)
-        if drop:
-            if keep is None:
-                keep = [r for r in entry.runs if r not in drop]
-            t = t.filter(pc.is_in(t["run"], value_set=_str_array(keep)))
-        yield t
-
-
-def _str_array(values: list[str]) -> Any:
-    import pyarrow as pa
-
-    return pa.array(values, pa.string())
-
-
-def _tier(rows: int) -> int:
-    tier, cap = 0, BASE_ROWS
-    while rows >= cap:
-        tier += 1
-        cap *= FANOUT
-    return tier
-
-
-def _full(table: str, rows: int) -> bool:
-    return rows >= TARGET_ROWS[table] // 2
+    q = lambda v: urllib.parse.quote_plus(v, safe="")  # noqa: E731
+    base = f"{tbl.location().rstrip('/')}/data/tenant={q(part.tenant)}/cluster={q(part.cluster)}"
+    paths = []
+    step = TARGET_ROWS[name]
+    for i, start in enumerate(range(0, max(len(rows), 1), step)):
+        chunk = rows.slice(start, step)
+        if not len(chunk):
+            break
+        meta = {STATS_KEY: json.dumps(_stats(name, chunk), separators=(",", ":")).encode()}
+        schema = chunk.schema.with_metadata(meta)
+        path = f"{base}/day={q(part.day)}/{i:05d}-0-{uuid.uuid4()}.parquet"
+        with tbl.io.new_output(path).create() as fh:
+            with pq.ParquetWriter(fh, schema, **parquet_options(schema)) as w:
+                w.write_table(chunk.replace_schema_metadata(meta), row_group_size=ROW_GROUP)
+        paths.append(path)
+    return paths
 
 
 # ---------------------------------------------------------------- commits
@@ -282,249 +392,255 @@ class Partition:
     tenant: str
     cluster: str
     day: str
-    tenant_id: int
-    cluster_id: int
 
-    @property
-    def names(self) -> tuple[str, str, str]:
-        return self.tenant, self.cluster, self.day
+    def expression(self) -> Any:
+        from pyiceberg.expressions import And, EqualTo
+
+        return And(
+            EqualTo("tenant", self.tenant),
+            EqualTo("cluster", self.cluster),
+            EqualTo("day", self.day),
+        )
 
     def __str__(self) -> str:
-        return "/".join(self.names)
+        return f"{self.tenant}/{self.cluster}/{self.day}"
 
 
 @dataclass
-class _TablePlan:
-    sources: list[Any] = field(default_factory=list)  # FileEntry (rewritten) or Arrow tables
-    superseded: list[FileEntry] = field(default_factory=list)
-    drop: set[str] = field(default_factory=set)
+class RunRows:
+    """One run's rows for the lake; ``load`` builds the tables only when a commit needs them."""
+
+    run: str  # public id
+    session: str
+    tag: str
+    load: Callable[[], dict[str, Any]]
+
+    @cached_property
+    def tables(self) -> dict[str, Any]:
+        return self.load()
 
 
-def read_manifest(blobs: BlobStore, tenant: str, cluster: str, day: str) -> Manifest:
-    """The partition's newest manifest (an empty one if it has none)."""
-    prefix = layout.manifest_dir(tenant, cluster, day) + "/"
-    for _ in range(MAX_ATTEMPTS):
-        latest = layout.latest_manifests(blobs.list(prefix))
-        if not latest:
-            return layout.empty_manifest(tenant, cluster, day)
-        try:
-            return layout.decode_manifest(blobs.get(next(iter(latest.values()))))
-        except FileNotFoundError:  # superseded while we listed: list again
-            continue
-    raise ConnectionError(f"lake partition {tenant}/{cluster}/{day} keeps changing")
+def with_partition(t: Any, table: str, part: Partition) -> Any:
+    """A table's rows with the partition columns, sorted as the table's sort order says."""
+    import pyarrow as pa
+
+    schema = layout.schema(table)
+    t = t.cast(schema) if t.schema != schema else t
+    n = len(t)
+    for name, value in (("tenant", part.tenant), ("cluster", part.cluster), ("day", part.day)):
+        t = t.append_column(name, pa.repeat(pa.scalar(value, pa.string()), n))
+    return t.sort_by(SORT_KEYS[table]) if n > 1 else t
 
 
-def _dialect_insert(db: Session) -> Any:
-    if db.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
-    return dialect_insert
+def _run_filter(part: Partition, runs: Iterable[str], days: Iterable[str]) -> Any:
+    from pyiceberg.expressions import And, EqualTo, In
 
-
-def _lock(db: Session, part: Partition) -> int:
-    """The partition's index row, locked until the caller's transaction ends."""
-    P = m.LakePartition
-    db.execute(
-        _dialect_insert(db)(P)
-        .values(tenant_id=part.tenant_id, cluster_id=part.cluster_id, day=part.day, seq=0)
-        .on_conflict_do_nothing(index_elements=["cluster_id", "day"])
+    runs, days = sorted(set(runs)), sorted(set(days) | {part.day})
+    cond = EqualTo("run", runs[0]) if len(runs) == 1 else In("run", runs)
+    where = EqualTo("day", days[0]) if len(days) == 1 else In("day", days)
+    return And(
+        And(EqualTo("tenant", part.tenant), EqualTo("cluster", part.cluster)), And(where, cond)
     )
-    return db.scalars(
-        select(P.id).where(P.cluster_id == part.cluster_id, P.day == part.day).with_for_update()
-    ).one()
 
 
-def commit(
-    db: Session,
-    blobs: BlobStore,
+def commit_runs(
+    loc: Location,
     part: Partition,
+    add: Iterable[RunRows],
     *,
-    add: Iterable[RunRows] = (),
-    remove: Iterable[str] = (),
-    remove_session: str | None = None,
-    now: float | None = None,
-    grace: float = GRACE_S,
-    seal: bool | None = None,
-) -> Manifest:
-    """Put runs into (``add``: new or changed versions) and take runs out of (``remove``,
-    or every run of ``remove_session``) one partition, merging files as the policy says.
-    Superseded files are deleted after ``grace`` seconds (0: at once, for retention).
-    Returns the committed manifest (the old one if nothing changed)."""
-    now = time.time() if now is None else now
+    replace: Iterable[str] = (),
+    days: Iterable[str] = (),
+) -> None:
+    """Put runs into a partition: per table one Iceberg transaction that deletes the rows of
+    the runs in ``replace`` (earlier versions, in this partition or the cluster's ``days``)
+    and appends the new rows. The ``runs`` table goes last: a run in it has all its rows in
+    the others."""
+    import pyarrow as pa
+
     add = list(add)
-    remove = set(remove)
-    pid = _lock(db, part)
-    if seal is None:
-        seal = part.day < layout.day_of(now)
-    for _attempt in range(MAX_ATTEMPTS):
-        base = read_manifest(blobs, *part.names)
-        new = _next_manifest(blobs, part, base, add, remove, remove_session, now, grace, seal)
-        if new is None:
-            _sync(db, pid, part, base, grace)
-            return base
-        manifest, delete_now = new
-        if blobs.put(
-            layout.manifest_key(*part.names, manifest.seq),
-            layout.encode_manifest(manifest),
-            if_absent=True,
-        ):
-            break
-        logger.warning("lake: %s changed under commit %d; retrying", part, manifest.seq)
-    else:
-        raise ConnectionError(f"lake partition {part} kept changing; commit abandoned")
-    for key in delete_now:
-        blobs.delete(key)
-    for key in blobs.list(layout.manifest_dir(*part.names) + "/"):
-        parsed = layout.parse_manifest_key(key)
-        # Keep the previous manifest: a reader may have listed it a moment ago.
-        if parsed and (parsed[3] < manifest.seq - 1 or _empty(manifest)):
-            blobs.delete(key)
-    _sync(db, pid, part, manifest, grace)
-    return manifest
+    replace = set(replace)
+    where = _run_filter(part, replace, days) if replace else None
+    for name in ("tasks", "metrics", "streams", "runs"):
+        parts = [r.tables[name] for r in add if len(r.tables[name])]
+        rows = with_partition(pa.concat_tables(parts), name, part) if parts else None
+        tbl = table(loc, name)
+        props = {"hindsight.runs": ",".join(r.run for r in add)[:4096]}
+        # Deleting costs a plan and a snapshot: only where the lake may hold the runs. (Two
+        # writers of one run at once cannot be: the finish queue leases a run to one.)
+        held = replace and any(True for _ in tbl.scan(row_filter=where).plan_files())
+        paths = write_files(tbl, name, part, rows) if rows is not None else []
+        if not held and not paths:
+            continue
+        try:
+            with tbl.transaction() as txn, warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "did not match any records"
+                if held:
+                    txn.delete(where, snapshot_properties=props)
+                if paths:
+                    # The files are new, named by a fresh uuid: no need to look for them in
+                    # the table (a scan of every manifest).
+                    txn.add_files(paths, snapshot_properties=props, check_duplicate_files=False)
+        except Exception:
+            _discard(tbl, paths)  # never committed: no snapshot will ever name them
+            raise
 
 
-def _empty(manifest: Manifest) -> bool:
-    return not (manifest.runs or manifest.files or manifest.removed)
+def append_partitions(loc: Location, name: str, parts: Iterable[tuple[Partition, Any]]) -> None:
+    """Append rows of many partitions (each with its partition columns, sorted) to a table
+    in one commit: a bulk load (bench/lake.py builds its lake so)."""
+    tbl = table(loc, name)
+    paths = [p for part, rows in parts if len(rows) for p in write_files(tbl, name, part, rows)]
+    if paths:
+        try:
+            tbl.add_files(paths, check_duplicate_files=False)
+        except Exception:
+            _discard(tbl, paths)
+            raise
 
 
-def _next_manifest(
-    blobs: BlobStore,
-    part: Partition,
-    base: Manifest,
-    add: list[RunRows],
-    remove: set[str],
-    remove_session: str | None,
-    now: float,
-    grace: float,
-    seal: bool,
-) -> tuple[Manifest, list[str]] | None:
-    """The manifest after the change (files written), and the keys to delete once it is
-    committed; None if nothing changes."""
-    changed = [r for r in add if (e := base.runs.get(r.run)) is None or e.tag != r.tag]
-    gone = {r for r in remove if r in base.runs}
-    if remove_session is not None:
-        gone |= {r for r, e in base.runs.items() if e.session == remove_session}
-    drop = {r.run for r in changed} | gone
-    cutoff = now - grace
-    due = [r for r in base.removed if r.at <= cutoff]
-    plans: dict[str, _TablePlan] = {}
-    for table in layout.TABLES:
-        live = [f for f in base.files if f.table == table]
-        plan = _TablePlan(drop=drop)
-        touched = [f for f in live if drop & set(f.runs)]
-        untouched = [f for f in live if not drop & set(f.runs)]
-        plan.superseded += touched
-        plan.sources += [f for f in touched if set(f.runs) - drop]
-        plan.sources += [r.tables[table] for r in changed if len(r.tables[table])]
-        small = [f for f in untouched if not _full(table, f.rows)]
-        merge = _choose_merges(table, plan.sources, small, seal)
-        plan.superseded += merge
-        plan.sources += merge
-        if plan.sources or plan.superseded:
-            plans[table] = plan
-    if not plans and not gone and not due and not changed:
-        return None
-    seq = base.seq + 1
-    runs = {r: e for r, e in base.runs.items() if r not in drop}
-    runs.update({r.run: RunEntry(r.tag, r.session) for r in changed})
-    tags = {r: e.tag for r, e in runs.items()}
-    files = list(base.files)
-    superseded: list[FileEntry] = []
-    for table, plan in plans.items():
-        writer = _FileWriter(blobs, part, table, seq, tags)
-        for src in plan.sources:
-            if isinstance(src, FileEntry):
-                try:
-                    for t in _file_rows(blobs, src, plan.drop):
-                        writer.add(t)
-                except FileNotFoundError:
-                    # Lost out of band: its runs leave the lake until finished again
-                    # (reindex finishes every run).
-                    logger.error("lake: %s is missing; dropping its runs %s", src.key, src.runs)
-                    for r in src.runs:
-                        runs.pop(r, None)
-            else:
-                writer.add(src)
-        written = writer.finish()
-        old = {f.key for f in plan.superseded}
-        files = [f for f in files if f.key not in old] + written
-        superseded += plan.superseded
-    removed = [r for r in base.removed if r.at > cutoff]
-    delete_now = [r.key for r in due]
-    if grace <= 0:
-        delete_now += [f.key for f in superseded]
-    else:
-        removed += [Removed(f.key, now) for f in superseded]
-    manifest = Manifest(
-        "hindsight-lake", layout.LAKE_VERSION, *part.names, seq, now, runs, files, removed
-    )
-    return manifest, delete_now
+def _discard(tbl: Any, paths: list[str]) -> None:
+    for path in paths:
+        try:
+            tbl.io.delete(path)
+        except (FileNotFoundError, OSError):
+            logger.warning("lake: could not delete uncommitted %s", path)
 
 
-def _choose_merges(
-    table: str, sources: list[Any], small: list[FileEntry], seal: bool
-) -> list[FileEntry]:
-    """The untouched small files to merge into this commit's new file of ``table``."""
+def delete_rows(loc: Location, row_filter: Any) -> None:
+    """Delete the rows matching ``row_filter`` from every table (retention, reconcile)."""
+    for name in layout.TABLES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "did not match any records"
+            table(loc, name).delete(row_filter)
+
+
+# ---------------------------------------------------------------- compaction
+
+
+def _tier(rows: int) -> int:
+    tier, cap = 0, BASE_ROWS
+    while rows >= cap:
+        tier += 1
+        cap *= FANOUT
+    return tier
+
+
+def _to_merge(name: str, files: list[Any], seal: bool) -> list[Any]:
+    """The small files of a partition to rewrite as one: every one once the day is over
+    (if there are two or more), else those of the lowest tiers once ``FANOUT`` of them
+    are at that tier or below."""
+    small = [f for f in files if f.record_count < TARGET_ROWS[name] // 2]
     if seal:
-        # The day is over: one file (if more than one would otherwise stay).
-        return small if (sources and small) or len(small) > 1 else []
-    if not sources:
-        return []
-    rows = sum(s.rows if isinstance(s, FileEntry) else len(s) for s in sources)
-    chosen: list[FileEntry] = []
-    while True:
-        tier = _tier(rows)
-        candidates = [f for f in small if f not in chosen and _tier(f.rows) <= tier]
-        if len(candidates) < FANOUT - 1:
-            return chosen
-        chosen += candidates
-        rows += sum(f.rows for f in candidates)
+        return small if len(small) > 1 else []
+    for tier in sorted({_tier(f.record_count) for f in small}):
+        at_or_below = [f for f in small if _tier(f.record_count) <= tier]
+        if len(at_or_below) >= FANOUT:
+            return at_or_below
+    return []
 
 
-def _sync(db: Session, pid: int, part: Partition, manifest: Manifest, grace: float) -> None:
-    """Make the index's catalog of the partition what ``manifest`` says."""
-    P, F, LR = m.LakePartition, m.LakeFile, m.LakeRun
-    if _empty(manifest):
-        db.execute(delete(P).where(P.id == pid))
-        return
-    vacuum_at = min((r.at for r in manifest.removed), default=None)
-    db.execute(
-        update(P)
-        .where(P.id == pid)
-        .values(seq=manifest.seq, vacuum_at=None if vacuum_at is None else vacuum_at + grace)
-    )
-    db.execute(delete(F).where(F.partition_id == pid))
-    if manifest.files:
-        db.execute(
-            insert(F),
-            [
-                {
-                    "partition_id": pid,
-                    "tbl": f.table,
-                    "key": f.key,
-                    "rows": f.rows,
-                    "bytes": f.bytes,
-                    "t_min": f.t_min,
-                    "t_max": f.t_max,
-                    "runs": f.runs,
-                    "stats": f.stats,
-                }
-                for f in manifest.files
-            ],
+def compact(loc: Location, part: Partition, *, now: float | None = None) -> int:
+    """Merge a partition's small files (see the module's doc). Returns files merged."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyiceberg.exceptions import CommitFailedException, ValidationException
+    from pyiceberg.io.pyarrow import parquet_files_to_data_files
+
+    now = time.time() if now is None else now
+    seal = part.day < layout.day_of(now)
+    merged = 0
+    for name in layout.TABLES:
+        tbl = table(loc, name)
+        files = [t.file for t in tbl.scan(row_filter=part.expression()).plan_files()]
+        chosen = _to_merge(name, files, seal)
+        if not chosen:
+            continue
+        fs = tbl.io
+        parts = []
+        for f in chosen:
+            with fs.new_input(f.file_path).open() as fh:
+                parts.append(pq.read_table(fh))
+        rows = (
+            pa.concat_tables(parts, promote_options="permissive")
+            .cast(layout.schema(name, with_partition=True))
+            .sort_by(SORT_KEYS[name])
         )
-    ids = dict(
-        db.execute(
-            select(m.Run.public_id, m.Run.id).where(
-                m.Run.tenant_id == part.tenant_id, m.Run.public_id.in_(list(manifest.runs))
-            )
-        ).all()
-    )
-    want = {ids[r]: e.tag for r, e in manifest.runs.items() if r in ids}
-    have_runs = dict(db.execute(select(LR.run_id, LR.tag).where(LR.partition_id == pid)).all())
-    stale = [r for r, tag in have_runs.items() if want.get(r) != tag]
-    fresh = [r for r, tag in want.items() if have_runs.get(r) != tag]
-    if stale or fresh:
-        db.execute(delete(LR).where(LR.run_id.in_(stale + fresh)))
-    if fresh:
-        db.execute(insert(LR), [{"run_id": r, "partition_id": pid, "tag": want[r]} for r in fresh])
+        paths = write_files(tbl, name, part, rows)
+        try:
+            with tbl.transaction() as txn:
+                with txn.update_snapshot(
+                    snapshot_properties={"hindsight.merge": str(len(chosen))}
+                ).overwrite() as ow:
+                    for f in chosen:
+                        ow.delete_data_file(f)
+                    for df in parquet_files_to_data_files(tbl.io, txn.table_metadata, iter(paths)):
+                        ow.append_data_file(df)
+        except (CommitFailedException, ValidationException) as exc:
+            # A run of the partition changed meanwhile: the next commit merges.
+            logger.info("lake: merge of %s %s gave way to a concurrent commit: %s", name, part, exc)
+            _discard(tbl, paths)
+            continue
+        merged += len(chosen)
+    return merged
+
+
+# ---------------------------------------------------------------- expiry
+
+
+def expire(
+    loc: Location, *, now: float | None = None, retain: float = RETAIN_S, every: float = 0.0
+) -> int:
+    """Expire snapshots older than ``retain`` seconds (the current one always stays) and
+    delete the files only they held; with ``every``, only once the oldest has been due that
+    long (expiring reads the manifests of every snapshot kept: a finisher does it every
+    few minutes, not at each run). Returns files deleted."""
+    now = time.time() if now is None else now
+    deleted = 0
+    for name in layout.TABLES:
+        tbl = table(loc, name)
+        cutoff_ms = int((now - retain) * 1000)
+        current = tbl.metadata.current_snapshot_id
+        old = [
+            s
+            for s in tbl.metadata.snapshots
+            if s.timestamp_ms < cutoff_ms and s.snapshot_id != current
+        ]
+        if not old or min(s.timestamp_ms for s in old) > cutoff_ms - every * 1000:
+            continue
+        kept = [s for s in tbl.metadata.snapshots if s not in old]
+        live_data, live_meta = _referenced(tbl, kept, live=True)
+        gone_data, gone_meta = _referenced(tbl, old, live=False)
+        tbl.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in old]).commit()
+        for path in sorted((gone_data - live_data) | (gone_meta - live_meta)):
+            try:
+                tbl.io.delete(path)
+                deleted += 1
+            except FileNotFoundError:
+                pass
+    return deleted
+
+
+def _referenced(tbl: Any, snapshots: list[Any], *, live: bool) -> tuple[set[str], set[str]]:
+    """(data files, manifest lists and manifests) the snapshots reference; data files
+    counted only where a snapshot holds them (``live``) or wherever they are named."""
+    data: set[str] = set()
+    meta: set[str] = set()
+    seen: set[str] = set()
+    for s in snapshots:
+        meta.add(s.manifest_list)
+        for mf in s.manifests(tbl.io):
+            meta.add(mf.manifest_path)
+            if mf.manifest_path in seen:
+                continue
+            seen.add(mf.manifest_path)
+            for e in mf.fetch_manifest_entry(tbl.io, discard_deleted=live):
+                data.add(e.data_file.file_path)
+    return data, meta
+
+
+def file_key(loc: Location, table_name: str, tenant: str, cluster: str, day: str, name: str) -> str:
+    """The blob key of a data file of a partition by its name (the layout pyiceberg writes:
+    ``{table location}/data/tenant=.../cluster=.../day=.../{name}``)."""
+    q = lambda v: urllib.parse.quote_plus(v, safe="")  # noqa: E731
+    base = table(loc, table_name).location().rstrip("/")
+    return loc.key(f"{base}/data/tenant={q(tenant)}/cluster={q(cluster)}/day={q(day)}/{name}")

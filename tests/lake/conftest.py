@@ -78,15 +78,24 @@ def storage(stack: dict[str, Any]) -> Iterator[Storage]:
     engine.dispose()
 
 
+def lake_location(storage: Any) -> Any:
+    from storage.lake.write import location_from_settings
+
+    return location_from_settings(storage.settings)
+
+
 def lake_records(
     storage: Any, stack: dict[str, Any], tenant: str, table: str = "tasks", **filters: Any
 ) -> list[dict[str, Any]]:
-    """Rows of the lake read without the server (manifests + Parquet), as dicts."""
-    ds = layout.dataset(
-        storage.settings.blob_url, table, tenant, endpoint_url=stack["s3_endpoint_url"], **filters
-    )
-    expr = layout.Filters.from_kwargs(**filters).expression(table)
-    return ds.to_table(filter=expr).to_pylist()
+    """Rows of the lake read without the server (pyiceberg's scan), as dicts in the order
+    of the table's sort keys within each run, without the partition columns."""
+    from storage.lake import write
+
+    f = layout.Filters.from_kwargs(**filters)
+    t = write.table(lake_location(storage), table).scan(row_filter=f.iceberg(table, tenant))
+    rows = t.to_arrow().drop_columns(["tenant", "cluster", "day"])
+    keys = [("run", "ascending"), *write.SORT_KEYS[table]]
+    return rows.sort_by(keys).to_pylist()
 
 
 @pytest.fixture

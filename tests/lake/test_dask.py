@@ -82,6 +82,50 @@ def test_finished_runs_are_in_the_lake_with_the_route_records(lake_history):
     assert sorted(e["value"] for e in emitted["rows"]) == [1000 + i for i in range(40)]
 
 
+def printed_catalog(server: EmbeddedServer) -> dict[str, str]:
+    """What ``hindsight lake catalog --data-dir`` prints for the server, parsed."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hindsight.cli", "lake", "catalog", "--data-dir", str(server.data_dir)],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_engines_read_both_runs_through_the_printed_catalog(lake_history):
+    """pyiceberg, through the catalog the command prints, scans every task record of both
+    runs; DuckDB reading the data files pyiceberg plans counts the same."""
+    import urllib.parse
+
+    import duckdb
+    from pyiceberg.catalog import load_catalog
+    from pyiceberg.expressions import EqualTo
+
+    h = lake_history
+    props = printed_catalog(h["server"])
+    assert {"name", "namespace", "type", "uri", "warehouse"} <= set(props)
+    assert props["type"] == "sql" and props["namespace"] == "hindsight"
+    catalog = load_catalog(props.pop("name"), **props)
+    tasks = catalog.load_table(f"{props['namespace']}.tasks")
+    scan = tasks.scan(row_filter=EqualTo("cluster", h["cluster"]))
+    records = scan.to_arrow()
+    runs = h["runs"].values()
+    assert len(records) == sum(r["task_count"] for r in runs)
+    for run in runs:
+        keys = records.filter(pa.compute.equal(records["run"], run["id"]))["key"].to_pylist()
+        assert sorted(keys) == sorted(t["key"] for t in h["server"].tasks(run["id"]))
+    paths = [urllib.parse.urlsplit(t.file.file_path).path for t in scan.plan_files()]
+    counted = duckdb.execute(
+        "SELECT count(*), count(DISTINCT run), count(DISTINCT key) FROM read_parquet(?) "
+        "WHERE cluster = ?",
+        [paths, h["cluster"]],
+    ).fetchone()
+    assert counted == (len(records), 2, len(set(records["key"].to_pylist())))
+
+
 def rest_rows(h: dict[str, Any], **params: Any) -> pd.DataFrame:
     resp = requests.get(f"{h['server'].url}/v1/lake/tasks",
                         params={"cluster": h["cluster"], "format": "arrow", **params}, timeout=60)  # fmt: skip
@@ -139,7 +183,7 @@ def doc_block(name: str) -> str:
 
 def test_the_docs_analysis_and_recipes_run(lake_history, capsys):
     h = lake_history
-    location = (h["server"].data_dir / "blobs").as_uri()
+    props = printed_catalog(h["server"])
     load_tasks = h["runs"]["load"]["task_count"] - 1  # and one sum
     ns: dict[str, Any] = {"hs": h["hs"]}
     exec(doc_block("dask-analysis"), ns)
@@ -147,13 +191,16 @@ def test_the_docs_analysis_and_recipes_run(lake_history, capsys):
     assert weekly.loc["load"]["count"].sum() >= load_tasks
     assert list(throughput.index.get_level_values("cluster")).count(h["cluster"]) >= 1
     assert (throughput > 0).all()
-    ns = {"location": location, "tenant": "default"}
-    exec(doc_block("pyarrow"), ns)
+    ns = {"props": dict(props), "tenant": "default"}
+    exec(doc_block("pyiceberg"), ns)
     df = ns["df"]
     assert len(df[df["cluster"] == h["cluster"]]) == sum(
         r["task_count"] for r in h["runs"].values()
     )
-    ns = {"location": location, "tenant": "default"}
+    ns = {"props": dict(props), "tenant": "default"}
+    exec(doc_block("duckdb"), ns)
+    assert ns["counted"] == len(df)
+    ns = {"props": dict(props), "tenant": "default"}
     exec(doc_block("hindsight-lake"), ns)
     assert set(ns["table"]["prefix"].to_pylist()) == {"load"}
     assert len(ns["table"]) >= load_tasks

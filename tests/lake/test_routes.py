@@ -13,7 +13,7 @@ import pytest
 from hindsight import lake as layout
 from storage.lake import write as lakewrite
 from tests.helpers import auth
-from tests.lake.conftest import DAY, finish_all, make_cluster
+from tests.lake.conftest import DAY, finish_all, lake_location
 from tests.lake.test_writer import as_task_record, by_key, route_records, synthetic
 from tests.query.test_runs import T0
 
@@ -36,7 +36,7 @@ def rows(h: dict[str, Any], table: str = "tasks", **params: Any) -> list[dict[st
 
 def key_of(planned: dict[str, Any]) -> str:
     """The blob key of a planned file (its location without the store's root)."""
-    return "lake/v1/" + planned["location"].split("/lake/v1/", 1)[1]
+    return "lake/" + planned["location"].split("/lake/", 1)[1]
 
 
 def spoil(storage: Any, keys: list[str]) -> None:
@@ -132,11 +132,11 @@ def test_another_tenants_partitions_are_never_read(stack, storage, make_token, l
     make_token(b_tenant)
     a_before = rows(h)
     # B's lake: the same cluster and day as A's busiest partition
-    tid, cid = make_cluster(storage, b_tenant, "prod")
-    with storage.sessions.begin() as db:
-        part = lakewrite.Partition(b_tenant, "prod", layout.day_of(T0), tid, cid)
-        lakewrite.commit(db, storage.blobs, part, add=[synthetic("b-run", 50, T0)], now=T0 + DAY)
-    b_keys = list(storage.blobs.list(f"lake/v1/tasks/tenant={b_tenant}/"))
+    part = lakewrite.Partition(b_tenant, "prod", layout.day_of(T0))
+    loc = lake_location(storage)
+    lakewrite.commit_runs(loc, part, [synthetic("b-run", 50, T0)])
+    tasks_dir = loc.key(lakewrite.table(loc, "tasks").location())
+    b_keys = list(storage.blobs.list(f"{tasks_dir}/data/tenant={b_tenant}/"))
     assert b_keys
     spoil(storage, b_keys)
     assert rows(h) == a_before
@@ -243,17 +243,15 @@ def test_top_k_reads_only_the_files_that_can_hold_the_answer(stack, storage, mak
 
     tenant = new_tenant()
     token = make_token(tenant)
-    tid, cid = make_cluster(storage, tenant, "daily")
-    with storage.sessions.begin() as db:
-        for d in range(30):
-            part = lakewrite.Partition(tenant, "daily", layout.day_of(T0 + d * DAY), tid, cid)
-            run = synthetic(f"day-{d}", 40, T0 + d * DAY, prefix="load")
-            tasks = run.tables["tasks"]
-            slower = pa.array([d + i / 100 for i in range(40)], pa.float64())
-            run.tables["tasks"] = tasks.set_column(
-                tasks.schema.get_field_index("duration"), "duration", slower
-            )
-            lakewrite.commit(db, storage.blobs, part, add=[run], now=T0 + 40 * DAY)
+    for d in range(30):
+        part = lakewrite.Partition(tenant, "daily", layout.day_of(T0 + d * DAY))
+        run = synthetic(f"day-{d}", 40, T0 + d * DAY, prefix="load")
+        tasks = run.tables["tasks"]
+        slower = pa.array([d + i / 100 for i in range(40)], pa.float64())
+        run.tables["tasks"] = tasks.set_column(
+            tasks.schema.get_field_index("duration"), "duration", slower
+        )
+        lakewrite.commit_runs(lake_location(storage), part, [run])
     h = {**lake_app, "token": token}
     body = get(h, "/v1/lake/tasks", prefix="load", sort="-duration", limit=10).json
     assert [r["duration"] for r in body["rows"]] == [29 + i / 100 for i in range(39, 29, -1)]
