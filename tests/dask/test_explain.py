@@ -1,0 +1,195 @@
+"""Why a run was slower, on real LocalClusters (worker processes) recording into a real
+embedded server, read back through ``GET /v1/runs/{id}/explain`` only.
+
+One job ("nightly") runs on one Hindsight cluster name across three clusters' sessions:
+usual runs, a run whose step got new CPU work in a new function, a usual run after it, a
+run whose step waits longer, a run on fewer workers, and a run in a session whose scheduler
+has pandas loaded (the agent reports it among the session's versions).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.dask.conftest import EmbeddedServer, wait_until
+
+JOB = "nightly"
+TASKS = 24
+USUAL_RUNS = 5
+
+
+def crunch(seconds: float) -> None:
+    deadline = time.thread_time() + seconds
+    while time.thread_time() < deadline:
+        pass
+
+
+def step(x: int, cpu: float = 0.0, wait: float = 0.05) -> int:
+    time.sleep(wait)
+    if cpu:
+        crunch(cpu)
+    return x
+
+
+def _cluster(server: EmbeddedServer, name: str, workers: int) -> Any:
+    import dask
+    from distributed import LocalCluster
+
+    config = {"hindsight.url": server.url, "hindsight.cluster": name}
+    with dask.config.set(config):
+        return LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            scheduler_kwargs={"preload": ["hindsight.dask"]},
+        )
+
+
+def _job(client: Any, **kw: Any) -> None:
+    from distributed import span
+
+    # A task group of its own per run (a group outlives its computation, and a run is the
+    # span of its groups), the same prefix "step" in every run.
+    group = f"step-{uuid.uuid4().hex}"
+    with span(JOB):
+        keys = [(group, i) for i in range(TASKS)]
+        client.gather(client.map(step, range(TASKS), key=keys, **kw))
+
+
+@pytest.fixture(scope="module")
+def runs(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
+    import dask
+    from distributed import Client
+
+    name = f"explain-{uuid.uuid4().hex[:8]}"
+    kinds: list[str] = []
+    pandas_before = "pandas" in sys.modules
+    with dask.config.set({"hindsight.url": hindsight_server.url, "hindsight.cluster": name}):
+        with _cluster(hindsight_server, name, 2) as lc, Client(lc) as client:
+            for _ in range(USUAL_RUNS):
+                _job(client)
+                kinds.append("usual")
+            _job(client, cpu=0.1)
+            kinds.append("cpu")
+            _job(client)
+            kinds.append("after")
+            _job(client, wait=0.2)
+            kinds.append("wait")
+        with _cluster(hindsight_server, name, 1) as lc, Client(lc) as client:
+            _job(client)
+            kinds.append("fewer")
+        import pandas  # noqa: F401  (the next session's scheduler reports it)
+
+        with _cluster(hindsight_server, name, 2) as lc, Client(lc) as client:
+            _job(client)
+            kinds.append("pandas")
+    server = hindsight_server
+
+    def all_in() -> list[dict[str, Any]] | None:
+        found = [r for r in server.runs(name) if r.get("name") == JOB]
+        if len(found) < len(kinds) or any(r["status"] != "finished" for r in found):
+            return None
+        return sorted(found, key=lambda r: r["started_at"])
+
+    try:
+        found = wait_until(all_in, 120, "every run of the job")
+    except AssertionError:
+        seen = [(r.get("name"), r["status"], r["task_count"]) for r in server.runs(name)]
+        raise AssertionError(f"{len(kinds)} runs expected: {seen}") from None
+
+    def settled(run_id: str) -> bool:
+        r = server.get(f"/v1/runs/{run_id}")
+        return r["completeness"]["closed"] and not r["finished_work"]["pending"]
+
+    for r in found:
+        wait_until(lambda r=r: settled(r["id"]), 120, "finished-run work")
+    yield {
+        "ids": dict(zip(kinds, [r["id"] for r in found], strict=True)),  # usual: the last
+        "order": [r["id"] for r in found],
+        "pandas_before": pandas_before,
+    }
+
+
+def explain(server: EmbeddedServer, run_id: str, **params: Any) -> dict[str, Any]:
+    return server.get(f"/v1/runs/{run_id}/explain", **params)
+
+
+def test_usual_runs_read_normal_and_the_first_no_history(hindsight_server, runs):
+    order = runs["order"]
+    for run_id in order[:3]:  # fewer than 3 earlier runs: nothing to judge by
+        out = explain(hindsight_server, run_id)
+        assert out["verdict"] == "no history" and out["baseline"]["n"] == 0
+        assert "too few" in out["text"]
+    for run_id in order[3:USUAL_RUNS]:
+        out = explain(hindsight_server, run_id)
+        assert out["verdict"] == "normal", out["text"]
+        assert out["baseline"]["runs"] == order[: order.index(run_id)]
+
+
+def test_new_cpu_work_in_a_new_function(hindsight_server, runs):
+    out = explain(hindsight_server, runs["ids"]["cpu"])
+    assert out["verdict"] == "slower", out["text"]
+    assert out["baseline"]["n"] == USUAL_RUNS and out["change"] > 0.5
+    kinds = [f["kind"] for f in out["findings"]]
+    assert kinds[0] in ("step", "activity", "profile"), out["findings"]
+    steps = [f for f in out["findings"] if f["kind"] == "step"]
+    assert steps and steps[0]["prefix"] == "step"
+    acts = [f for f in out["findings"] if f["kind"] == "activity"]
+    assert acts[0]["activity"] == "thread-cpu"
+    prof = [f for f in out["findings"] if f["kind"] == "profile"]
+    assert prof and prof[0]["frames"][0]["function"] == "crunch", prof
+    assert prof[0]["frames"][0]["before_share"] == 0
+    assert prof[0]["frames"][0]["file"].endswith("test_explain.py")
+    assert "longer" in out["text"]
+
+
+def test_a_usual_run_after_a_slow_one_reads_normal(hindsight_server, runs):
+    out = explain(hindsight_server, runs["ids"]["after"])
+    assert out["verdict"] == "normal", out["text"]
+    assert runs["ids"]["cpu"] not in out["baseline"]["runs"]
+
+
+def test_a_step_made_to_wait_longer(hindsight_server, runs):
+    out = explain(hindsight_server, runs["ids"]["wait"])
+    assert out["verdict"] == "slower", out["text"]
+    acts = [f for f in out["findings"] if f["kind"] == "activity"]
+    assert acts[0]["activity"] == "thread-noncpu", acts
+    assert runs["ids"]["cpu"] not in out["baseline"]["runs"]
+
+
+def test_fewer_workers(hindsight_server, runs):
+    out = explain(hindsight_server, runs["ids"]["fewer"])
+    assert out["verdict"] == "slower", out["text"]
+    cluster = {f["what"]: f for f in out["findings"] if f["kind"] == "cluster"}
+    assert (cluster["workers"]["before"], cluster["workers"]["after"]) == (2, 1)
+    assert (cluster["threads"]["before"], cluster["threads"]["after"]) == (2, 1)
+    assert out["findings"][0]["kind"] == "cluster"
+
+
+def test_a_changed_package_version(hindsight_server, runs):
+    if runs["pandas_before"]:
+        pytest.skip("pandas was loaded before the first session: no change to report")
+    out = explain(hindsight_server, runs["ids"]["pandas"])
+    env = [f for f in out["findings"] if f["kind"] == "environment"]
+    assert [(f["what"], f["before"]) for f in env] == [("pandas", None)], out["findings"]
+    assert env[0]["after"] == sys.modules["pandas"].__version__
+
+
+def test_against_a_chosen_run_and_bad_input(hindsight_server, runs):
+    ids = runs["ids"]
+    out = explain(hindsight_server, ids["cpu"], baseline=ids["after"])
+    assert out["verdict"] == "slower" and out["baseline"]["runs"] == [ids["after"]]
+    import requests
+
+    url = f"{hindsight_server.url}/v1/runs/{ids['cpu']}/explain"
+    same = requests.get(url, params={"baseline": ids["cpu"]}, timeout=30)
+    assert same.status_code == 400 and "baseline" in same.json()["error"]["message"]
+    missing = requests.get(url, params={"baseline": str(uuid.uuid4())}, timeout=30)
+    assert missing.status_code == 404
