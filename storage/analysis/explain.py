@@ -302,7 +302,8 @@ def _profile(run: dict[str, Any], base: list[dict[str, Any]], c: float) -> list[
         grown = []
         for key, after in frames.items():
             before = _median([f.get(key, 0.0) for f in befores]) if befores else 0.0
-            if after - before > 0:
+            # a frame whose share of the step's samples did not grow only scales with it
+            if after > before and (not before or after / tot_after > before / tot_before + 0.02):
                 grown.append((after - before, key, before, after))
         if not grown:
             continue
@@ -391,6 +392,7 @@ def _cluster(run: dict[str, Any], base: list[dict[str, Any]], extra: float) -> l
         if not vals or not after:
             continue
         before = _median(vals)
+        before = int(before) if float(before).is_integer() else before
         if before == after:
             continue
         seconds = None
@@ -402,13 +404,17 @@ def _cluster(run: dict[str, Any], base: list[dict[str, Any]], extra: float) -> l
             _finding(
                 "cluster",
                 seconds,
-                f"{what}: {before:g} -> {after:g}",
+                f"{what}: {_shown(what, before)} -> {_shown(what, after)}",
                 what=what,
                 before=before,
                 after=after,
             )
         )
     return out
+
+
+def _shown(what: str, v: float) -> str:
+    return f"{v / 2**30:.1f} GiB" if what == "memory_limit" else f"{v:g}"
 
 
 def _code(run: dict[str, Any], base: list[dict[str, Any]]) -> list[dict[str, Any]]:
