@@ -193,4 +193,3 @@ def test_against_a_chosen_run_and_bad_input(hindsight_server, runs):
     assert same.status_code == 400 and "baseline" in same.json()["error"]["message"]
     missing = requests.get(url, params={"baseline": str(uuid.uuid4())}, timeout=30)
     assert missing.status_code == 404
-
