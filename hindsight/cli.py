@@ -178,3 +178,33 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
 
 if __name__ == "__main__":
     main()
+
+
+@main.command("explain")
+@click.argument("run")
+@click.option(
+    "--url", default=None, help="Query service URL (else HINDSIGHT_QUERY_URL, then HINDSIGHT_URL)."
+)
+@click.option("--token", default=None, help="Bearer token with read (else HINDSIGHT_TOKEN).")
+@click.option("--baseline", default=None, help="Compare with this run, not the job's usual.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def explain(
+    run: str, url: str | None, token: str | None, baseline: str | None, as_json: bool
+) -> None:
+    """Why RUN was slower or faster than its job's usual runs (docs/explain.md)."""
+    import json
+
+    from hindsight.client import Client, HindsightError
+
+    # `hindsight serve` answers both APIs on one address: its collector URL is the query URL
+    url = url or os.environ.get("HINDSIGHT_QUERY_URL") or os.environ.get("HINDSIGHT_URL")
+    if not url:
+        raise click.UsageError("give --url or set HINDSIGHT_QUERY_URL")
+    if not url.startswith(("http://", "https://")):
+        raise click.UsageError(f"--url must start with http:// or https://, not {url!r}")
+    client = Client(url, token=token or os.environ.get("HINDSIGHT_TOKEN"))
+    try:
+        out = client.explain(run, baseline=baseline)
+    except HindsightError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(out, indent=2) if as_json else str(out))

@@ -9,6 +9,7 @@ has pandas loaded (the agent reports it among the session's versions).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -193,3 +194,38 @@ def test_against_a_chosen_run_and_bad_input(hindsight_server, runs):
     assert same.status_code == 400 and "baseline" in same.json()["error"]["message"]
     missing = requests.get(url, params={"baseline": str(uuid.uuid4())}, timeout=30)
     assert missing.status_code == 404
+
+
+def test_the_cli_and_the_python_client(hindsight_server, runs):
+    import json
+    import subprocess
+
+    import hindsight
+
+    run_id = runs["ids"]["cpu"]
+    exe = os.path.join(os.path.dirname(sys.executable), "hindsight")
+    env = {**os.environ, "HINDSIGHT_QUERY_URL": hindsight_server.url}
+    shown = subprocess.run(
+        [exe, "explain", run_id], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
+    first, *rest = shown.stdout.splitlines()
+    assert first.startswith("slower: This run took") and "longer than its usual" in first
+    assert any("[profile]" in line and "crunch" in line for line in rest)
+    as_json = subprocess.run(
+        [exe, "explain", run_id, "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert json.loads(as_json.stdout) == explain(hindsight_server, run_id)
+    bad = subprocess.run(
+        [exe, "explain", str(uuid.uuid4())], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode != 0 and "404" in bad.stderr
+
+    out = hindsight.Client(hindsight_server.url).explain(run_id)
+    assert out == explain(hindsight_server, run_id)
+    page = out._repr_html_()
+    assert (
+        "<b>slower</b>" in page
+        and "crunch" in page
+        and page.count("<tr>") == 1 + len(out["findings"])
+    )
