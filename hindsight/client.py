@@ -359,7 +359,11 @@ class Client:
         body = self.get("/v1/compare", a=a, b=b, action=action)
         rows = []
         for p in body["prefixes"]:
-            row: dict[str, Any] = {"prefix": p["prefix"], "status": "both"}
+            row: dict[str, Any] = {
+                "prefix": p["prefix"],
+                "status": "both",
+                "seconds": p.get("seconds"),  # of makespan its change explains
+            }
             for k in ("tasks", "mean", "p90", "total"):
                 row |= {f"{k}_a": p[k]["a"], f"{k}_b": p[k]["b"], f"{k}_delta": p[k]["delta"]}
             rows.append(row)
