@@ -468,6 +468,8 @@ def explain(
     hist = [h for h in history if h.get("makespan")]
     picked = list(hist) if chosen else [hist[i] for i in baseline([h["makespan"] for h in hist])]
     ms = run.get("makespan") or 0.0
+    if ms <= 0:  # no task ran (or none was recorded): nothing to judge
+        picked = []
     v, change, base_ms = verdict(ms, [b["makespan"] for b in picked], chosen=chosen)
     findings: list[dict[str, Any]] = []
     if v != "no history":
@@ -507,6 +509,8 @@ def paragraph(
     v: str, change: float | None, ms: float, base_ms: float | None, findings: list[dict]
 ) -> str:
     """The explanation in one paragraph of plain English."""
+    if v == "no history" and ms <= 0:
+        return "This run recorded no task with a duration: there is nothing to judge."
     if v == "no history":
         return (
             f"This run took {ms:.1f} s. Its job has too few earlier runs (fewer than "

@@ -36,6 +36,10 @@ def test_too_little_history() -> None:
     assert ex.verdict(10.0, [9.0, 11.0])[0] == "no history"
     out = ex.explain({"id": "r", "makespan": 10.0}, [{"id": "a", "makespan": 9.0}])
     assert out["verdict"] == "no history" and "too few" in out["text"]
+    # a run without a makespan (no task recorded) is not judged "faster"
+    empty = ex.explain({"id": "e", "makespan": None}, [{"id": "a", "makespan": 9.0}] * 5)
+    assert empty["verdict"] == "no history" and empty["findings"] == []
+    assert "nothing to judge" in empty["text"]
 
 
 def test_a_lasting_change_becomes_the_new_usual() -> None:
