@@ -181,13 +181,20 @@ def spool_push(directory: str | None, url: str | None, token: str | None, timeou
 @main.group()
 def alerts() -> None:
     """Alert rules and their deliveries, over the query service's REST API (docs/alerts.md).
-    URL and token from --url/--token or HINDSIGHT_QUERY_URL and HINDSIGHT_TOKEN."""
+    URL and token from --url/--token or HINDSIGHT_QUERY_URL (then HINDSIGHT_URL) and
+    HINDSIGHT_TOKEN."""
 
 
 def _client(url: str | None, token: str | None) -> Any:
     from hindsight.client import Client
 
-    url = url or os.environ.get("HINDSIGHT_QUERY_URL") or "http://127.0.0.1:8700"
+    # `hindsight serve` answers both APIs on one address: its collector URL is the query URL
+    url = (
+        url
+        or os.environ.get("HINDSIGHT_QUERY_URL")
+        or os.environ.get("HINDSIGHT_URL")
+        or "http://127.0.0.1:8700"
+    )
     try:
         return Client(url, token or os.environ.get("HINDSIGHT_TOKEN"))
     except ValueError as exc:
@@ -200,10 +207,15 @@ def _calling(fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except HindsightError as exc:
-        raise click.ClickException(exc.message if exc.status else str(exc)) from None
+        raise click.ClickException(str(exc)) from None  # "404 not_found: no run ..."
 
 
-_url = click.option("--url", default=None, help="Query service URL (else HINDSIGHT_QUERY_URL).")
+_url = click.option(
+    "--url",
+    default=None,
+    help="Query service URL (else HINDSIGHT_QUERY_URL, then HINDSIGHT_URL, then "
+    "http://127.0.0.1:8700).",
+)
 _token = click.option("--token", default=None, help="Bearer token (else HINDSIGHT_TOKEN).")
 
 
@@ -294,6 +306,20 @@ def alerts_deliveries(
         click.echo(
             f"{d['id']}\t{d['rule']['name']}\t{d['run']}\t{d['status']}\t{d['attempts']}\t{last}"
         )
+
+
+@main.command("explain")
+@click.argument("run")
+@_url
+@click.option("--token", default=None, help="Bearer token with read (else HINDSIGHT_TOKEN).")
+@click.option("--baseline", default=None, help="Compare with this run, not the job's usual.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def explain(
+    run: str, url: str | None, token: str | None, baseline: str | None, as_json: bool
+) -> None:
+    """Why RUN was slower or faster than its job's usual runs (docs/explain.md)."""
+    out = _calling(_client(url, token).explain, run, baseline=baseline)
+    click.echo(json.dumps(out, indent=2) if as_json else str(out))
 
 
 if __name__ == "__main__":

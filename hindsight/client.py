@@ -145,6 +145,37 @@ def _frame(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
     return _times(pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(columns)))
 
 
+class Explanation(dict):  # type: ignore[type-arg]
+    """``GET /v1/runs/{id}/explain``'s answer (a dict), drawn as HTML in Jupyter: the
+    paragraph, then the findings with the seconds of makespan each explains."""
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        rows = "".join(
+            f"<tr><td>{escape(str(f.get('kind')))}</td><td>{escape(str(f.get('text')))}</td>"
+            f"<td style='text-align:right'>"
+            f"{'' if f.get('seconds') is None else format(f['seconds'], '.2f')}</td></tr>"
+            for f in self.get("findings", [])
+        )
+        table = (
+            "<table><tr><th>kind</th><th>finding</th><th>seconds</th></tr>" + rows + "</table>"
+            if rows
+            else ""
+        )
+        return (
+            f"<div class='hindsight-explain'><p><b>{escape(str(self.get('verdict')))}</b>: "
+            f"{escape(str(self.get('text', '')))}</p>{table}</div>"
+        )
+
+    def __str__(self) -> str:
+        lines = [f"{self.get('verdict')}: {self.get('text', '')}"]
+        for f in self.get("findings", []):
+            sec = "" if f.get("seconds") is None else f"{f['seconds']:+.2f} s  "
+            lines.append(f"  - [{f.get('kind')}] {sec}{f.get('text')}")
+        return "\n".join(lines)
+
+
 class Client:
     """A client of the query API. ``token`` needs the ``read`` scope (an embedded server
     on loopback may run without tokens)."""
@@ -351,12 +382,22 @@ class Client:
         df.attrs["baseline_runs"] = body.get("baseline_runs", [])
         return df
 
+    def explain(self, run_id: str, baseline: str | None = None) -> Explanation:
+        """Why the run was slower or faster than its job's usual runs (or than run
+        ``baseline``): the verdict, the findings ranked by seconds of makespan explained,
+        a paragraph (docs/explain.md). Shown as HTML in Jupyter."""
+        return Explanation(self.get(f"/v1/runs/{run_id}/explain", baseline=baseline))
+
     def compare(self, a: str, b: str, action: str = "compute") -> Any:
         """Per-prefix deltas of run ``b`` against run ``a`` (tasks, mean, p90, total)."""
         body = self.get("/v1/compare", a=a, b=b, action=action)
         rows = []
         for p in body["prefixes"]:
-            row: dict[str, Any] = {"prefix": p["prefix"], "status": "both"}
+            row: dict[str, Any] = {
+                "prefix": p["prefix"],
+                "status": "both",
+                "seconds": p.get("seconds"),  # of makespan its change explains
+            }
             for k in ("tasks", "mean", "p90", "total"):
                 row |= {f"{k}_a": p[k]["a"], f"{k}_b": p[k]["b"], f"{k}_delta": p[k]["delta"]}
             rows.append(row)

@@ -37,7 +37,7 @@ from storage.analysis.profile import Profile, merge_into
 from storage.analysis.runfacts import DEFAULT_SPAN, display_name
 from storage.core import models as m
 from storage.core.tokens import Principal
-from storage.query import activity, history, replay
+from storage.query import activity, explain, history, replay
 from storage.query import compare as comparison
 from storage.query import runs as queries
 from storage.query.runs import BadCursor, RunFilters, makespan_column
@@ -297,7 +297,29 @@ def run_page(run_id: str) -> Any:
         **why_slow(run, colours),
         **side_records(run, data),
         **replay_slider(run, detail, items["origin"], colours),
+        explained=None if live else explained(run),
     )
+
+
+def explained(run: m.Run) -> dict[str, Any]:
+    """The run's explanation (stored when it finished) and, per top finding, a link to its
+    evidence: the profile on this page, the prefix's history, the compare page against
+    the latest usual run."""
+    out = explain.explanation(db(), store().blobs, run)
+    usual = out["baseline"]["runs"][-1] if out["baseline"]["runs"] else None
+    compare = url_for("dashboard.compare_page", a=usual, b=run.public_id) if usual else None
+    top = []
+    for f in out["findings"][:3]:
+        if f["kind"] == "profile":
+            link = "#profile"
+        elif f["kind"] in ("step", "data") and f["prefix"]:
+            link = url_for("dashboard.history_page", prefix=f["prefix"], name=run.name)
+        elif f["kind"] == "activity":
+            link = "#activity"
+        else:
+            link = compare
+        top.append({**f, "link": link})
+    return {**out, "top": top, "compare": compare}
 
 
 @bp.get("/runs/<run_id>/stream-keys")

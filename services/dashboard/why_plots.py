@@ -274,7 +274,7 @@ def by_prefix(trees: dict[str, Profile]) -> Profile:
 
 def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | None:
     """The difference of two profiles (``storage.analysis.flame.diff``) as a flame graph: widths
-    are run b's share of samples, red where b spends a larger share than a, blue smaller."""
+    are run b's share of samples, red where b spends more seconds than a, blue fewer."""
     if not tree.get("b"):
         return None
     cols: dict[str, list[Any]] = {
@@ -283,6 +283,8 @@ def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | 
     }
     stack: list[tuple[dict[str, Any], float, float, int]] = [(tree, 0.0, 1.0, -1)]
     drawn = 0
+    # full colour at a change of a fifth of the larger profile's seconds
+    scale_s = 0.2 * max(tree.get("seconds_a", 0.0), tree.get("seconds_b", 0.0)) or 1.0
     while stack and drawn < MAX_FRAMES:
         node, left, right, depth = stack.pop()
         if depth >= 0:
@@ -295,8 +297,12 @@ def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | 
             cols["where"].append(flame.where(node["filename"], node["first_line"]))
             cols["a"].append(f"{100 * node['share_a']:.1f}%")
             cols["b"].append(f"{100 * node['share_b']:.1f}%")
-            cols["delta"].append(f"{100 * node['delta']:+.1f} points")
-            cols["colour"].append(_delta_colour(node["delta"]))
+            cols["delta"].append(
+                f"{node['delta']:+.2f} s ({node['seconds_a']:.2f} -> {node['seconds_b']:.2f} s;"
+                f" share {100 * node['share_delta']:+.1f} points)"
+            )
+            # by seconds, not share: a step 2x slower is red even when another grew more
+            cols["colour"].append(_delta_colour(0.2 * node["delta"] / scale_s))
         x = left
         scale = (right - left) / node["b"] if node["b"] else 0.0
         for child in node["children"]:
@@ -319,8 +325,8 @@ def diff_graph(tree: dict[str, Any], title: str, name: str) -> dict[str, Any] | 
 
 
 def _delta_colour(delta: float) -> str:
-    """White for no change, to red (b spends a larger share) or blue (smaller), full at
-    20 percentage points."""
+    """White for no change, to red (b spends more) or blue (less), full at 0.2 (of the
+    scale the caller divided by)."""
     t = max(-1.0, min(1.0, delta / 0.2))
     fade = int(235 - 200 * abs(t))
     if t > 0:

@@ -205,6 +205,29 @@ PATHS = {
         },
         NOT_FOUND,
     ),
+    "/v1/runs/{run_id}/explain": get_op(
+        "Why the run was slower or faster than its job's usual runs (docs/explain.md): a "
+        "verdict by statistics, findings ranked by seconds of makespan explained, a paragraph",
+        [
+            RUN_ID,
+            query_param(
+                "baseline", string_schema(64), "one run to compare with instead of the job's usual"
+            ),
+        ],
+        {
+            "type": "object",
+            "properties": {
+                "run": {"type": "string"},
+                "verdict": {"enum": ["slower", "faster", "normal", "no history"]},
+                "baseline": OBJECT,
+                "makespan": {"type": ["number", "null"]},
+                "change": {"type": ["number", "null"]},
+                "findings": ARRAY,
+                "text": {"type": "string"},
+            },
+        },
+        NOT_FOUND,
+    ),
     "/v1/runs/{run_id}/trace": get_op(
         "The run as Chrome trace-event JSON (Perfetto): a process per worker, a track per "
         "worker thread and transfer tracks, every phase (a slice that would overlap another "

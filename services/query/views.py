@@ -32,7 +32,7 @@ from storage.analysis.profile import Profile
 from storage.analysis.runfacts import display_name
 from storage.analysis.trace import chrome_trace
 from storage.core import models as m
-from storage.query import activity, history, replay, task_stream
+from storage.query import activity, explain, history, replay, task_stream
 from storage.query import compare as comparison
 from storage.query import runs as queries
 from storage.query.breakdown import time_breakdown
@@ -258,6 +258,17 @@ def run_regressions(run_id: str) -> Any:
         action,
         same_cluster=bool(bool_arg("same_cluster")),
     )
+
+
+@bp.get("/v1/runs/<run_id>/explain")
+def run_explain(run_id: str) -> Any:
+    """Why the run was slower or faster than its job's usual runs (or than ``baseline``)."""
+    run, _c, _s = _run_or_404(run_id)
+    other = arg("baseline")
+    base = _run_or_404(other)[0] if other is not None else None
+    if base is not None and base.id == run.id:
+        raise bad("baseline", "must be another run than the one explained")
+    return explain.explanation(db(), store().blobs, run, base)
 
 
 @bp.get("/v1/runs/<run_id>/trace")

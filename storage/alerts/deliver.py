@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from storage.alerts.rules import RuleError, internal_address, job_matches, reasons_for
 from storage.core import models as m
+from storage.query import explain
 from storage.runs.context import FinishedRun
 
 logger = logging.getLogger(__name__)
@@ -164,9 +165,10 @@ def enqueue(
     return new
 
 
-def finish(fr: FinishedRun, explanation: dict[str, Any] | None = None) -> None:
-    """Finisher: queue the run's alerts (posted by the alert sender thread)."""
-    enqueue(fr.db, fr.run, fr.cluster, explanation)
+def finish(fr: FinishedRun) -> None:
+    """Finisher, after the explanation's: queue the alerts the run raises, judged by its
+    stored explanation (posted by the alert sender thread)."""
+    enqueue(fr.db, fr.run, fr.cluster, explain.explanation(fr.db, fr.blobs, fr.run))
 
 
 def sign(secret: str, body: bytes) -> str:

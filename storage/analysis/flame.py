@@ -157,9 +157,12 @@ def summary(p: Profile, **extra: Any) -> dict[str, Any]:
 
 def diff(a: Profile, b: Profile, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     """What changed from ``a`` to ``b``: the union of both trees, each frame with its
-    samples in a and b and its share of each profile's samples (``share_a``,
-    ``share_b``), so runs of different lengths compare; ``delta`` is the change of share."""
+    samples in a and b, its seconds (samples x interval: ``seconds_a``, ``seconds_b``) and
+    its share of each profile's samples (``share_a``, ``share_b``). ``delta`` is the change
+    in seconds: a frame 2x slower is a positive delta even when another grew more and its
+    share fell (``share_delta``)."""
     ta, tb = a.samples or 1, b.samples or 1
+    ia, ib = a.interval, b.interval
 
     def by_key(p: Profile, node: Node | None) -> dict[FrameKey, tuple[int, Node]]:
         return {p.keys[f]: (f, c) for f, c in node.children.items()} if node else {}
@@ -167,7 +170,8 @@ def diff(a: Profile, b: Profile, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     def one(frame: dict[str, Any], na: Node | None, nb: Node | None, depth: int) -> dict[str, Any]:
         out = dict(frame)
         ca, cb = (na.count if na else 0), (nb.count if nb else 0)
-        out.update(a=ca, b=cb, share_a=ca / ta, share_b=cb / tb, delta=cb / tb - ca / ta)
+        out.update(a=ca, b=cb, share_a=ca / ta, share_b=cb / tb, share_delta=cb / tb - ca / ta)
+        out.update(seconds_a=ca * ia, seconds_b=cb * ib, delta=cb * ib - ca * ia)
         ka, kb = by_key(a, na), by_key(b, nb)
         kids = []
         for key in ka.keys() | kb.keys():

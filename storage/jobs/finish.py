@@ -30,6 +30,7 @@ from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.core.statements import dialect_functions
 from storage.lake import build as lake_build
+from storage.query import explain
 from storage.runs import facts, profiles, rollups, runfile, runlogs, streamtiles
 from storage.runs.context import FinishedRun, ReadOnce
 
@@ -44,6 +45,7 @@ FINISHERS: tuple[Callable[[FinishedRun], None], ...] = (
     profiles.finish,  # the run's statistical profile, per prefix and worker
     runlogs.finish,  # the run's log records, emitted values, worker events
     lake_build.finish,  # the run's rows in the history lake (docs/lake.md)
+    explain.finish,  # why it was slower or faster than its job's usual (docs/explain.md)
     alerts.finish,  # the alerts its tenant's rules raise (docs/alerts.md)
 )
 #: A claimed job is another process's to take after this long without its worker renewing

@@ -75,6 +75,15 @@ def compare(db: Session, a: m.Run, b: m.Run, action: str = "compute") -> dict[st
                 "total": _delta(x["total"], y["total"]),
             }
         )
+    # Sorted by the seconds of makespan each prefix's change explains: its change in
+    # thread-seconds over run b's average concurrency (thread-seconds per makespan second).
+    span_b = makespan(b.task_start, b.task_stop)
+    busy = sum(y["total"] for y in sb.values())
+    concurrency = max(busy / span_b, 1.0) if span_b else 1.0
+    for row in prefixes:
+        d = row["total"]["delta"]
+        row["seconds"] = None if d is None else d / concurrency
+    prefixes.sort(key=lambda r: (-abs(r["seconds"] or 0.0), r["prefix"]))
     return {
         "a": a.public_id,
         "b": b.public_id,

@@ -140,15 +140,19 @@ def test_exports_agree_with_the_tree():
     assert tree["samples"] == 100 and tree["children"][0]["name"] == "call"
 
 
-def test_the_difference_of_two_profiles_by_share():
+def test_the_difference_of_two_profiles_in_seconds_with_shares_beside():
     a = as_profile(*flatten_profile(dask_tree([["call", "spin"]] * 10, count_leaves=True)))
     b = as_profile(*flatten_profile(dask_tree([["call", "spin"]] * 10 + [["call", "new"]] * 30,
                                               count_leaves=True)))  # fmt: skip
     d = flame.diff(a, b)
     call = d["children"][0]
     kids = {c["name"]: c for c in call["children"]}
-    assert kids["new"]["a"] == 0 and kids["new"]["b"] == 30 and kids["new"]["delta"] == 0.75
-    assert kids["spin"]["share_a"] == 1.0 and kids["spin"]["delta"] == -0.75
+    assert kids["new"]["a"] == 0 and kids["new"]["b"] == 30 and kids["new"]["share_delta"] == 0.75
+    assert kids["spin"]["share_a"] == 1.0 and kids["spin"]["share_delta"] == -0.75
+    # in seconds (samples x interval): spin did not change; its share fell only because
+    # new took time beside it
+    assert kids["new"]["delta"] == pytest.approx(30 * b.interval)
+    assert kids["spin"]["delta"] == 0 and kids["spin"]["seconds_b"] == 10 * b.interval
     assert "call (/src/call.py:10);new (/src/new.py:20) 0 30" in flame.collapsed_diff(a, b)
 
 
