@@ -15,7 +15,7 @@ from storage.alerts import deliver
 from storage.core import models as m
 from storage.jobs.finish import finish_run
 from tests.helpers import auth, post
-from tests.query.test_runs import run_batch
+from tests.query.test_runs import T0, run_batch
 
 
 def store_of(query: Any) -> Any:
@@ -213,3 +213,39 @@ def test_slower_runs_alert_by_their_change(apps, make_token, receiver):
     (p,) = receiver.wait_for(1)
     assert p["body"]["reasons"] == ["slower"] and p["body"]["change"] == 0.45
     assert "45% slower than usual. call_api waited" in p["body"]["text"]
+
+
+def test_a_run_its_explanation_judges_slower_is_posted_with_the_why(apps, make_token, receiver):
+    """Five usual runs of a nightly job, then one three times as long: its finished-run work
+    explains it (verdict slower) and the rule on that job posts it, with the paragraph and
+    the findings; the usual runs raise nothing."""
+    collector, query = apps
+    token = make_token(scopes="ingest,read,admin")
+    make_rule(query, token, name="slower", url=receiver.url, job="etl-nightly", min_change=0.5)
+
+    def nightly(i: int, stretch: float) -> str:
+        body = run_batch("prod", f"night-{i}", f"n{i}", 0, n_tasks=6, t=T0 + 86400 * i)
+        body["events"][0]["name"] = "etl-nightly"
+        for k, ev in enumerate(body["events"][1:-1]):
+            (ss,) = ev["startstops"]
+            ss["start"] = T0 + 86400 * i + k * stretch  # one after another, each longer
+            ss["stop"] = ss["start"] + 0.5 * stretch
+        body["events"][-1]["time"] = max(ev["startstops"][0]["stop"] for ev in body["events"][1:-1])
+        assert post(collector, body, token=token).status_code == 202
+        (run,) = [r for r in query.get("/v1/runs", headers=auth(token)).json["runs"]
+                  if r["run_key"] == f"n{i}"]  # fmt: skip
+        finish(query, run["id"])
+        return run["id"]
+
+    usual = [nightly(i, 1.0 + 0.02 * (i % 3)) for i in range(5)]
+    assert send(query) == 0 and deliveries(query, token) == []
+    slow = nightly(5, 3.0)
+    explained = query.get(f"/v1/runs/{slow}/explain", headers=auth(token)).json
+    assert explained["verdict"] == "slower" and explained["change"] >= 0.5, explained
+    assert send(query) == 1
+    (p,) = receiver.wait_for(1)
+    body = p["body"]
+    assert body["run"]["id"] == slow and body["reasons"] == ["slower"]
+    assert body["verdict"] == "slower" and body["change"] == explained["change"]
+    assert explained["text"] in body["text"] and body["findings"] == explained["findings"][:5]
+    assert not {d["run"] for d in deliveries(query, token)} & set(usual)
