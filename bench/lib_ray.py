@@ -517,7 +517,10 @@ def _free_port() -> int:
 
 
 def exporter_env(
-    export_url: str | None, report_ms: int | None = 100, publish_s: float | None = 1.0
+    export_url: str | None,
+    report_ms: int | None = 100,
+    publish_s: float | None = 1.0,
+    proto_names: bool = True,
 ) -> dict[str, str]:
     """The variables docs/ray.md asks for on a node (``ray start``), which its workers and
     its aggregator agent inherit (none: export off). ``report_ms``: how often workers
@@ -525,7 +528,9 @@ def exporter_env(
     when the job ends, and what they had not reported goes with them; None keeps Ray's
     default). ``publish_s``: how often the agent POSTs what it gathered (Ray's default 0.1
     s; None keeps it): a second, the agent's JSON and the collector's per-body work for ten
-    POSTs done once."""
+    POSTs done once. ``proto_names``: the agent writes the events' field names as in the
+    .proto (snake_case) rather than converting them to camelCase, which is most of its JSON
+    work; Hindsight reads both spellings."""
     if export_url is None:
         return {}
     env = {
@@ -539,6 +544,8 @@ def exporter_env(
         env["RAY_DASHBOARD_AGGREGATOR_AGENT_PUBLISHER_MAX_BUFFER_SEND_INTERVAL_SECONDS"] = str(
             publish_s
         )
+    if proto_names:
+        env["RAY_DASHBOARD_AGGREGATOR_AGENT_PRESERVE_PROTO_FIELD_NAME"] = "1"
     return env
 
 
@@ -555,6 +562,7 @@ class RayHead:
         cpus: int = 2,
         report_ms: int | None = 100,
         publish_s: float | None = 1.0,
+        proto_names: bool = True,
         env: dict[str, str] | None = None,
         driver_env: dict[str, str] | None = None,
     ) -> None:
@@ -574,7 +582,7 @@ class RayHead:
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONWARNINGS": "ignore",
-            **exporter_env(export_url, report_ms, publish_s),
+            **exporter_env(export_url, report_ms, publish_s, proto_names),
             **(env or {}),
         }
         self.driver_env = driver_env or {}
@@ -679,3 +687,43 @@ class RayHead:
                 break
             self.proc = None
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+#: A loopback HTTP server that answers every POST 200 and keeps nothing: what Ray's
+#: exporter costs Ray with a receiver that costs nothing.
+_NULL_SINK = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Sink(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as aiohttp's session uses it
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+class NullSink:
+    """:data:`_NULL_SINK` in its own process; ``url`` once started."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _NULL_SINK], stdout=subprocess.PIPE, start_new_session=True
+        )
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}/"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

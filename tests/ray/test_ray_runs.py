@@ -263,6 +263,17 @@ def stored_bodies(server: EmbeddedServer) -> list[Path]:
     )
 
 
+def test_the_exporter_wrote_the_field_names_the_cluster_was_set_for(jobs, ray_server, field_names):
+    """What the tests above compared with Ray's State API came in the spelling asked for:
+    ``RAY_DASHBOARD_AGGREGATOR_AGENT_PRESERVE_PROTO_FIELD_NAME=1`` (snake_case) or not."""
+    spelled = set()
+    for path in stored_bodies(ray_server):
+        body = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
+        for event in json.loads(body):
+            spelled.add("camelCase" if "eventType" in event else "snake_case")
+    assert spelled == {field_names}
+
+
 def test_a_real_body_posted_again_is_counted_once(jobs, ray_server):
     """Re-POST what Ray sent (read back from the blob store), as is and with an event of
     a type Hindsight does not know in front: accepted, nothing counted twice."""
@@ -275,7 +286,10 @@ def test_a_real_body_posted_again_is_counted_once(jobs, ray_server):
     again = requests.post(url, data=body, headers=hdr, timeout=30)
     assert again.status_code == 200 and again.json()["duplicate"] is True
     events = json.loads(body)
-    novel = {**events[0], "eventType": "TELEPATHY_EVENT", "telepathyEvent": {"thought": "hi"}}
+    if "eventType" in events[0]:
+        novel = {**events[0], "eventType": "TELEPATHY_EVENT", "telepathyEvent": {"thought": "hi"}}
+    else:
+        novel = {**events[0], "event_type": "TELEPATHY_EVENT", "telepathy_event": {"thought": "hi"}}
     mixed = requests.post(url, data=json.dumps([novel, *events]), headers=hdr, timeout=30)
     assert mixed.status_code == 200 and mixed.json()["duplicate"] is False
     assert mixed.json()["skipped"] == {"TELEPATHY_EVENT": 1}
