@@ -29,6 +29,7 @@ from services.dashboard.axes import (
 from services.dashboard.colours import PALETTE, WORKER_PALETTE, PrefixColours
 from services.dashboard.legends import legend_above
 from services.dashboard.task_stream import stream_figure, task_stream_data, wrapping_tooltips
+from storage.runs.runfile import table_rows
 
 logger = logging.getLogger(__name__)
 
@@ -389,8 +390,9 @@ def dag_item(
     from bokeh.layouts import column
     from bokeh.models import CustomJS, LegendItem, Select
 
-    if data.tasks.num_rows > DAG_MAX_NODES or data.graph.num_rows > DAG_MAX_NODES:
-        return None, max(data.tasks.num_rows, data.graph.num_rows)
+    n_tasks, n_graph = table_rows(data, "tasks"), table_rows(data, "graph")
+    if n_tasks > DAG_MAX_NODES or n_graph > DAG_MAX_NODES:
+        return None, max(n_tasks, n_graph)
     graph = data.graph.to_pylist()
     attrs = {
         r["key"]: r

@@ -245,7 +245,9 @@ def run_page(run_id: str) -> Any:
     detail = queries.run_detail(
         db(), run, cluster, session, silence=store().settings.silent_agents_seconds
     )
-    data = runfile.load_run(db(), store().blobs, run)
+    # tables read as a panel needs them: a big finished run's panels come from its stored
+    # facts, rollups and tiles, not its tasks table
+    data = runfile.load_run(db(), store().blobs, run, lazy=True)
     facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]
     live = detail["status"] == "running"
