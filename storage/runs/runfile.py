@@ -39,6 +39,8 @@ METRIC_SLACK_S = 60.0
 #: sample either side when it has none there).
 METRIC_NEAR_S = 1.0
 ROW_GROUP = 65_536
+#: Task rows decoded into Python lists before they become one Arrow record batch.
+BUILD_CHUNK = 50_000
 _CACHE_SIZE = 4
 
 TASK_COLUMNS = (
@@ -225,7 +227,10 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     import pyarrow as pa
 
     tasks_schema, graph_schema, metrics_schema = _schemas()
+    # the tasks' columns as Arrow arrays a chunk of rows at a time: Python lists of every
+    # column of a 10^6-task run held ~1 GB (a str or float object per cell)
     cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
+    chunks: list[Any] = []
     g_key: list[str] = []
     g_prefix: list[str] = []
     g_deps: list[list[str]] = []
@@ -255,7 +260,13 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
                 metrics.append((ev.worker, ev.time, ev.values))
         if tasks:
             _task_columns(tasks, cols)
-    tasks = pa.table(cols, schema=tasks_schema)
+            if len(cols["key"]) >= BUILD_CHUNK:
+                chunks.append(pa.record_batch(cols, schema=tasks_schema))
+                cols = {c: [] for c in TASK_COLUMNS}
+    chunks.append(pa.record_batch(cols, schema=tasks_schema))
+    del cols
+    tasks = pa.Table.from_batches(chunks, schema=tasks_schema)
+    del chunks
     graph = pa.table(
         {"key": g_key, "prefix": g_prefix, "dependencies": g_deps, "submitted": g_time},
         schema=graph_schema,
