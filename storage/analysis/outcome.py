@@ -130,7 +130,7 @@ def graph_groups(data: RunData, most: int = GRAPH_GROUPS) -> dict[str, Any]:
 
 def _group_depths(groups: list[str], edges: list[dict[str, Any]]) -> dict[str, int]:
     """Each group's longest chain from a group with no dependency; an edge that closes a
-    cycle (found by a depth-first walk) is left out."""
+    cycle (met again on the depth-first walk) is left out."""
     deps: dict[str, list[str]] = {p: [] for p in groups}
     for e in edges:
         deps[e["dst"]].append(e["src"])

@@ -113,6 +113,8 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
     work = detail(query, token, run["id"])["finished_work"]
     assert work["pending"] is False and work["done_at"] is not None
     assert [k.rsplit("/", 1)[1] for k in compacted(app, run["id"])] == [
+        # storage.runs.facts: the task graph grouped by prefix (a big graph's view)
+        "graph-groups-v1.json.zst",
         "graph.parquet",
         "metrics.parquet",
         # storage.runs.facts: the run page's critical path, progress and errors
@@ -196,7 +198,7 @@ def test_a_failing_finisher_is_retried_and_does_not_stop_the_others(apps, make_t
     (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
     before = time.time()
     finish.run_due(st.sessions, st.blobs, limit=1000)
-    assert len(compacted(app, run["id"])) == 10  # the finishers after the failing one ran
+    assert len(compacted(app, run["id"])) == 11  # the finishers after the failing one ran
     job = job_of(app, run["id"])
     assert "disk on fire" in job.error and job.due_at >= before + finish.RETRY_SECONDS
     assert detail(query, token, run["id"])["finished_work"]["pending"] is True
