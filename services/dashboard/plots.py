@@ -29,6 +29,7 @@ from services.dashboard.axes import (
 from services.dashboard.colours import PALETTE, WORKER_PALETTE, PrefixColours
 from services.dashboard.legends import legend_above
 from services.dashboard.task_stream import stream_figure, task_stream_data, wrapping_tooltips
+from storage.runs.runfile import table_rows
 
 logger = logging.getLogger(__name__)
 
@@ -389,8 +390,9 @@ def dag_item(
     from bokeh.layouts import column
     from bokeh.models import CustomJS, LegendItem, Select
 
-    if data.tasks.num_rows > DAG_MAX_NODES or data.graph.num_rows > DAG_MAX_NODES:
-        return None, max(data.tasks.num_rows, data.graph.num_rows)
+    n_tasks, n_graph = table_rows(data, "tasks"), table_rows(data, "graph")
+    if n_tasks > DAG_MAX_NODES or n_graph > DAG_MAX_NODES:
+        return None, max(n_tasks, n_graph)
     graph = data.graph.to_pylist()
     attrs = {
         r["key"]: r
@@ -533,6 +535,74 @@ def dag_item(
         ),
     )
     return json_item(column(pick, fig, sizing_mode="stretch_width"), "dag"), len(keys)
+
+
+def grouped_dag_item(grouped: dict[str, Any], colours: PrefixColours) -> dict[str, Any] | None:
+    """A graph past :data:`DAG_MAX_NODES` drawn by prefix (``outcome.graph_groups``, stored
+    with the page's facts): a node a group, by depth, its area as its task count; an edge
+    as wide as the log of the task dependencies it stands for. What the browser lays out
+    stays the same whatever the run's size."""
+    groups = grouped.get("groups") or []
+    if not groups:
+        return None
+    levels: dict[int, list[str]] = {}
+    for g in groups:
+        levels.setdefault(g["depth"], []).append(g["prefix"])
+    pos = {}
+    for lvl, names in levels.items():
+        for i, name in enumerate(names):
+            pos[name] = (lvl, i - (len(names) - 1) / 2)
+    top = max(g["tasks"] for g in groups)
+    nodes = {
+        "x": [pos[g["prefix"]][0] for g in groups],
+        "y": [pos[g["prefix"]][1] for g in groups],
+        "prefix": [g["prefix"] for g in groups],
+        "tasks": [g["tasks"] for g in groups],
+        "size": [8 + 32 * math.sqrt(g["tasks"] / top) for g in groups],
+        "colour": [colours[g["prefix"]] for g in groups],
+    }
+    edges: dict[str, list[Any]] = {k: [] for k in ("x0", "y0", "x1", "y1", "count", "width")}
+    for e in grouped.get("edges") or []:
+        (x0, y0), (x1, y1) = pos[e["src"]], pos[e["dst"]]
+        for k, v in zip(("x0", "y0", "x1", "y1"), (x0, y0, x1, y1), strict=True):
+            edges[k].append(v)
+        edges["count"].append(e["count"])
+        edges["width"].append(0.8 + math.log10(e["count"]))
+    fig = figure(
+        title="Task graph by prefix (a node per task group, its area its tasks)",
+        height=420,
+        sizing_mode="stretch_width",
+        tools="pan,wheel_zoom,box_zoom,reset,save",
+        active_scroll="wheel_zoom",
+        name="dag",
+    )
+    lines = fig.segment(
+        "x0",
+        "y0",
+        "x1",
+        "y1",
+        source=ColumnDataSource(edges, name="dag-edges"),
+        line_color="#999999",
+        line_alpha=0.6,
+        line_width="width",
+    )
+    dots = fig.scatter(
+        "x",
+        "y",
+        source=ColumnDataSource(nodes, name="dag-nodes"),
+        size="size",
+        fill_color="colour",
+        line_color="#555555",
+    )
+    fig.text("x", "y", text="prefix", source=dots.data_source, y_offset=-14, text_font_size="9pt")
+    fig.add_tools(
+        HoverTool(renderers=[dots], tooltips=[("prefix", "@prefix"), ("tasks", "@tasks{0,0}")]),
+        HoverTool(renderers=[lines], tooltips=[("task dependencies", "@count{0,0}")]),
+    )
+    fig.axis.visible = False
+    fig.grid.visible = False
+    fig.toolbar.logo = None
+    return json_item(fig, "dag")
 
 
 def makespan_trend(runs: list[dict[str, Any]], current: str) -> dict[str, Any] | None:

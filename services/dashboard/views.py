@@ -43,7 +43,7 @@ from storage.query import runs as queries
 from storage.query.runs import BadCursor, RunFilters, makespan_column
 from storage.query.task_stream import MAX_RECTS
 from storage.runs import profiles, runcode, runfile, runlogs, streamtiles
-from storage.runs.facts import page_facts
+from storage.runs.facts import grouped_graph, page_facts
 
 bp = Blueprint(
     "dashboard",
@@ -245,7 +245,9 @@ def run_page(run_id: str) -> Any:
     detail = queries.run_detail(
         db(), run, cluster, session, silence=store().settings.silent_agents_seconds
     )
-    data = runfile.load_run(db(), store().blobs, run)
+    # tables read as a panel needs them: a big finished run's panels come from its stored
+    # facts, rollups and tiles, not its tasks table
+    data = runfile.load_run(db(), store().blobs, run, lazy=True)
     facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]
     live = detail["status"] == "running"
@@ -269,6 +271,11 @@ def run_page(run_id: str) -> Any:
         if big
         else None,
     )
+    dag, grouped = items["dag"], None
+    if dag is None and items["counts"]["dag_nodes"] > plots.DAG_MAX_NODES:
+        # past the node budget: the graph's shape by prefix, stored when the run finished
+        grouped = grouped_graph(db(), store().blobs, run, data)
+        dag = plots.grouped_dag_item(grouped, colours)
     stream = items["stream"]
     if not live and not big:  # the page requests the hover's keys (``stream_keys``)
         stream = {**stream, "keys_url": f"/runs/{run.public_id}/stream-keys"}
@@ -285,7 +292,8 @@ def run_page(run_id: str) -> Any:
         previous=same_job[0] if same_job else None,
         timeline=script_json(items["timeline"]),
         stream=script_json({"task-stream-source": stream}),
-        dag=script_json(items["dag"]),
+        dag=script_json(dag),
+        dag_grouped=grouped if dag is not None else None,
         counts=items["counts"],
         critical=critical,
         errors=facts["errors"],

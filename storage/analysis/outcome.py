@@ -69,3 +69,87 @@ def facts_of(data: RunData) -> dict[str, Any]:
         "errors": errors(data),
         "outcome": outcome(data),
     }
+
+
+#: Groups the task graph's prefix view draws at most (the largest; the rest are counted).
+GRAPH_GROUPS = 200
+
+
+def graph_groups(data: RunData, most: int = GRAPH_GROUPS) -> dict[str, Any]:
+    """The task graph grouped by prefix, the view of a graph past the page's node budget:
+    ``groups`` (prefix, tasks, depth: the longest chain of groups from a group with no
+    dependency, an edge closing a cycle of groups left out of it), ``edges`` (from the
+    prefix depended on to the dependent one, and how many task dependencies it stands
+    for; within a group none), the ``most`` largest groups and ``other_groups`` /
+    ``other_tasks`` left out. Vectorised over the graph's Arrow columns (a key's first
+    record when a submission sent it again)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    g = data.graph
+    if not g.num_rows:
+        return {"groups": [], "edges": [], "other_groups": 0, "other_tasks": 0}
+    codes = np.asarray(pc.dictionary_encode(g["key"].combine_chunks()).indices)
+    _, first = np.unique(codes, return_index=True)
+    g = g.take(pa.array(np.sort(first)))
+    keys = g["key"].combine_chunks()
+    prefix = pc.fill_null(g["prefix"].combine_chunks(), "")
+    deps = g["dependencies"].combine_chunks()
+    at = pc.index_in(pc.list_flatten(deps), value_set=keys)
+    src = pc.take(prefix, at)
+    dst = pc.take(prefix, pc.list_parent_indices(deps))
+    pairs = pa.table({"src": src, "dst": dst})
+    pairs = pairs.filter(pc.and_(pc.is_valid(src), pc.not_equal(src, dst)))
+    counted = pa.table({"prefix": prefix}).group_by("prefix").aggregate([("prefix", "count")])
+    sizes = dict(
+        zip(counted["prefix"].to_pylist(), counted["prefix_count"].to_pylist(), strict=True)
+    )
+    kept = sorted(sizes, key=lambda p: (-sizes[p], p))[:most]
+    shown = set(kept)
+    edges = []
+    if pairs.num_rows:
+        agg = pairs.group_by(["src", "dst"]).aggregate([("src", "count")])
+        for s, d, n in zip(
+            agg["src"].to_pylist(),
+            agg["dst"].to_pylist(),
+            agg["src_count"].to_pylist(),
+            strict=True,
+        ):
+            if s in shown and d in shown:
+                edges.append({"src": s, "dst": d, "count": n})
+    edges.sort(key=lambda e: (e["src"], e["dst"]))
+    depth = _group_depths(kept, edges)
+    return {
+        "groups": [{"prefix": p, "tasks": sizes[p], "depth": depth[p]} for p in kept],
+        "edges": edges,
+        "other_groups": len(sizes) - len(kept),
+        "other_tasks": sum(sizes.values()) - sum(sizes[p] for p in kept),
+    }
+
+
+def _group_depths(groups: list[str], edges: list[dict[str, Any]]) -> dict[str, int]:
+    """Each group's longest chain from a group with no dependency; an edge that closes a
+    cycle (met again on the depth-first walk) is left out."""
+    deps: dict[str, list[str]] = {p: [] for p in groups}
+    for e in edges:
+        deps[e["dst"]].append(e["src"])
+    depth: dict[str, int] = {}
+    on_stack: set[str] = set()
+    for root in groups:
+        if root in depth:
+            continue
+        stack = [(root, iter(deps[root]))]
+        on_stack.add(root)
+        while stack:
+            node, it = stack[-1]
+            nxt = next((d for d in it if d not in on_stack and d not in depth), None)
+            if nxt is not None:
+                stack.append((nxt, iter(deps[nxt])))
+                on_stack.add(nxt)
+                continue
+            stack.pop()
+            on_stack.discard(node)
+            if node not in depth:
+                depth[node] = 1 + max((depth[d] for d in deps[node] if d in depth), default=-1)
+    return depth

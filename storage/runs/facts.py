@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from storage.analysis.outcome import facts_of
+from storage.analysis.outcome import facts_of, graph_groups
 from storage.analysis.rundata import RunData
 from storage.core import models as m
 from storage.runs.context import FinishedRun
@@ -34,6 +34,28 @@ def page_facts(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, 
     return facts
 
 
+def grouped_graph(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, Any]:
+    """The run's task graph by prefix (``outcome.graph_groups``), what the run page draws of
+    a graph past its node budget; a finished run's stored when it finishes (or on its first
+    view, for a run finished before), so a view reads no graph table."""
+    import msgspec
+    import zstandard
+
+    key = f"{compact_prefix(db, run)}/{data.tag}/graph-groups-v1.json.zst"
+    if run.status != "running":
+        try:
+            return msgspec.json.decode(zstandard.ZstdDecompressor().decompress(blobs.get(key)))
+        except FileNotFoundError:
+            pass
+    grouped = graph_groups(data)
+    if run.status != "running":
+        body = zstandard.ZstdCompressor(level=3).compress(msgspec.json.encode(grouped))
+        blobs.put(key, body, if_absent=True)
+    return grouped
+
+
 def finish(fr: FinishedRun) -> None:
-    """Finisher (``storage.jobs.finish``): the run page's facts, stored when the run finishes."""
+    """Finisher (``storage.jobs.finish``): the run page's facts and its grouped graph,
+    stored when the run finishes."""
     page_facts(fr.db, fr.blobs, fr.run, fr.data())
+    grouped_graph(fr.db, fr.blobs, fr.run, fr.data())

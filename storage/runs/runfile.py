@@ -39,6 +39,8 @@ METRIC_SLACK_S = 60.0
 #: sample either side when it has none there).
 METRIC_NEAR_S = 1.0
 ROW_GROUP = 65_536
+#: Task rows decoded into Python lists before they become one Arrow record batch.
+BUILD_CHUNK = 50_000
 _CACHE_SIZE = 4
 
 TASK_COLUMNS = (
@@ -225,7 +227,10 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
     import pyarrow as pa
 
     tasks_schema, graph_schema, metrics_schema = _schemas()
+    # the tasks' columns as Arrow arrays a chunk of rows at a time: Python lists of every
+    # column of a 10^6-task run held ~1 GB (a str or float object per cell)
     cols: dict[str, list[Any]] = {c: [] for c in TASK_COLUMNS}
+    chunks: list[Any] = []
     g_key: list[str] = []
     g_prefix: list[str] = []
     g_deps: list[list[str]] = []
@@ -255,7 +260,13 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
                 metrics.append((ev.worker, ev.time, ev.values))
         if tasks:
             _task_columns(tasks, cols)
-    tasks = pa.table(cols, schema=tasks_schema)
+            if len(cols["key"]) >= BUILD_CHUNK:
+                chunks.append(pa.record_batch(cols, schema=tasks_schema))
+                cols = {c: [] for c in TASK_COLUMNS}
+    chunks.append(pa.record_batch(cols, schema=tasks_schema))
+    del cols
+    tasks = pa.Table.from_batches(chunks, schema=tasks_schema)
+    del chunks
     graph = pa.table(
         {"key": g_key, "prefix": g_prefix, "dependencies": g_deps, "submitted": g_time},
         schema=graph_schema,
@@ -405,12 +416,59 @@ def _parquet(table: Any) -> bytes:
     return buf.getvalue()
 
 
+class CompactRun(RunData):
+    """A compacted run whose tables are each read from its copy when first used: a big
+    finished run's page draws from stored facts, rollups and tiles, and decoding its tasks
+    table (~1 s and ~1 GB at 10^6 tasks) for a page that shows none of its rows was most of
+    the page's first byte."""
+
+    def __init__(self, blobs: BlobStore, base: str, tag: str) -> None:
+        self._blobs, self._base = blobs, base
+        self.tag, self.source, self.derived = tag, "compact", {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        # called only for an attribute not set yet: a table not read yet
+        if name not in ("tasks", "graph", "metrics"):
+            raise AttributeError(name)
+        import pyarrow.parquet as pq
+
+        with self._lock:
+            if name not in self.__dict__:
+                body = self._blobs.get(f"{self._base}/{name}.parquet")
+                self.__dict__[name] = pq.read_table(io.BytesIO(body))
+        return self.__dict__[name]
+
+    def rows(self, name: str) -> int:
+        """A table's row count, from its Parquet footer when the table is not read yet."""
+        import pyarrow.parquet as pq
+
+        if name in self.__dict__:
+            return int(self.__dict__[name].num_rows)
+        body = self._blobs.get(f"{self._base}/{name}.parquet")
+        return int(pq.ParquetFile(io.BytesIO(body)).metadata.num_rows)
+
+
+def table_rows(data: RunData, name: str) -> int:
+    """The row count of one of ``data``'s tables, without reading a table not read yet."""
+    if isinstance(data, CompactRun):
+        return data.rows(name)
+    return int(getattr(data, name).num_rows)
+
+
 def load_run(
-    db: Session, blobs: BlobStore, run: m.Run, *, write: bool = True, cache: bool = True
+    db: Session,
+    blobs: BlobStore,
+    run: m.Run,
+    *,
+    write: bool = True,
+    cache: bool = True,
+    lazy: bool = False,
 ) -> RunData:
     """The run's tasks, graph and metrics: from the process cache, the compacted copy, or
     the raw batches (then compacted, if the run has ended and ``write``). ``cache``: keep
-    the tables in this process's cache of recent runs."""
+    the tables in this process's cache of recent runs. ``lazy``: a compacted run's tables
+    are read when first used (:class:`CompactRun`)."""
     import pyarrow.parquet as pq
 
     tag = run_tag(db, run)
@@ -421,8 +479,13 @@ def load_run(
         return hit
     names = ("tasks", "graph", "metrics")
     try:
-        tables = [pq.read_table(io.BytesIO(blobs.get(f"{cache_key}/{n}.parquet"))) for n in names]
-        data = RunData(*tables, tag=tag, source="compact")
+        if lazy and blobs.exists(f"{cache_key}/tasks.parquet"):
+            data = CompactRun(blobs, cache_key, tag)
+        else:
+            tables = [
+                pq.read_table(io.BytesIO(blobs.get(f"{cache_key}/{n}.parquet"))) for n in names
+            ]
+            data = RunData(*tables, tag=tag, source="compact")
     except FileNotFoundError:
         tasks, graph, metrics = _build(db, blobs, run)
         data = RunData(tasks, graph, metrics, tag=tag, source="raw")

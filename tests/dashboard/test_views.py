@@ -573,3 +573,61 @@ def test_activity_history_lines_break_over_buckets_without_runs():
               for h in (0, 1, 5)]  # fmt: skip
     ys = _sources(activity_history_chart(points, "t", 3600))["activity-history-0"]["y"]
     assert ys == [2.0, 2.0, {"type": "number", "value": "nan"}, 2.0], ys
+
+
+def test_a_graph_past_the_node_budget_is_drawn_by_prefix_with_edge_counts(
+    apps, make_token, monkeypatch
+):
+    """A graph with more tasks than the graph view draws one by one shows its shape: a node
+    per prefix sized by its tasks, by depth, and an edge per pair of prefixes with how many
+    task dependencies it stands for (a dependency within a prefix is none)."""
+    from services.dashboard import plots
+    from tests.query.test_runs import T0
+
+    collector, query = apps
+    token = make_token()
+    h = {"Authorization": f"Bearer {token}"}
+    n = 12
+    graph = [
+        *({"key": f"load-{i}", "prefix": "load", "dependencies": []} for i in range(n)),
+        *({"key": f"clean-{i}", "prefix": "clean", "dependencies": [f"load-{i}"]}
+          for i in range(n)),
+        *({"key": f"clean-x{i}", "prefix": "clean", "dependencies": [f"clean-{i}"]}
+          for i in range(3)),
+        {"key": "total", "prefix": "total", "dependencies": [f"clean-{i}" for i in range(n)]},
+    ]  # fmt: skip
+    events = [
+        {"kind": "run", "event": "started", "id": "r", "name": "etl", "time": T0},
+        *({"kind": "graph", "run": "r", **g} for g in graph),
+        *({"kind": "task", "key": g["key"], "prefix": g["prefix"], "status": "memory", "run": "r",
+           "worker": "tcp://w:1",
+           "startstops": [{"action": "compute", "start": T0 + 0.1 * i, "stop": T0 + 0.1 * i + 0.05}]}
+          for i, g in enumerate(graph)),
+        {"kind": "run", "event": "finished", "id": "r", "time": T0 + 5},
+    ]  # fmt: skip
+    body = example(cluster="c", session="Scheduler-1", agent="scheduler-0123456789ab", seq=0,
+                   events=events, final=True)  # fmt: skip
+    assert post(collector, body, token=token).status_code == 202
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+
+    page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    assert 'id="dag-grouped"' not in page  # within the budget: every task drawn
+    monkeypatch.setattr(plots, "DAG_MAX_NODES", len(graph) - 1)
+    page = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    note = page.split('id="dag-grouped">')[1].split("</p>")[0]
+    assert f"This graph has {len(graph)} tasks" in note, note
+    dag = json.loads(page.split("const dag = ", 1)[1].split(";\n", 1)[0])
+    found = _sources(dag)
+    nodes, edges = found["dag-nodes"], found["dag-edges"]
+    tasks = dict(zip(nodes["prefix"], nodes["tasks"], strict=True))
+    assert tasks == {"load": n, "clean": n + 3, "total": 1}
+    depth = dict(zip(nodes["prefix"], nodes["x"], strict=True))
+    assert depth == {"load": 0, "clean": 1, "total": 2}
+    pos = {(x, y): p for p, x, y in zip(nodes["prefix"], nodes["x"], nodes["y"], strict=True)}
+    drawn = {
+        (pos[(x0, y0)], pos[(x1, y1)]): c
+        for x0, y0, x1, y1, c in zip(
+            edges["x0"], edges["y0"], edges["x1"], edges["y1"], edges["count"], strict=True
+        )
+    }
+    assert drawn == {("load", "clean"): n, ("clean", "total"): n}

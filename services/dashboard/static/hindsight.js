@@ -275,7 +275,9 @@ const painted = () => new Promise(r => requestAnimationFrame(() => requestAnimat
 const legendFont = document.createElement("canvas").getContext("2d");
 const fullLabels = new WeakMap();
 
-function fitLegends() {
+// ``paint``: resolve once the new layout is painted; a page that draws more right after
+// (the run and compare pages' task streams) passes false and paints once, not twice.
+function fitLegends(paint = true) {
   let changed = false;
   for (const doc of Bokeh.documents) {
     const models = [...doc.all_models];
@@ -324,7 +326,7 @@ function fitLegends() {
     if (root.invalidate_layout) root.invalidate_layout();
   }
   performance.mark("hs-legends-laid-out");
-  return painted();
+  return paint ? painted() : Promise.resolve();
 }
 
 let legendsPending = null;

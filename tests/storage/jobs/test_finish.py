@@ -113,6 +113,8 @@ def test_a_finished_run_is_compacted_without_anyone_reading_it(apps, make_token)
     work = detail(query, token, run["id"])["finished_work"]
     assert work["pending"] is False and work["done_at"] is not None
     assert [k.rsplit("/", 1)[1] for k in compacted(app, run["id"])] == [
+        # storage.runs.facts: the task graph grouped by prefix (a big graph's view)
+        "graph-groups-v1.json.zst",
         "graph.parquet",
         "metrics.parquet",
         # storage.runs.facts: the run page's critical path, progress and errors
