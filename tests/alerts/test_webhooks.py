@@ -47,6 +47,9 @@ def finish(query: Any, public_id: str) -> None:
     with st.sessions() as db:
         run_id = db.query(m.Run.id).filter(m.Run.public_id == public_id).scalar()
         assert finish_run(db, st.blobs, run_id) == []
+        # done, as the finish worker leaves it: no other process's worker takes it up
+        db.query(m.FinishJob).filter(m.FinishJob.run_id == run_id).delete()
+        db.commit()
 
 
 def send(query: Any) -> int:
