@@ -18,40 +18,35 @@ def page_facts(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, 
     """What the run page derives from a run's tables: its critical path, progress and
     errors. A finished run's are stored next to its compacted copy (by the finisher below,
     when the run finishes) and read back, so no page view walks a large run's graph."""
-    import msgspec
-    import zstandard
-
-    key = f"{compact_prefix(db, run)}/{data.tag}/page-v2.json.zst"  # v2: with outcome
-    if run.status != "running":
-        try:
-            return msgspec.json.decode(zstandard.ZstdDecompressor().decompress(blobs.get(key)))
-        except FileNotFoundError:
-            pass
-    facts = facts_of(data)
-    if run.status != "running":
-        body = zstandard.ZstdCompressor(level=3).compress(msgspec.json.encode(facts))
-        blobs.put(key, body, if_absent=True)
-    return facts
+    return _stored(db, blobs, run, data, "page-v2", facts_of)  # v2: with outcome
 
 
 def grouped_graph(db: Session, blobs: Any, run: m.Run, data: RunData) -> dict[str, Any]:
     """The run's task graph by prefix (``outcome.graph_groups``), what the run page draws of
     a graph past its node budget; a finished run's stored when it finishes (or on its first
     view, for a run finished before), so a view reads no graph table."""
+    return _stored(db, blobs, run, data, "graph-groups-v1", graph_groups)
+
+
+def _stored(
+    db: Session, blobs: Any, run: m.Run, data: RunData, name: str, build: Any
+) -> dict[str, Any]:
+    """``build(data)``, kept next to a finished run's compacted copy as ``name`` and read
+    back from there (a running run's is built each time)."""
     import msgspec
     import zstandard
 
-    key = f"{compact_prefix(db, run)}/{data.tag}/graph-groups-v1.json.zst"
+    key = f"{compact_prefix(db, run)}/{data.tag}/{name}.json.zst"
     if run.status != "running":
         try:
             return msgspec.json.decode(zstandard.ZstdDecompressor().decompress(blobs.get(key)))
         except FileNotFoundError:
             pass
-    grouped = graph_groups(data)
+    out = build(data)
     if run.status != "running":
-        body = zstandard.ZstdCompressor(level=3).compress(msgspec.json.encode(grouped))
+        body = zstandard.ZstdCompressor(level=3).compress(msgspec.json.encode(out))
         blobs.put(key, body, if_absent=True)
-    return grouped
+    return out
 
 
 def finish(fr: FinishedRun) -> None:
