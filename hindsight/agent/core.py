@@ -52,6 +52,12 @@ WARN_EVERY = 60.0
 CLOSING_BACKOFF_MAX = 1.0
 #: The longest one request may wait for an answer while closing.
 CLOSE_REQUEST_S = 1.0
+#: While closing, a request that failed without an answer this quickly (a reset connection,
+#: a refused one) is tried again, at most this many times in a row: a collector replica that
+#: died mid-request has a sibling behind the same address, and a collector that is down
+#: costs a few milliseconds per try. A request that timed out is not tried again.
+CLOSE_QUICK_FAILURE_S = 0.5
+CLOSE_QUICK_RETRIES = 2
 
 _encoder = msgspec.json.Encoder()
 # How a collector that predates an event kind names it in its 400 answer.
@@ -114,6 +120,7 @@ class Agent:
         self._transport: Transport | None = None
         self._attempts = 0
         self._retry_at = 0.0
+        self._quick_failures = 0  # in a row, while closing (see CLOSE_QUICK_RETRIES)
         self._warned: dict[str, float] = {}
         # Event kinds the collector turned down as unknown (it predates them).
         self._unsupported: set[str] = set()
@@ -440,11 +447,13 @@ class Agent:
                 # Closing: a collector that does not answer (a host that drops packets) must
                 # not hold up the cluster's close; what it does not take waits in the spool.
                 self._transport.limit_timeout(max(0.1, min(CLOSE_REQUEST_S, deadline - now)))
+            started = time.monotonic()
             outcome = self._transport.post(batch.body, batch.encoding)
             self.stats["posts"] += 1
             if outcome.verdict == "ok":
                 self._pop_head(batch, spooled)
                 self._attempts = 0
+                self._quick_failures = 0
                 self.stats["sent_batches"] += 1
                 self.stats["sent_events"] += batch.events
                 continue
@@ -455,6 +464,11 @@ class Agent:
                     self._park_outbox()
                 if deadline is None:
                     return
+                if outcome.status is None and time.monotonic() - started < CLOSE_QUICK_FAILURE_S:
+                    self._quick_failures += 1
+                    self._retry_at = time.monotonic() + 0.05 * min(self._quick_failures, 4)
+                    if self._quick_failures <= CLOSE_QUICK_RETRIES:
+                        continue
                 if outcome.status is None or outcome.status in MISADDRESSED:
                     # Closing, and no collector answers at that URL: what is left waits in
                     # the spool now. Retrying would hold up the cluster's close (a nanny

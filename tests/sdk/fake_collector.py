@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 import threading
 import time
 from collections import deque
@@ -20,10 +21,14 @@ import zstandard
 
 from hindsight.schema import Batch, decode_batch
 
+#: A scripted status that answers nothing: the connection is dropped mid-request, as when
+#: the collector process serving it is killed.
+DROP = 0
+
 
 class FakeCollector:
     """Records accepted batches; answers from ``script`` (then 202), or ``rule(batch)``.
-    An answer is ``(status, headers)`` or ``(status, headers, error message)``."""
+    An answer is ``(status, headers)`` or ``(status, headers, error message)``, or ``(DROP, {})``."""
 
     def __init__(self) -> None:
         self.accepted: list[Batch] = []
@@ -62,6 +67,10 @@ class FakeCollector:
                         collector.requests.append((status, batch))
                 else:
                     status, headers, message = collector._answer(batch)
+                if status == DROP:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 payload = b'{"batch_id": "x", "accepted": true, "duplicate": false}'
                 if status != 202:
                     payload = json.dumps(

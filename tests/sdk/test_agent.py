@@ -11,6 +11,8 @@ from hindsight.agent import Agent
 from hindsight.config import Settings
 from hindsight.schema import CustomEvent
 
+from .fake_collector import DROP
+
 
 def make_agent(collector, tmp_path, **overrides) -> Agent:
     settings = Settings(
@@ -157,6 +159,24 @@ def test_closing_tries_at_once_whatever_backoff_an_outage_left(collector, tmp_pa
     agent.close(timeout=3)
     assert values(collector) == [1] and collector.accepted[-1].final
     assert time.monotonic() - started < 3
+
+
+def test_closing_tries_again_when_a_collector_replica_dies_mid_request(collector, tmp_path):
+    """A collector process killed mid-request (a replica restarting behind one address) drops
+    the connection without an answer; closing tries again at once instead of leaving the
+    run's last batch in the spool."""
+    agent = make_agent(collector, tmp_path, flush_interval=3600)
+    agent.add(ev(1))
+    # Five answers dropped: more than closing's two sends of the batch would survive, each
+    # with the sender's one reconnect.
+    collector.script.extend([(DROP, {})] * 5)
+    started = time.monotonic()
+    agent.close(timeout=3)
+    assert time.monotonic() - started < 1.5
+    assert values(collector) == [1] and collector.accepted[-1].final
+    statuses = [s for s, _ in collector.requests]
+    assert statuses[:5] == [DROP] * 5 and set(statuses[5:]) == {202}
+    assert agent.pending() == 0
 
 
 def test_retry_after_is_honoured(collector, tmp_path):
