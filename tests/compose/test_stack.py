@@ -1,6 +1,7 @@
 """The full stack where users run it: the project's unchanged docker-compose.yml brought up
 with the README's own commands, a real LocalCluster on the host recording through the compose
-collector, the dashboard in Chromium, kill -9 of the collector and Postgres under a live run,
+collector, the lake read by pyiceberg and DuckDB through the catalog the stack prints, the
+dashboard in Chromium, kill -9 of the collector and Postgres under a live run,
 two collector replicas, and ``down -v`` leaving nothing behind.
 
 The tests share one stack and run in file order (each builds on what the previous recorded).
@@ -8,6 +9,7 @@ The tests share one stack and run in file order (each builds on what the previou
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -173,6 +175,75 @@ def test_a_local_cluster_records_through_the_compose_collector(stack, tmp_path):
     assert_recorded(stack.api, cluster, streams, timeout=120)
     FIGURES["dask_runs_complete_after_close_s"] = round(time.monotonic() - start, 1)
     stack.recorded.update(cluster=cluster, streams=streams)
+
+
+#: Run inside the query container, where the compose network's names (postgres, minio) and
+#: the S3 credentials are: open the catalog ``hindsight lake catalog`` prints, scan the
+#: cluster's task records, and copy out the data files the scan planned.
+LAKE_SCAN = """
+import json, os, subprocess, sys
+from pyiceberg.catalog import load_catalog
+from pyiceberg.expressions import EqualTo
+props = json.loads(subprocess.run(["hindsight", "lake", "catalog"], check=True,
+                                  capture_output=True, text=True).stdout)
+printed = dict(props)
+table = load_catalog(props.pop("name"), **props).load_table(props["namespace"] + ".tasks")
+scan = table.scan(row_filter=EqualTo("cluster", sys.argv[1]))
+records = scan.to_arrow()
+os.makedirs(sys.argv[2], exist_ok=True)
+files = [t.file.file_path for t in scan.plan_files()]
+for i, path in enumerate(files):
+    with table.io.new_input(path).open() as src, open(f"{sys.argv[2]}/{i}.parquet", "wb") as dst:
+        dst.write(src.read())
+rows = sorted(zip(records["run"].to_pylist(), records["key"].to_pylist()))
+print(json.dumps({"props": printed, "rows": rows, "files": files}))
+"""
+
+
+def test_engines_read_the_stacks_lake_through_the_printed_catalog(stack, tmp_path):
+    """The Postgres catalog and S3 warehouse of the compose stack: pyiceberg, through the
+    catalog ``hindsight lake catalog`` prints, scans every task record of both runs, and
+    DuckDB reading the data files pyiceberg planned counts the same."""
+    import duckdb
+
+    cluster = stack.recorded["cluster"]
+    runs = {name: stack.api.run_named(cluster, name) for name in ("map", "array-sum")}
+    want = sorted(
+        [run["id"], t["key"]] for run in runs.values() for t in stack.api.tasks(run["id"])
+    )
+    assert len(want) == sum(r["task_count"] for r in runs.values()) > 0
+    container = stack.containers("query")[0]
+    inside = f"/tmp/lake-{uuid.uuid4().hex[:8]}"
+    seen: dict[str, Any] = {}
+
+    # The printed catalog never holds the password: libpq takes it from PGPASSWORD (docs/lake.md).
+    password = stack.env().get("POSTGRES_PASSWORD", "hindsight-dev-only")
+
+    def scanned_whole() -> bool:
+        out = stack.compose("exec", "-T", "-e", f"PGPASSWORD={password}", "query",
+                            "python", "-c", LAKE_SCAN, cluster, inside)  # fmt: skip
+        seen.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        return seen["rows"] == want
+
+    start = time.monotonic()
+    wait_until(scanned_whole, 120, "both runs' task records in the lake")
+    FIGURES["lake_scan_whole_after_s"] = round(time.monotonic() - start, 1)
+    props = seen["props"]
+    assert props["type"] == "sql" and props["namespace"] == "hindsight"
+    assert props["uri"].startswith("postgresql+psycopg2://") and "@postgres:5432/" in props["uri"]
+    assert props["warehouse"].startswith("s3://") and props["warehouse"].endswith("/lake/iceberg")
+    printed = json.dumps(props)
+    for secret in ("hindsight-dev-only", "aws_secret_access_key", "s3.secret-access-key"):
+        assert secret not in printed, secret
+    stack.run(["docker", "cp", f"{container}:{inside}", str(tmp_path / "files")])
+    paths = sorted(str(p) for p in (tmp_path / "files").glob("*.parquet"))
+    assert len(paths) == len(seen["files"]) >= 1
+    counted = duckdb.execute(
+        "SELECT count(*), count(DISTINCT run), count(DISTINCT key) FROM read_parquet(?) "
+        "WHERE cluster = ?",
+        [paths, cluster],
+    ).fetchone()
+    assert counted == (len(want), 2, len({key for _, key in want}))
 
 
 def test_the_docs_commands_work_against_the_stack(stack):
