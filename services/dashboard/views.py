@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 
 from services.common.params import arg, choice_arg, float_arg, name_arg, time_arg
 from services.common.web import LOGIN_COOKIE, ApiError, db, store
-from services.dashboard import plots, side_plots, task_stream, why_plots
+from services.dashboard import plots, side_plots, task_stream, time_plots, why_plots
 from services.dashboard.colours import PrefixColours
 from storage.analysis import flame, tasks
 from storage.analysis.outcome import facts_of
@@ -81,7 +81,7 @@ def _warm_figures() -> None:
     facts = facts_of(data)
     metrics = tasks.metric_series(data, METRIC_POINTS)
     items = plots.run_page_items(data, facts["critical"], facts["progress"], metrics)
-    plots.time_plots_item(
+    time_plots.time_plots_item(
         facts["progress"], metrics, items["origin"], items["x_end"], PrefixColours([])
     )
 
@@ -272,8 +272,8 @@ def run_page(run_id: str) -> Any:
         else None,
     )
     # the plots under the stream, fetched once the first view is drawn
-    time_plots = url_for(
-        "dashboard.time_plots",
+    time_plots_url = url_for(
+        "dashboard.run_time_plots",
         run_id=run.public_id,
         origin=repr(float(items["origin"])),
         end=repr(float(items["x_end"])),
@@ -298,7 +298,7 @@ def run_page(run_id: str) -> Any:
         trend=script_json(trend),
         previous=same_job[0] if same_job else None,
         timeline=script_json(items["timeline"]),
-        time_plots=script_json(time_plots),
+        time_plots=script_json(time_plots_url),
         stream=script_json({"task-stream-source": stream}),
         dag=script_json(dag),
         dag_grouped=grouped if dag is not None else None,
@@ -339,7 +339,7 @@ def _page_colours(
 
 
 @bp.get("/runs/<run_id>/time-plots")
-def time_plots(run_id: str) -> Any:
+def run_time_plots(run_id: str) -> Any:
     """The run page's plots under its task stream (progress, memory, CPU, tasks processing)
     as a Bokeh JSON item (``null``: none), which the page fetches once its first view is
     drawn: they were most of the browser's work before it (6 of a page's 7 plots laid out
@@ -358,7 +358,7 @@ def time_plots(run_id: str) -> Any:
     data = runfile.load_run(db(), store().blobs, run, lazy=True)
     facts = page_facts(db(), store().blobs, run, data)
     tiles, big, _ = _stream_tiles(run, data, detail["status"] == "running")
-    item = plots.time_plots_item(
+    item = time_plots.time_plots_item(
         facts["progress"],
         tasks.metric_series(data, METRIC_POINTS),
         origin,
