@@ -301,6 +301,10 @@ def test_axes_read_as_bytes_and_seconds_and_start_at_zero(recorded, page):
     )
     assert ticker == [1024, [2**i for i in range(10)]]
     plots = {p["name"]: p for p in page.evaluate(PLOTS_JS)}
+    # one time axis: the stream's frame and those of the plots under it (drawn apart) start
+    # at one x
+    timed = ("task-stream", "progress", "memory-managed", "cpu", "tasks")
+    assert len({plots[name]["frame"][0] for name in timed}) == 1, [plots[n]["frame"] for n in timed]
     for name in (
         "progress",
         "memory-managed",

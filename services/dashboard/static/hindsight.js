@@ -286,6 +286,28 @@ function linkRanges(a, b) {
   follow(rb, ra);
 }
 
+// The frames of plots on one time axis, one above the other, starting at one x: the left
+// border of each as wide as the widest's (a run page's task stream, with its lanes' long
+// names, and the plots under it are separate Bokeh documents, which no one column aligns).
+// Returns the roots to lay out again (``fitLegends``'s ``also``).
+function alignFrames(ranges) {
+  const plots = [];
+  for (const doc of Bokeh.documents) {
+    for (const m of doc.all_models) {
+      if (m.x_range && m.renderers && ranges.includes(m.x_range.name)) {
+        const view = Bokeh.index.find_one(m);
+        if (view && view.frame) plots.push([m, view]);
+      }
+    }
+  }
+  const left = Math.max(0, ...plots.map(([, v]) => v.frame.bbox.left));
+  const roots = new Set();
+  for (const [m, v] of plots) {
+    if (v.frame.bbox.left < left) { m.setv({min_border_left: left}, {silent: true}); roots.add(v.root); }
+  }
+  return roots;
+}
+
 // A script loaded once, when a page first needs it.
 const scripts = {};
 function loadScript(src) {
@@ -309,9 +331,9 @@ const fullLabels = new WeakMap();
 
 // ``paint``: resolve once the new layout is painted; a page that draws more right after
 // (the run and compare pages' task streams) passes false and paints once, not twice.
-function fitLegends(paint = true) {
-  let changed = false;
-  const roots = new Set();  // of the plots whose legend changed
+function fitLegends(paint = true, also = new Set()) {
+  let changed = also.size > 0;
+  const roots = new Set(also);  // of the plots whose legend changed, and ``also``
   for (const doc of Bokeh.documents) {
     const models = [...doc.all_models];
     for (const legend of models) {
@@ -321,7 +343,9 @@ function fitLegends(paint = true) {
       const view = plot && Bokeh.index.find_one(plot);
       if (!view || !view.frame) continue;
       legendFont.font = `${legend.label_text_font_size} ${legend.label_text_font}`;
-      const room = view.frame.bbox.width - 2 * (legend.padding + legend.margin);
+      // a left border widened (``alignFrames``) and not laid out yet narrows the frame
+      const wider = Math.max(0, (plot.min_border_left || 0) - view.frame.bbox.left);
+      const room = view.frame.bbox.width - wider - 2 * (legend.padding + legend.margin);
       const swatch = legend.glyph_width + legend.label_standoff + 2 * legend.spacing + 4;
       // a label wider than the plot (a phone's) is cut to fit, whole again on a wider one
       const labels = legend.items.map(item => {
