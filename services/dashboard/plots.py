@@ -20,7 +20,6 @@ from bokeh.plotting import figure
 
 from services.dashboard.axes import (
     byte_hover,
-    bytes_axis,
     clock_axis,
     format_bytes,
     format_seconds,
@@ -225,21 +224,23 @@ def run_page_items(
     data: Any,
     critical: dict[str, Any],
     progress: dict[str, Any],
-    metrics: list[dict[str, Any]],
+    metrics: list[dict[str, Any]] | None,
     *,
     inline_keys: bool = False,
     colours: PrefixColours | None = None,
     windowed: tuple[dict[str, Any], list[str], float, list[Any]] | None = None,
 ) -> dict[str, Any]:
-    """Every plot of a run page as Bokeh JSON items: the time plots share one x axis,
-    from the run's first task. The task stream's keys (the hover's) are left out unless
-    ``inline_keys`` (a running run, whose tasks change between requests). ``colours``: the
-    page's prefix colours (by default the run's own). ``windowed``: the task stream as
-    ``task_stream.windowed_stream`` gives it, fetched by the page in windows (a big run),
-    on a fixed time range (the run's span): a range fitted to the data would follow each
-    window the page draws."""
-    from bokeh.layouts import column
-    from bokeh.models import DataRange1d, Range1d, Span
+    """A run page's first view and its graph as Bokeh JSON items: ``timeline`` the task
+    stream alone, on a fixed time range from the run's first task (``x_end``: to the last
+    stop or sample of it and of ``progress`` and ``metrics``, padded as Bokeh pads a
+    fitted range; a big run's to its span); ``dag`` the task graph. The progress, memory,
+    CPU and processing plots under the stream (:func:`time_plots_item`, on that range)
+    the page fetches once its first view is drawn. The task stream's keys (the hover's) are
+    left out unless ``inline_keys`` (a running run, whose tasks change between requests).
+    ``colours``: the page's prefix colours (by default the run's own). ``windowed``: the
+    task stream as ``task_stream.windowed_stream`` gives it, fetched by the page in windows
+    (a big run)."""
+    from bokeh.models import Range1d, Span
 
     if colours is None:
         colours = PrefixColours(data.tasks.column("prefix").to_pylist())
@@ -247,11 +248,14 @@ def run_page_items(
     # them from /runs/<id>/stream-keys while it builds its figures.
     if windowed is None:
         cols, rows, origin, legend = task_stream_data(data.tasks, keys=inline_keys, colours=colours)
-        # from the run's first task: a worker's sample taken before it is not drawn at -0.45 s
-        x_range: Any = DataRange1d(name="run-time", start=0)
+        lo, hi = cols.pop("extent")
+        # as a range fitted to the stream and the time plots: they share it
+        lo, hi = _time_extent(lo, hi, progress, metrics or [], origin)
+        x_end = hi + 0.05 * ((hi - lo) or 1.0) if hi > lo else max(hi, 0.0) + 1.0
     else:
         cols, rows, origin, legend = windowed
-        x_range = Range1d(0, cols["span"], name="run-time")
+        x_end = cols["span"]
+    x_range = Range1d(0, x_end, name="run-time")
     stream, _ = stream_figure(
         "Task stream",
         rows,
@@ -260,7 +264,6 @@ def run_page_items(
         source_name="task-stream-source",
         legend=legend,
     )
-
     # Replay's cursor (services/dashboard/static/replay.js moves it to the slider's time)
     stream.add_layout(
         Span(
@@ -272,62 +275,35 @@ def run_page_items(
             name="replay-cursor",
         )
     )
-    figs = [stream]
-    prog = _time_figure("Progress by prefix (tasks completed)", x_range, height=200)
-    prog.name = "progress"
-    series = progress_series(progress)
-    n_prog = _series_lines(
-        prog,
-        series,
-        origin,
-        {s["worker"]: colours[s["worker"]] for s in series},
-        "progress",
-        dots=False,  # buckets, not samples
-    )
-    if n_prog:
-        figs.append(prog)
-
-    workers = sorted({s["worker"] for s in metrics if s["worker"] != "scheduler"})
-    by_worker = {w: WORKER_PALETTE[i % len(WORKER_PALETTE)] for i, w in enumerate(workers)}
-    by_name: dict[str, list[dict[str, Any]]] = {}
-    for s in metrics:
-        if s["worker"] != "scheduler":
-            by_name.setdefault(s["name"], []).append(s)
-    counts = {}
-    for metric, label in MEMORY_KINDS:
-        fig = _time_figure(f"Memory: {label} bytes per worker", x_range)
-        fig.name = f"memory-{label}"
-        bytes_axis(fig)
-        counts[fig.name] = _series_lines(
-            fig, by_name.get(metric, []), origin, by_worker, fig.name, byte=True
-        )
-        if counts[fig.name]:
-            figs.append(fig)
-    for metric, title, key in (
-        ("cpu", "CPU % per worker", "cpu"),
-        ("tasks.processing", "Tasks processing per worker", "tasks"),
-    ):
-        fig = _time_figure(title, x_range)
-        fig.name = key
-        counts[key] = _series_lines(fig, by_name.get(metric, []), origin, by_worker, key)
-        if counts[key]:  # no empty panel: a run without worker metrics (Ray), a metric
-            figs.append(fig)  # no sample of the run has (an empty one also logged a warning)
-    figs[-1].xaxis.axis_label = "time since the run's first task"
-
+    if not progress_series(progress) and not metrics:  # no time plot under it
+        stream.xaxis.axis_label = "time since the run's first task"
     dag, dag_nodes = dag_item(data, critical, colours)
     return {
-        "timeline": json_item(column(*figs, sizing_mode="stretch_width"), "timeline"),
+        "timeline": json_item(stream, "timeline"),
         "stream": cols,
         "origin": origin,
+        "x_end": x_end,
         "dag": dag,
         "counts": {
-            "glyphs": len(cols["x"]) if windowed is None else 0,
+            "glyphs": cols["count"] if windowed is None else 0,
             "rows": len(rows),
-            "progress": n_prog,
             "dag_nodes": dag_nodes,
-            **counts,
         },
     }
+
+
+def _time_extent(
+    lo: float, hi: float, progress: dict[str, Any], metrics: list[dict[str, Any]], origin: float
+) -> tuple[float, float]:
+    """The stream's ``lo``-``hi`` (seconds from ``origin``) widened to the time plots'
+    points, what one range fitted to all of them spans."""
+    times = [p["time"] - origin for s in metrics for p in s["points"]]
+    pts = progress_series(progress)
+    times += [p["time"] - origin for s in pts for p in s["points"]]
+    times = [t for t in times if t == t]
+    if times:
+        lo, hi = min(lo, min(times)), max(hi, max(times))
+    return lo, hi
 
 
 #: Bins of the task graph's colours by a number (duration, bytes): viridis, log scale.

@@ -171,6 +171,10 @@ def task_stream_data(
         "n": b64(n, "<i4"),
         "names": list(names),
         "colours": [list(ca) for ca in shades],
+        # seconds from the origin its rectangles span: the page's time range is fitted to it
+        "extent": [float((x - width / 2).min()), float((x + width / 2).max())]
+        if len(x)
+        else [0.0, 0.0],
     }
     if keys:
         payload["keys"] = stream_keys(table)

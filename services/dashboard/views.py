@@ -27,9 +27,9 @@ from flask import (
 from markupsafe import Markup
 from sqlalchemy import func, select
 
-from services.common.params import arg, choice_arg, name_arg, time_arg
+from services.common.params import arg, choice_arg, float_arg, name_arg, time_arg
 from services.common.web import LOGIN_COOKIE, ApiError, db, store
-from services.dashboard import plots, side_plots, task_stream, why_plots
+from services.dashboard import plots, side_plots, task_stream, time_plots, why_plots
 from services.dashboard.colours import PrefixColours
 from storage.analysis import flame, tasks
 from storage.analysis.outcome import facts_of
@@ -79,7 +79,11 @@ def _warm_figures() -> None:
     plots.warm_up()
     data = runfile.sample_run(through_parquet=True)
     facts = facts_of(data)
-    plots.run_page_items(data, facts["critical"], facts["progress"], tasks.metric_series(data, 300))
+    metrics = tasks.metric_series(data, METRIC_POINTS)
+    items = plots.run_page_items(data, facts["critical"], facts["progress"], metrics)
+    time_plots.time_plots_item(
+        facts["progress"], metrics, items["origin"], items["x_end"], PrefixColours([])
+    )
 
 
 class LoginRequired(Exception):
@@ -251,18 +255,14 @@ def run_page(run_id: str) -> Any:
     facts = page_facts(db(), store().blobs, run, data)
     critical = facts["critical"]
     live = detail["status"] == "running"
-    # a big finished run's task stream is fetched by the page in windows
-    tiles = None if live else streamtiles.ensure(db(), store().blobs, run, lambda: data.tasks)
-    most = store().settings.page_stream_rects
-    big = tiles is not None and tiles["count"] > most
-    # one colour per prefix, the same in every plot of the page
-    named = tiles["prefixes"] if big else data.tasks.column("prefix").to_pylist()
-    colours = PrefixColours([*named, *(p["prefix"] for p in detail["prefixes"])])
+    tiles, big, most = _stream_tiles(run, data, live)
+    colours = _page_colours(detail, data, tiles, big)
     items = plots.run_page_items(
         data,
         critical,
         facts["progress"],
-        tasks.metric_series(data, 300),
+        # a small run's time range is fitted to its samples too; a big run's is its span
+        None if big else tasks.metric_series(data, METRIC_POINTS),
         inline_keys=live,
         colours=colours,
         windowed=task_stream.windowed_stream(
@@ -270,6 +270,13 @@ def run_page(run_id: str) -> Any:
         )
         if big
         else None,
+    )
+    # the plots under the stream, fetched once the first view is drawn
+    time_plots_url = url_for(
+        "dashboard.run_time_plots",
+        run_id=run.public_id,
+        origin=repr(float(items["origin"])),
+        end=repr(float(items["x_end"])),
     )
     dag, grouped = items["dag"], None
     if dag is None and items["counts"]["dag_nodes"] > plots.DAG_MAX_NODES:
@@ -291,6 +298,7 @@ def run_page(run_id: str) -> Any:
         trend=script_json(trend),
         previous=same_job[0] if same_job else None,
         timeline=script_json(items["timeline"]),
+        time_plots=script_json(time_plots_url),
         stream=script_json({"task-stream-source": stream}),
         dag=script_json(dag),
         dag_grouped=grouped if dag is not None else None,
@@ -307,6 +315,57 @@ def run_page(run_id: str) -> Any:
         **replay_slider(run, detail, items["origin"], colours),
         explained=None if live else explained(run),
     )
+
+
+#: Points a time plot's series is downsampled to (min-max envelopes per point).
+METRIC_POINTS = 300
+
+
+def _stream_tiles(run: m.Run, data: runfile.RunData, live: bool) -> tuple[Any, bool, int]:
+    """A run's task-stream tiles (None while it runs), whether its page fetches the stream
+    in windows (more start/stops than ``page_stream_rects``), and that setting."""
+    tiles = None if live else streamtiles.ensure(db(), store().blobs, run, lambda: data.tasks)
+    most = store().settings.page_stream_rects
+    return tiles, tiles is not None and tiles["count"] > most, most
+
+
+def _page_colours(
+    detail: dict[str, Any], data: runfile.RunData, tiles: Any, big: bool
+) -> PrefixColours:
+    """One colour per prefix, the same in every plot of a run page (and of its time plots,
+    fetched apart)."""
+    named = tiles["prefixes"] if big else data.tasks.column("prefix").to_pylist()
+    return PrefixColours([*named, *(p["prefix"] for p in detail["prefixes"])])
+
+
+@bp.get("/runs/<run_id>/time-plots")
+def run_time_plots(run_id: str) -> Any:
+    """The run page's plots under its task stream (progress, memory, CPU, tasks processing)
+    as a Bokeh JSON item (``null``: none), which the page fetches once its first view is
+    drawn: they were most of the browser's work before it (6 of a page's 7 plots laid out
+    and painted), and of the server's. ``origin`` and ``end``: the stream's time origin
+    and its range's end, which these plots share."""
+    found = _found_or_none(principal(), run_id)
+    if found is None:
+        raise ApiError(404, "not_found", f"no run {run_id!r}")
+    origin, end = float_arg("origin"), float_arg("end", lo=0.0)
+    if origin is None or end is None:
+        raise ApiError(400, "invalid_parameter", "origin and end are required")
+    run, cluster, session = found
+    detail = queries.run_detail(
+        db(), run, cluster, session, silence=store().settings.silent_agents_seconds
+    )
+    data = runfile.load_run(db(), store().blobs, run, lazy=True)
+    facts = page_facts(db(), store().blobs, run, data)
+    tiles, big, _ = _stream_tiles(run, data, detail["status"] == "running")
+    item = time_plots.time_plots_item(
+        facts["progress"],
+        tasks.metric_series(data, METRIC_POINTS),
+        origin,
+        end,
+        _page_colours(detail, data, tiles, big),
+    )
+    return Response(_encode(item), mimetype="application/json")
 
 
 def explained(run: m.Run) -> dict[str, Any]:

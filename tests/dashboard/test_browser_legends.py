@@ -197,7 +197,7 @@ NO_LEGEND = {"profile": "a flame graph: its frames are labelled on themselves"}
 def open_run(page: Any, server: Any, run: dict[str, Any], width: int = 1400) -> None:
     page.set_viewport_size({"width": width, "height": 900})
     page.goto(f"{server.url}/runs/{run['id']}")
-    page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
+    page.wait_for_selector("body[data-complete='1']", timeout=60_000)
 
 
 def test_every_plot_of_several_series_has_a_legend_above_its_data(recorded, page):
@@ -291,7 +291,7 @@ def test_axes_read_as_bytes_and_seconds_and_start_at_zero(recorded, page):
     open_run(page, server, run)
     values = [0, 1, 1000, 1024, 512 * 1024, 1_000_000, 1.5 * 2**20, 1.431 * 2**20, 1.5 * 2**30]
     # the memory plot's axis (the plot, not its lines' source, named so too)
-    axis = """(values) => [...Bokeh.documents[0].all_models].find(m => m.name === 'memory-managed'
+    axis = """(values) => Bokeh.documents.flatMap(d => [...d.all_models]).find(m => m.name === 'memory-managed'
                 && m.left !== undefined).left[0]"""
     got = page.evaluate(f"(values) => ({axis})().formatter.doFormat(values, {{loc: 0}})", values)
     assert got == [format_bytes(v) for v in values]
@@ -301,6 +301,10 @@ def test_axes_read_as_bytes_and_seconds_and_start_at_zero(recorded, page):
     )
     assert ticker == [1024, [2**i for i in range(10)]]
     plots = {p["name"]: p for p in page.evaluate(PLOTS_JS)}
+    # one time axis: the stream's frame and those of the plots under it (drawn apart) start
+    # at one x
+    timed = ("task-stream", "progress", "memory-managed", "cpu", "tasks")
+    assert len({plots[name]["frame"][0] for name in timed}) == 1, [plots[n]["frame"] for n in timed]
     for name in (
         "progress",
         "memory-managed",
@@ -316,7 +320,7 @@ def test_axes_read_as_bytes_and_seconds_and_start_at_zero(recorded, page):
         assert plots["memory-spilled"]["y"] == [0, 1]
     start = page.evaluate("() => Bokeh.documents[0].get_model_by_name('run-time').start")
     assert start == 0
-    clock = """(ticks) => [...Bokeh.documents[0].all_models].find(m => m.name === 'cpu'
+    clock = """(ticks) => Bokeh.documents.flatMap(d => [...d.all_models]).find(m => m.name === 'cpu'
                  && m.below !== undefined).below[0].formatter.doFormat(ticks, {loc: 0})"""
     assert page.evaluate(clock, [0, 0.5, 1, 1.5]) == ["0", "0.5", "1", "1.5 s"]
     assert page.evaluate(clock, [0, 0.25, 0.5]) == ["0", "0.25", "0.5 s"]

@@ -62,7 +62,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, st
 def test_run_page_shows_logs_emitted_values_and_a_killed_worker(recorded, page):
     server, emits, killed = recorded
     page.goto(f"{server.url}/runs/{emits}")
-    page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
+    page.wait_for_selector("body[data-complete='1']", timeout=60_000)
     # the plot draws what the stream route aggregates
     agg = server.get(f"/v1/runs/{emits}/streams/progress", buckets=60)["aggregate"]
     plotted = sources(page)["streams-0-source"]
@@ -79,7 +79,7 @@ def test_run_page_shows_logs_emitted_values_and_a_killed_worker(recorded, page):
     assert page.errors == []
 
     page.goto(f"{server.url}/runs/{killed}")
-    page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
+    page.wait_for_selector("body[data-complete='1']", timeout=60_000)
     gone = page.locator("#lifecycle tr.left-during-run")
     assert gone.count() == 1
     text = gone.inner_text()

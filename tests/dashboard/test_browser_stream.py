@@ -81,7 +81,7 @@ def test_a_big_runs_stream_zooms_from_bins_to_its_start_stops(tmp_path: Path, pa
 
         wait_until(finished, 60, "the run's finished-run work")
         page.goto(f"{server.url}/runs/{run['id']}")
-        page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
+        page.wait_for_selector("body[data-complete='1']", timeout=60_000)
         assert page.evaluate("document.body.dataset.streamMode") == "bins"
         src = "Bokeh.documents[0].get_model_by_name('task-stream-source')"
         shown = page.evaluate(f"{src}.data.x.length")

@@ -95,7 +95,7 @@ def test_run_page_draws_the_flame_graph_activity_and_code(recorded, page):
     server, _cluster, _v1, v2 = recorded
     api = server.get(f"/v1/runs/{v2}/profile")
     page.goto(f"{server.url}/runs/{v2}")
-    page.wait_for_selector("body[data-rendered='1']", timeout=60_000)
+    page.wait_for_selector("body[data-complete='1']", timeout=60_000)
     data = sources(page)
     flame = data["profile-source"]
     # a frame per prefix, then every frame of each prefix's call tree

@@ -631,3 +631,50 @@ def test_a_graph_past_the_node_budget_is_drawn_by_prefix_with_edge_counts(
         )
     }
     assert drawn == {("load", "clean"): n, ("clean", "total"): n}
+
+
+def test_a_run_pages_time_plots_come_apart_on_the_streams_range(apps, make_token):
+    """The run page carries its task stream alone and where to fetch the plots under it
+    (progress, memory, CPU, tasks processing: /runs/<id>/time-plots) once its first view
+    is drawn: they are built on the stream's time range, from 0 to past its last stop and
+    sample, and the route answers bad input with JSON errors."""
+    collector, query = apps
+    token = make_token()
+    t0 = 1.8e9
+    events = [
+        {"kind": "run", "event": "started", "id": "plotted", "time": t0},
+        *(
+            {"kind": "task", "key": f"inc-{i}", "prefix": "inc", "status": "memory",
+             "run": "plotted", "worker": "tcp://w:1", "thread": 1,
+             "startstops": [{"action": "compute", "start": t0 + i, "stop": t0 + i + 0.5}]}
+            for i in range(4)
+        ),
+        *(
+            {"kind": "metric", "worker": "tcp://w:1", "time": t0 + i,
+             "values": {"memory.managed": 1e6 * i, "cpu": 50.0}}
+            for i in range(6)
+        ),
+        {"kind": "run", "event": "finished", "id": "plotted", "time": t0 + 4},
+    ]  # fmt: skip
+    assert post(collector, example(events=events), token=token).status_code == 202
+    h = {"Authorization": f"Bearer {token}"}
+    (run,) = query.get("/v1/runs", headers=h).json["runs"]
+    html = query.get(f"/runs/{run['id']}", headers=h).data.decode()
+    first = json.loads(html.split("const timeline = ", 1)[1].split(";\n", 1)[0])
+    names = json.dumps(first)
+    assert '"task-stream"' in names and '"memory-managed"' not in names
+    url = json.loads(html.split("const timePlots = ", 1)[1].split(";\n", 1)[0])
+    assert url.startswith(f"/runs/{run['id']}/time-plots?")
+    # the stream's range reaches the last sample (5 s in), not only its last stop (3.5 s)
+    end = float(url.split("end=", 1)[1].split("&", 1)[0])
+    assert 5.0 < end < 5.5
+    item = query.get(url, headers=h).json
+    plotted = _sources(item)
+    assert {"progress", "memory-managed", "cpu"} <= set(plotted)
+    assert "run-time-more" in json.dumps(item)
+    for bad, why in (("origin=x&end=1", "origin"), (f"origin={t0}", "origin and end"),
+                     (f"origin={t0}&end=-1", "end")):  # fmt: skip
+        resp = query.get(f"/runs/{run['id']}/time-plots?{bad}", headers=h)
+        assert resp.status_code == 400 and why in resp.json["error"]["message"], resp.json
+    assert query.get("/runs/nope/time-plots?origin=1&end=1", headers=h).status_code == 404
+    assert query.get(url).status_code in (302, 401)  # no token, no plots

@@ -353,7 +353,7 @@ def test_the_run_page_of_a_ray_job(jobs, ray_server, page):
     tasks = ray_server.tasks(run["id"])
     page.goto(f"{ray_server.url}/?cluster={RAY_CLUSTER}")
     page.locator(f"a[href='/runs/{run['id']}']").first.click()
-    page.wait_for_selector("body[data-rendered='1']", timeout=30_000)
+    page.wait_for_selector("body[data-complete='1']", timeout=30_000)
     model = model_counts(page)
     assert model["glyphs"] == sum(len(t["startstops"]) for t in tasks)
     assert model["rows"] == len({t["worker"] for t in tasks if t["startstops"]})

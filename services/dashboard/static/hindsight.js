@@ -164,7 +164,12 @@ function setStream(name, data) {
     streams[name] = s;
   }
   s.data = data;
-  s.model.data = data;
+  // In place, then announced: a new data object (setv) made BokehJS walk every value of
+  // every column for models it might hold (~0.3 s of a first view's 82,000 bins).
+  const columns = s.model.data;
+  for (const k of Object.keys(columns)) if (!(k in data)) delete columns[k];
+  Object.assign(columns, data);
+  s.model.change.emit();
   if (s.paint && s.plot) rasterise(s, true);
 }
 
@@ -185,10 +190,12 @@ function windowUrl(p, a, b, width) {
 }
 
 // The whole-run windows of the streams fetched in windows, asked for before the figures are
-// built (the server's answer overlaps BokehJS's work), at about the width the plot will have.
+// built (the server's answer overlaps BokehJS's work), at about the width the plot will have
+// (the page's less its margins, before ``element`` is laid out).
 function firstWindows(sources, element) {
   const out = {}, el = document.getElementById(element);
-  const width = Math.max(100, Math.min(4000, Math.round((el ? el.clientWidth : 1100) - 110)));
+  const room = el ? el.clientWidth : document.documentElement.clientWidth - 34;
+  const width = Math.max(100, Math.min(4000, Math.round(room - 110)));
   for (const [name, p] of Object.entries(sources)) {
     if (!p.url) continue;
     const url = windowUrl(p, 0, p.span, width);
@@ -265,6 +272,53 @@ function streamWindows(name, p, first) {
   return load(first);
 }
 
+// Two time ranges of one page kept together, each following the other's start and end:
+// a run page's task stream and the plots under it are separate Bokeh documents (embedded
+// one after the other), which cannot share one range.
+function linkRanges(a, b) {
+  const [, ra] = modelNamed(a), [, rb] = modelNamed(b);
+  if (!ra || !rb) return;
+  rb.setv({start: ra.start, end: ra.end});
+  const follow = (from, to) => from.change.connect(() => {
+    if (to.start !== from.start || to.end !== from.end) to.setv({start: from.start, end: from.end});
+  });
+  follow(ra, rb);
+  follow(rb, ra);
+}
+
+// The frames of plots on one time axis, one above the other, starting at one x: the left
+// border of each as wide as the widest's (a run page's task stream, with its lanes' long
+// names, and the plots under it are separate Bokeh documents, which no one column aligns).
+// Returns the roots to lay out again (``fitLegends``'s ``also``).
+function alignFrames(ranges) {
+  const plots = [];
+  for (const doc of Bokeh.documents) {
+    for (const m of doc.all_models) {
+      if (m.x_range && m.renderers && ranges.includes(m.x_range.name)) {
+        const view = Bokeh.index.find_one(m);
+        if (view && view.frame) plots.push([m, view]);
+      }
+    }
+  }
+  const left = Math.max(0, ...plots.map(([, v]) => v.frame.bbox.left));
+  const roots = new Set();
+  for (const [m, v] of plots) {
+    if (v.frame.bbox.left < left) { m.setv({min_border_left: left}, {silent: true}); roots.add(v.root); }
+  }
+  return roots;
+}
+
+// A script loaded once, when a page first needs it.
+const scripts = {};
+function loadScript(src) {
+  if (!scripts[src]) scripts[src] = new Promise((ok, fail) => {
+    const el = document.createElement("script");
+    el.src = src; el.onload = ok; el.onerror = () => fail(new Error(`could not load ${src}`));
+    document.head.append(el);
+  });
+  return scripts[src];
+}
+
 const painted = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
 
 // Legends above their plot (services/dashboard/legends.py tags them {fit: the plot's height
@@ -277,8 +331,9 @@ const fullLabels = new WeakMap();
 
 // ``paint``: resolve once the new layout is painted; a page that draws more right after
 // (the run and compare pages' task streams) passes false and paints once, not twice.
-function fitLegends(paint = true) {
-  let changed = false;
+function fitLegends(paint = true, also = new Set()) {
+  let changed = also.size > 0;
+  const roots = new Set(also);  // of the plots whose legend changed, and ``also``
   for (const doc of Bokeh.documents) {
     const models = [...doc.all_models];
     for (const legend of models) {
@@ -288,7 +343,9 @@ function fitLegends(paint = true) {
       const view = plot && Bokeh.index.find_one(plot);
       if (!view || !view.frame) continue;
       legendFont.font = `${legend.label_text_font_size} ${legend.label_text_font}`;
-      const room = view.frame.bbox.width - 2 * (legend.padding + legend.margin);
+      // a left border widened (``alignFrames``) and not laid out yet narrows the frame
+      const wider = Math.max(0, (plot.min_border_left || 0) - view.frame.bbox.left);
+      const room = view.frame.bbox.width - wider - 2 * (legend.padding + legend.margin);
       const swatch = legend.glyph_width + legend.label_standoff + 2 * legend.spacing + 4;
       // a label wider than the plot (a phone's) is cut to fit, whole again on a wider one
       const labels = legend.items.map(item => {
@@ -298,7 +355,7 @@ function fitLegends(paint = true) {
         while (label.length > 1 && swatch + legendFont.measureText(label).width > room)
           label = full.slice(0, label.length - 2) + "…";
         const shown = typeof item.label === "string" ? item.label : item.label && item.label.value;
-        if (shown !== label) { item.setv({label: {value: label}}, {silent: true}); changed = true; }
+        if (shown !== label) { item.setv({label: {value: label}}, {silent: true}); changed = true; roots.add(view.root); }
         return label;
       });
       const widths = labels.map(l => swatch + Math.max(legend.label_width, legendFont.measureText(l).width));
@@ -313,15 +370,17 @@ function fitLegends(paint = true) {
       const height = fit.fit + (rows ? rows * (legend.label_height + legend.spacing)
                                        + 2 * (legend.padding + legend.margin) : 0)
                      + (legend.title ? legend.label_height + legend.spacing : 0);
-      if (legend.ncols !== ncols) { legend.setv({ncols}, {silent: true}); changed = true; }
-      if (plot.height !== height) { plot.setv({height}, {silent: true}); changed = true; }
+      if (legend.ncols !== ncols) { legend.setv({ncols}, {silent: true}); changed = true; roots.add(view.root); }
+      if (plot.height !== height) { plot.setv({height}, {silent: true}); changed = true; roots.add(view.root); }
     }
   }
   performance.mark("hs-legends-fitted");
   if (!changed) return Promise.resolve();
   // Set silently, then laid out once: each change announced on its own laid the whole page
-  // out again (a run page's dozen of them took ~1 s).
+  // out again (a run page's dozen of them took ~1 s). Only the figures holding a changed
+  // legend: the first view's are laid out again by nothing embedded after it.
   for (const root of Bokeh.index.roots) {
+    if (!roots.has(root)) continue;
     for (const v of root.all_views ? root.all_views() : [root]) if (v.invalidate_render) v.invalidate_render();
     if (root.invalidate_layout) root.invalidate_layout();
   }
