@@ -1,6 +1,6 @@
 """The run page's plots under its task stream: progress by prefix, memory by kind, CPU and
 tasks processing per worker, on the stream's time range. The page fetches them
-(``/runs/{id}/time-plots``) once its first view is drawn (docs/decisions/0034)."""
+(``/runs/{id}/time-plots``) once its first view is drawn (docs/decisions/0035)."""
 
 from __future__ import annotations
 
