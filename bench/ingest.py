@@ -15,11 +15,13 @@ import argparse
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -175,10 +177,12 @@ class Frames:
         return cctx
 
 
-def decode_limit(frames: Frames, rounds: int = 3) -> tuple[float, float]:
-    """Single-core events/s of decompress + decode-and-validate, and with the index summary."""
+def decode_limit(frames: Frames, rounds: int = 3) -> tuple[float, float, dict[str, float]]:
+    """Single-core events/s of decompress + decode-and-validate, and with the index summary;
+    and the single-core CPU milliseconds per batch of each step (best of ``rounds``)."""
     bodies = [frames.body("probe", i) for i in range(len(frames.events))]
     best = best_sum = 0.0
+    steps = {"decompress": 1e9, "decode": 1e9, "aggregate": 1e9}
     for _ in range(rounds):
         t0 = time.process_time()
         for b in bodies:
@@ -189,7 +193,42 @@ def decode_limit(frames: Frames, rounds: int = 3) -> tuple[float, float]:
         t2 = time.process_time()
         n = len(bodies) * EVENTS_PER_BATCH
         best, best_sum = max(best, n / (t1 - t0)), max(best_sum, n / (t2 - t1))
-    return best, best_sum
+        # each step alone, on what the step before it made
+        ta = time.process_time()
+        plain = [decompress(b, "zstd", 1 << 26) for b in bodies]
+        tb = time.process_time()
+        decoded = [decode_batch(p) for p in plain]
+        tc = time.process_time()
+        for d in decoded:
+            aggregate(d)
+        td = time.process_time()
+        del plain, decoded
+        for k, dt in (("decompress", tb - ta), ("decode", tc - tb), ("aggregate", td - tc)):
+            steps[k] = min(steps[k], dt / len(bodies) * 1000)
+    return best, best_sum, {k: round(v, 2) for k, v in steps.items()}
+
+
+def collector_stages(url: str) -> dict[str, float]:
+    """Wall milliseconds per batch inside the collector, from its own /metrics (all gunicorn
+    workers: multiprocess mode): the request, the blob put, and aggregation + index
+    transaction. Waits (the GIL, Postgres, S3) included, so they add up to more than CPU."""
+    sums: dict[str, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        for name, metric in (
+            ("request", 'hindsight_http_request_seconds_{}{{route="/v1/batches"'),
+            ("blob_put", 'hindsight_blob_seconds_{}{{op="put"'),
+            ("aggregate_and_index", "hindsight_index_seconds_{} "),
+        ):
+            for part in ("sum", "count"):
+                prefix = metric.format(part)
+                if line.startswith(prefix):
+                    key = f"{name}_{part}"
+                    sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    out = {}
+    for name in ("request", "blob_put", "aggregate_and_index"):
+        if sums.get(f"{name}_count"):
+            out[f"{name}_ms"] = round(sums[f"{name}_sum"] / sums[f"{name}_count"] * 1000, 2)
+    return out
 
 
 def main() -> int:
@@ -217,13 +256,14 @@ def main() -> int:
     admin_url = make_url(args.database_url)
     dbname = f"hindsight_bench_{secrets.token_hex(4)}"
     admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    metrics_dir = tempfile.mkdtemp(prefix="hindsight-bench-metrics-")
     try:
         print("preparing batches ...", flush=True)
         frames = Frames(pool=24)
-        limit, limit_with_summary = decode_limit(frames)
+        limit, limit_with_summary, steps = decode_limit(frames)
         print(
             f"single-core decode+validate: {limit:,.0f} events/s ({limit_with_summary:,.0f} with "
-            f"the index summary)"
+            f"the index summary); ms per batch: {steps}"
         )
 
         moto_port = free_port()
@@ -262,6 +302,8 @@ def main() -> int:
             "HINDSIGHT_AUTH": "required",
             "HINDSIGHT_AUTO_UPGRADE": "false",
             "HINDSIGHT_LOG_LEVEL": "WARNING",
+            # every worker's metrics in one /metrics (the per-stage figures)
+            "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
         }
         gunicorn = subprocess.Popen(
             [
@@ -343,6 +385,8 @@ def main() -> int:
             cpu_before, cpu_by_pid(component_pids(gunicorn.pid, procs[0].pid)), elapsed
         )
 
+        stages = collector_stages(url)
+
         # bytes at rest: every stored object over every event stored
         s3 = boto3.client(
             "s3",
@@ -373,9 +417,19 @@ def main() -> int:
             "decode_limit_events_per_s": round(limit),
             "decode_summary_events_per_s": round(limit_with_summary),
             "ratio_to_decode_limit": round(accepted[0] / elapsed / limit, 3),
+            # The collector's CPU per event over one core's decode CPU per event: the work
+            # per event, which the ratio above also reflects but mixed with how many cores
+            # the collector got on a shared machine.
+            "collector_cpu_vs_decode": round(
+                cores["collector"] * elapsed / max(accepted[0], 1) * limit, 2
+            ),
+            "single_core_ms_per_batch": steps,
+            "collector_ms_per_batch": stages,
             "batches": len(lat),
             "failures": failures,
             "cores_used": cores,
+            # the host's 1-minute load: other work on a shared machine takes the collector's cores
+            "load_average": round(os.getloadavg()[0], 2),
         }
         assert stored_objects == indexed[1], (
             stored_objects,
@@ -404,6 +458,7 @@ def main() -> int:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
         admin.dispose()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -459,3 +459,41 @@ def test_an_index_unreachable_at_start_names_its_setting(tmp_path):
     message = str(err.value)
     assert message.startswith("HINDSIGHT_DATABASE_URL (") and "cannot be reached" in message
     assert "secret" not in message
+
+
+def test_a_decoded_task_batch_holds_nothing_the_cyclic_gc_walks():
+    """A batch in flight is walked by every full collection while it is tracked: past one
+    collection (which untracks a tuple holding only untracked values), none of the decoded
+    task events, their phases or attributes may be tracked; only the batch and its one
+    events list are, whatever their number. A list of phases is never untracked."""
+    import gc
+
+    from hindsight.schema import decode_batch
+
+    events = [
+        {
+            "kind": "task",
+            "key": f"('x-1', {i})",
+            "prefix": "x",
+            "status": "memory",
+            "worker": "tcp://10.0.0.1:1",
+            "attrs": {"attempt": 1, "node": "n1"},
+            "startstops": [
+                {"action": "transfer", "start": 1.0, "stop": 1.5, "source": "tcp://10.0.0.2:1"},
+                {"action": "compute", "start": 2.0, "stop": 3.0},
+            ],
+        }
+        for i in range(1000)
+    ]
+    body = json.dumps(
+        {"schema": 1, "cluster": "c", "session": "s", "agent": "a", "seq": 0, "events": events}
+    ).encode()
+    batch = decode_batch(body)
+    gc.collect()
+    tracked = [
+        o
+        for ev in batch.events
+        for o in (ev, ev.startstops, ev.attrs, *ev.startstops)
+        if gc.is_tracked(o)
+    ]
+    assert not tracked, tracked[:3]
