@@ -48,6 +48,7 @@ FINISHERS: tuple[Callable[[FinishedRun], None], ...] = (
     explain.finish,  # why it was slower or faster than its job's usual (docs/explain.md)
     alerts.finish,  # the alerts its tenant's rules raise (docs/alerts.md)
     detail.finish,  # its detail out of the index into one object (last: the others read it)
+    detail.prune,  # the versions of that object it superseded (once the new one is committed)
 )
 #: A claimed job is another process's to take after this long without its worker renewing
 #: the lease (a crashed worker: ``kill -9``, OOM, a lost host), so a run whose collector

@@ -19,9 +19,9 @@ fails the rows stay and the object is an orphan the next version overwrites or p
 Readers read a finished run's object by key through a bounded LRU of the process
 (objects are immutable, so a cached one is never stale) and add the index rows that
 arrived after it (none, unless a late batch is waiting for its finish job). A version a
-late batch supersedes stays :data:`GRACE_SECONDS` for the readers that read its digest
-(a reader that finds it gone reads the digest again, once); the run's finish job comes
-back then and deletes it. Retention deletes them all with the run's compacted copy.
+late batch supersedes is deleted by the next finisher (:func:`prune`), once the new digest
+is committed; a reader that read the old digest just before finds it gone and reads the
+digest again, once. Retention deletes them all with the run's compacted copy.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zstandard
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from storage.analysis.profile import Profile, decode_into, encode
@@ -52,8 +51,6 @@ ZSTD_LEVEL = 6
 #: The decoded objects a process keeps, by the bytes they were stored in (a run page
 #: reads its run's object several times; an object is ~2-20 KB compressed).
 CACHE_BYTES = 64 << 20
-#: How long a superseded version stays for the readers that read its digest.
-GRACE_SECONDS = 300.0
 
 
 class Frame(msgspec.Struct, array_like=True, frozen=True, order=True):
@@ -349,23 +346,17 @@ def store(db: Session, blobs: BlobStore, run: m.Run) -> bool:
 
 
 def finish(fr: FinishedRun) -> None:
-    """Finisher (``storage.jobs.finish``, the last one: the others read the rows): the
-    run's detail object, and its rows gone from the index.
-
-    A new version supersedes the previous one, which readers may still be reading (they
-    read the digest before this transaction commits): it stays :data:`GRACE_SECONDS`, the
-    run's finish job coming back then (its due time moved, so the worker keeps it) to
-    delete every version but the current one."""
-    before = fr.run.detail_digest
-    wrote = store(fr.db, fr.blobs, fr.run)
+    """Finisher (``storage.jobs.finish``, after every finisher that reads the rows): the
+    run's detail object, and its rows gone from the index."""
+    store(fr.db, fr.blobs, fr.run)
     fr.db.flush()
-    current = fr.run.detail_digest
-    if current is None:
-        return
-    if wrote and before is not None and before != current:
-        F = m.FinishJob
-        fr.db.execute(
-            update(F).where(F.run_id == fr.run.id).values(due_at=time.time() + GRACE_SECONDS)
-        )
-    else:
-        _prune(fr.blobs, base_key(fr.db, fr.run), object_key(fr.db, fr.run, current))
+
+
+def prune(fr: FinishedRun) -> None:
+    """Finisher (right after :func:`finish`, in a transaction of its own, so the new
+    digest is committed first): delete the versions the current one superseded. A reader
+    that read the old digest just before the commit finds its object gone and reads the
+    digest again (:func:`read`): the grace a superseded version needs is the commit of
+    the next, not a time."""
+    if fr.run.detail_digest is not None:
+        _prune(fr.blobs, base_key(fr.db, fr.run), object_key(fr.db, fr.run, fr.run.detail_digest))
