@@ -352,11 +352,18 @@ def finish(fr: FinishedRun) -> None:
     fr.db.flush()
 
 
+def prune_versions(db: Session, blobs: BlobStore, run: m.Run) -> int:
+    """Delete the run's detail versions but its current one (after the current digest is
+    committed); returns how many went."""
+    if run.detail_digest is None:
+        return 0
+    return _prune(blobs, base_key(db, run), object_key(db, run, run.detail_digest))
+
+
 def prune(fr: FinishedRun) -> None:
     """Finisher (right after :func:`finish`, in a transaction of its own, so the new
     digest is committed first): delete the versions the current one superseded. A reader
     that read the old digest just before the commit finds its object gone and reads the
     digest again (:func:`read`): the grace a superseded version needs is the commit of
     the next, not a time."""
-    if fr.run.detail_digest is not None:
-        _prune(fr.blobs, base_key(fr.db, fr.run), object_key(fr.db, fr.run, fr.run.detail_digest))
+    prune_versions(fr.db, fr.blobs, fr.run)
