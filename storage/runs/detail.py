@@ -1,6 +1,6 @@
 """A finished run's detail as one immutable object in the blob store, out of the index.
 
-The index is a catalog (docs/decisions/0019-detail-objects.md): what is read across runs
+The index is a catalog (docs/decisions/0034-detail-objects.md): what is read across runs
 stays in it (runs, per-run per-prefix summaries, rollups); what is read one run at a time
 moves, when the run finishes, into one object next to the run's compacted copy:
 
