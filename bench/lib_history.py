@@ -611,7 +611,8 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         return f"CASE WHEN {col} = 0 THEN 0 ELSE {nid('batches', col)} END"
 
     def rng(t: str, col: str) -> str:
-        return f"{col} BETWEEN {ranges[t][0]} AND {ranges[t][1]}"
+        lo_, hi_ = ranges.get(t, tm.ranges[t])
+        return f"{col} BETWEEN {lo_} AND {hi_}"
 
     S = "_u.shift"
     acme = f"'{tm.tenant}'"
