@@ -318,10 +318,10 @@ def _has_index_rows(db: Session, run_id: int) -> bool:
     )
 
 
-def _prune(blobs: BlobStore, base: str, keep: str) -> int:
+def _prune(blobs: BlobStore, base: str, *keep: str) -> int:
     gone = 0
     for old in list(blobs.list(f"{base}/")):
-        if old != keep:
+        if old not in keep:
             blobs.delete(old)
             gone += 1
     return gone
@@ -352,12 +352,13 @@ def finish(fr: FinishedRun) -> None:
     fr.db.flush()
 
 
-def prune_versions(db: Session, blobs: BlobStore, run: m.Run) -> int:
-    """Delete the run's detail versions but its current one (after the current digest is
-    committed); returns how many went."""
+def prune_versions(db: Session, blobs: BlobStore, run: m.Run, *keep: str | None) -> int:
+    """Delete the run's detail versions but its current one and those of the digests in
+    ``keep`` (after the current digest is committed); returns how many went."""
     if run.detail_digest is None:
         return 0
-    return _prune(blobs, base_key(db, run), object_key(db, run, run.detail_digest))
+    kept = [object_key(db, run, d) for d in (run.detail_digest, *keep) if d is not None]
+    return _prune(blobs, base_key(db, run), *kept)
 
 
 def prune(fr: FinishedRun) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from hindsight.schema import ProfileEvent
 from storage.analysis.profile import (
@@ -330,11 +331,22 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], A
     data = runfile.load_run(db, blobs, run)
     new_rows = build(data.tasks, _events(blobs, batches))
     # Derived data, written in its own transaction (as a finisher would): the caller's
-    # session stays a reader. A finished run's rows stay in the index until its next
-    # finish job moves them into a new detail object; readers prefer them meanwhile.
+    # session stays a reader. A run whose detail is in an object already gets a new
+    # version of it (a later run's worker batches made its profile stale), so the rows
+    # do not come back into the index; the version the caller may be reading stays.
+    digest = run.detail_digest
     try:
         with Session(db.get_bind()) as writer, writer.begin():
             store(writer, run, new_rows, tag)
+            own = writer.get(m.Run, run.id) if run.detail_digest is not None else None
+            if own is not None:
+                detail.store(writer, blobs, own)
+                digest = own.detail_digest
+        if run.detail_digest is not None and digest != run.detail_digest:
+            # the reader's copy of the run names the new version (not a change to flush)
+            previous = run.detail_digest
+            set_committed_value(run, "detail_digest", digest)
+            detail.prune_versions(db, blobs, run, previous)
     except (IntegrityError, DBAPIError):
         # Another request stored it at the same time, or the index is busy: the rows
         # built here are as good; they are stored next time.

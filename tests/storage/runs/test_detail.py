@@ -131,6 +131,33 @@ def test_a_late_batch_writes_a_new_version_in_place_of_the_old(
         assert len(run_detail.read(db, st.blobs, stale).states) == 6
 
 
+def test_a_profile_gone_stale_after_the_move_gets_a_new_object_not_index_rows(
+    apps,  # noqa: F811
+    make_token,
+):
+    """A later worker batch in the run's window makes its stored profile stale; the read
+    that rebuilds it writes a new version of the object (keeping the one it replaced for
+    readers that named it), and no profile row comes back into the index."""
+    collector, query, app = apps
+    token = make_token()
+    st = store_of(app)
+    assert post(collector, first_batch(), token=token).status_code == 202
+    finish.drain(st.sessions, st.blobs)
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    (first,) = objects(app, run["id"])
+    metric = {"kind": "metric", "worker": "tcp://w:1", "time": T0 + 2, "values": {"cpu": 1.0}}
+    body = example(cluster="c", session="s", agent="worker-1", seq=0, events=[metric])
+    assert post(collector, body, token=token).status_code == 202
+
+    resp = query.get(f"/v1/runs/{run['id']}/profile", headers=auth(token))
+    assert resp.status_code == 200, resp.json
+    assert index_rows(app, run["id"])["run_profiles"] == 0
+    versions = objects(app, run["id"])
+    assert first in versions and len(versions) == 2
+    again = query.get(f"/v1/runs/{run['id']}/profile", headers=auth(token))
+    assert again.json == resp.json and objects(app, run["id"]) == versions  # not stale now
+
+
 def test_the_cache_is_bounded_by_bytes():
     cache = run_detail._Cache(limit=100)
     d = run_detail.Detail(run_detail.FORMAT, "x")
