@@ -493,7 +493,10 @@ COPIED = {
     "finish_jobs",
     "run_states",
 }
-NOT_PER_UNIT = {"tenants", "tokens", "alembic_version"}
+#: The lake's Iceberg catalog (pyiceberg's tables in the index database): one row per lake
+#: table, naming its newest metadata file, not rows per unit.
+ICEBERG_CATALOG = {"iceberg_tables", "iceberg_namespace_properties"}
+NOT_PER_UNIT = {"tenants", "tokens", "alembic_version", *ICEBERG_CATALOG}
 RUN_NS = "6f0e4a52-3c9e-4f5b-9a43-1d2f8b7c6e10"  # storage.core.batches._RUN_NS
 
 
@@ -810,7 +813,7 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
             "partition_id": parts,
         }
         for table in sorted(inspect(conn).get_table_names(schema="public")):
-            if table in ("tokens", "alembic_version"):
+            if table in ("tokens", "alembic_version", *ICEBERG_CATALOG):
                 continue
             rows = conn.execute(text(f"SELECT * FROM {table}")).mappings().all()
             norm = []
