@@ -37,6 +37,7 @@ import msgspec
 import zstandard
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from storage.analysis.profile import Profile, decode_into, encode
 from storage.core import models as m
@@ -117,7 +118,8 @@ def object_key(db: Session, run: m.Run, digest: str) -> str:
 
 @dataclass
 class _Cache:
-    """Decoded detail objects by key, least recently used out first, bounded by bytes."""
+    """Decoded detail objects, least recently used out first, bounded by the bytes they
+    were stored in."""
 
     limit: int
     _items: OrderedDict[str, tuple[Detail, int]] = field(default_factory=OrderedDict)
@@ -162,10 +164,13 @@ def read(db: Session, blobs: BlobStore | None, run: m.Run) -> Detail | None:
     if blobs is None or run.detail_digest is None:
         return None
     for _attempt in range(2):
-        key = object_key(db, run, run.detail_digest)
-        hit = _cache.get(key)
+        # Cached by run and digest: the content names the object, and a hit needs no
+        # query for the run's place in the store.
+        cached = f"{run.public_id}/{run.detail_digest}"
+        hit = _cache.get(cached)
         if hit is not None:
             return hit
+        key = object_key(db, run, run.detail_digest)
         try:
             body = blobs.get(key)
         except FileNotFoundError:
@@ -177,10 +182,10 @@ def read(db: Session, blobs: BlobStore | None, run: m.Run) -> Detail | None:
             if digest is None or digest == run.detail_digest:
                 logger.warning("detail object %s of run %s is missing", key, run.public_id)
                 return None
-            run.detail_digest = digest
+            set_committed_value(run, "detail_digest", digest)  # read, not a change to flush
             continue
         detail = decode_detail(body)
-        _cache.put(key, detail, len(body))
+        _cache.put(cached, detail, len(body))
         return detail
     return None
 
