@@ -23,7 +23,10 @@ At each level, with N runs indexed (VACUUM ANALYZE done, as autovacuum would):
   Flask app (test client) as the largest tenant (half of the runs);
 - ``prefix_history_ms``: ``GET /v1/history/prefixes?bucket=day`` over a window holding
   10,000 of the tenant's runs (median of 20);
-- ``index_bytes_per_run``: every table and index of the database over the runs.
+- ``index_bytes_per_run``: every table and index of the database over the runs (target
+  8,000: the index a catalog, each finished run's detail in one object, decision 0034);
+  ``detail_object_bytes_per_run``: those objects, as the real path's unit wrote them (the
+  bulk copies write none).
 
 At the end the ingest rate is measured side by side against a reference index of 10^3
 runs, by two fresh stacks (collector and moto each) in alternating rounds (AB BA AB ...):
@@ -70,6 +73,8 @@ TARGETS = {
     "run_list_p95_ms_at_1e6": 50,
     "prefix_history_ms_at_1e6": 200,
     "ingest_ratio_1e6_vs_1e3": 0.85,
+    # the index a catalog (issue 34, decision 0034): per-run detail in the blob store
+    "index_bytes_per_run": 8000,
 }
 CHUNK_UNITS = 200
 TENANT = h.TENANTS[0]
@@ -302,6 +307,11 @@ def main() -> int:
             tm = h.Template.read(raw.driver_connection, tenant_ids[TENANT])
             raw.close()
             log(f"  {h.UNIT_RUNS} runs in {real_s:.0f} s; template ranges {tm.ranges}")
+            # what the index no longer holds: each finished run's detail object
+            sizes = [p.stat().st_size for p in Path(tmp.name, "blobs").rglob("detail/*")]
+            figures["detail_objects_per_run"] = round(len(sizes) / h.UNIT_RUNS, 2)
+            figures["detail_object_bytes_per_run"] = round(sum(sizes) / h.UNIT_RUNS)
+            log(f"  detail objects: {len(sizes)}, {sum(sizes) / h.UNIT_RUNS:,.0f} B a run")
             ref.dispose()
             with admin.connect() as conn:
                 conn.execute(text(f'CREATE DATABASE "{main_name}" TEMPLATE "{ref_name}"'))

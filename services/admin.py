@@ -28,6 +28,7 @@ from storage.core.db import upgrade as do_upgrade
 from storage.core.models import Tenant, Token
 from storage.core.tokens import create_token, list_tokens, revoke_token
 from storage.jobs import finish
+from storage.jobs.reindex import move_detail
 from storage.jobs.reindex import reindex as do_reindex
 from storage.jobs.retention import apply
 
@@ -323,11 +324,25 @@ def tokens_revoke(token_id: int | None, token: str | None, data_dir: str | None)
     is_flag=True,
     help="Only index; leave finished-run work (compacted copies...) to the collectors.",
 )
-def reindex(data_dir: str | None, skip_finish: bool) -> None:
+@click.option(
+    "--detail",
+    "detail_only",
+    is_flag=True,
+    help="Only move finished runs' detail rows (replay samples, profiles) from the index "
+    "into their detail objects: the backfill after upgrading to revision 0017.",
+)
+def reindex(data_dir: str | None, skip_finish: bool, detail_only: bool) -> None:
     """Rebuild the index from the blob store (idempotent; safe on a live index), then the
     finished-run work of every finished run (compacted copies and the like)."""
     with _index(data_dir, existing="blobs") as (settings, engine):
         blobs = blob_store_for(settings)
+        if detail_only:
+            counts = move_detail(blobs, make_sessionmaker(engine))
+            click.echo(
+                f"{counts['runs']} runs' detail moved into objects, "
+                f"{counts['pruned']} old versions deleted"
+            )
+            return
         click.echo(f"listing {settings.blob_url} ...", err=True)
         total = sum(1 for _ in blobs.list("v1/"))
         with click.progressbar(length=total, label="reindexing", file=sys.stderr) as bar:

@@ -269,6 +269,10 @@ def test_db_upgrade_and_reindex_rebuild_a_deleted_index(tmp_path):
     rebuilt = run("reindex", "--data-dir", str(tmp_path), env=env())
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert "3 blobs: 3 indexed" in rebuilt.stdout
+    # the backfill after revision 0017 has nothing left to move: the finishers moved it
+    moved = run("reindex", "--detail", "--data-dir", str(tmp_path), env=env())
+    assert moved.returncode == 0, moved.stderr
+    assert "0 runs' detail moved into objects" in moved.stdout
     server = Served(tmp_path)
     try:
         after = requests.get(server.url + "/v1/runs", timeout=10).json()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import inspect, select, text
 
-from storage.core.db import current_revision, head_revisions, make_engine, upgrade
+from storage.core import models as m
+from storage.core.db import MIGRATIONS_DIR, current_revision, head_revisions, make_engine, upgrade
 from storage.core.models import Base
 
 ICEBERG_CATALOG = "iceberg_"  # the lake's catalog tables (pyiceberg's), in the same database
@@ -34,3 +39,103 @@ def test_head_matches_models(index_url):
         )
     engine.dispose()
     assert diff == []
+
+
+def test_a_populated_index_of_the_previous_schema_migrates_and_its_detail_moves(tmp_path, request):
+    """An index of revision 0016 (every run's replay samples and profile in the index)
+    upgrades to head and ``hindsight reindex --detail`` (``move_detail``) moves each
+    finished run's rows into its detail object: nothing lost, every answer the same, and a
+    second pass moves nothing. On SQLite and on a Postgres database of its own (it
+    downgrades)."""
+    from tests.conftest import fresh_pg_database
+
+    urls = [f"sqlite:///{tmp_path / 'old.db'}"]
+    pg = fresh_pg_database()
+    try:
+        urls.append(next(pg))
+    except pytest.skip.Exception:
+        pg = None
+    try:
+        _migrate_and_move(urls, tmp_path)
+    finally:
+        if pg is not None:
+            next(pg, None)  # the database dropped
+
+
+def _migrate_and_move(urls: list[str], tmp_path: Any) -> None:
+    from storage.analysis.profile import Profile, add_flat
+    from storage.core.blobs import open_blob_store
+    from storage.core.db import make_sessionmaker
+    from storage.jobs.reindex import move_detail
+    from storage.query.replay import sample_times, state_at
+    from storage.runs import detail, profiles
+    from tests.conftest import new_tenant
+    from tests.storage.ingest.test_index import NOW, apply
+    from tests.storage.query.test_replay import batches
+
+    blobs = open_blob_store((tmp_path / "blobs").as_uri())
+    tree = Profile()
+    add_flat(
+        tree, [("main", "a.py", 1, 2, "x()"), ("x", "a.py", 5, 6, "y")], [(-1, 0, 3), (0, 1, 2)]
+    )
+    for url in urls:
+        engine = make_engine(url)
+        upgrade(engine)
+        sessions = make_sessionmaker(engine)
+        tenant = new_tenant()
+        apply(sessions, tenant, batches())
+        with sessions.begin() as db:
+            run = db.execute(
+                select(m.Run).join(m.Tenant).where(m.Tenant.name == tenant)
+            ).scalar_one()
+            tag = profiles.inputs_tag(db, run, profiles._worker_batches(db, run))
+            rows = [
+                profiles.Row("load", "tcp://w0", tree),
+                profiles.Row("load", "", tree),
+                profiles.Row("", "", tree),
+            ]
+            profiles.store(db, run, rows, tag)
+        _downgrade(engine, "0016")
+        assert current_revision(engine) == "0016"
+        with engine.connect() as conn:  # the previous schema, populated
+            assert "detail_digest" not in {c["name"] for c in inspect(conn).get_columns("runs")}
+            assert conn.execute(text("SELECT count(*) FROM run_states")).scalar_one() == 22
+
+        upgrade(engine)
+        assert current_revision(engine) == head_revisions()[0]
+
+        def answers(sessions: Any = sessions, tenant: str = tenant) -> dict[str, Any]:
+            with sessions() as db:
+                run = db.execute(
+                    select(m.Run).join(m.Tenant).where(m.Tenant.name == tenant)
+                ).scalar_one()
+                return {
+                    "samples": sample_times(db, run, blobs),
+                    "states": [state_at(db, run, NOW + s, blobs=blobs) for s in (-1, 0, 3.5, 20, 30, 99)],
+                    "profile": profiles.load(db, blobs, run).samples,
+                    "prefix": profiles.load(db, blobs, run, prefix="load").samples,
+                    "worker": profiles.load(db, blobs, run, worker="tcp://w0").samples,
+                    "by_prefix": {p: t.samples for p, t in profiles.load_prefixes(db, blobs, run).items()},
+                }  # fmt: skip
+
+        before = answers()
+        assert move_detail(blobs, sessions)["runs"] == 1
+        detail.clear_cache()
+        with engine.connect() as conn:
+            for table in ("run_states", "run_profiles"):
+                assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() == 0
+        assert answers() == before and before["samples"]["samples"] == 22
+        assert before["profile"] == 3 and before["worker"] == 3
+        assert move_detail(blobs, sessions)["runs"] == 0
+        engine.dispose()
+
+
+def _downgrade(engine: Any, revision: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)

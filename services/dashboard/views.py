@@ -408,12 +408,13 @@ def replay_slider(
 ) -> dict[str, Any]:
     """The replay slider's range (the run's state samples) and what its script needs, its
     prefixes in the page's ``colours``."""
-    samples = replay.sample_times(db(), run.id)
+    samples = replay.sample_times(db(), run, store().blobs)
     if not samples["samples"]:
         return {"replay": None}
     first, last = samples["first"], samples["last"]
     names = {p["prefix"] for p in detail["prefixes"]}
-    names |= {p["prefix"] for p in replay.state_at(db(), run, last)["prefixes"]}
+    last_state = replay.state_at(db(), run, last, blobs=store().blobs)
+    names |= {p["prefix"] for p in last_state["prefixes"]}
     opts = {
         "url": f"/v1/runs/{run.public_id}/state",
         "start": first,

@@ -371,7 +371,7 @@ def run_state(run_id: str) -> Any:
     """Replay: the run's task states by prefix and the workers at ``at`` (default now;
     Dask's status page then), from the latest sample at or before it."""
     run, _c, _s = _run_or_404(run_id)
-    samples = replay.sample_times(db(), run.id)
+    samples = replay.sample_times(db(), run, store().blobs)
     at = time_arg("at")
     if at is None:  # now: a running run's latest sample, a finished run's last
         at = time.time()
@@ -382,7 +382,7 @@ def run_state(run_id: str) -> Any:
     session = db().get(m.Session, run.session_id)
     return {
         "run": run.public_id,
-        **replay.state_at(db(), run, at, _run_data(run)),
+        **replay.state_at(db(), run, at, _run_data(run), blobs=store().blobs),
         "thresholds": replay.thresholds(session.info if session is not None else None),
         "samples": samples,
     }
@@ -412,6 +412,7 @@ def profiles_across_runs() -> Any:
         since=time_arg("since"),
         until=time_arg("until"),
         limit=int_arg("runs", profiles.MAX_RUNS, 1, profiles.MAX_RUNS),
+        blobs=store().blobs,
     )
     label = " ".join(x for x in (name, prefix) if x)
     return _profile_answer(

@@ -170,6 +170,9 @@ class Run(Base):
     last_seen: Mapped[float] = mapped_column(Float)
     # When the finishers (storage.jobs.finish) last completed for this run's data; None before.
     finished_work_at: Mapped[float | None] = mapped_column(Float)
+    # The digest of the run's detail object (``storage.runs.detail``): its replay samples
+    # and profile, moved out of the index when it finished. None: they are in the index.
+    detail_digest: Mapped[str | None] = mapped_column(String(32))
 
 
 class RunStatusCount(Base):

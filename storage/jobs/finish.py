@@ -31,7 +31,7 @@ from storage.core.blobs import BlobStore
 from storage.core.statements import dialect_functions
 from storage.lake import build as lake_build
 from storage.query import explain
-from storage.runs import facts, profiles, rollups, runfile, runlogs, streamtiles
+from storage.runs import detail, facts, profiles, rollups, runfile, runlogs, streamtiles
 from storage.runs.context import FinishedRun, ReadOnce
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ FINISHERS: tuple[Callable[[FinishedRun], None], ...] = (
     lake_build.finish,  # the run's rows in the history lake (docs/lake.md)
     explain.finish,  # why it was slower or faster than its job's usual (docs/explain.md)
     alerts.finish,  # the alerts its tenant's rules raise (docs/alerts.md)
+    detail.finish,  # its detail out of the index into one object (last: the others read it)
+    detail.prune,  # the versions of that object it superseded (once the new one is committed)
 )
 #: A claimed job is another process's to take after this long without its worker renewing
 #: the lease (a crashed worker: ``kill -9``, OOM, a lost host), so a run whose collector

@@ -6,9 +6,11 @@ import logging
 import time
 from collections.abc import Callable
 
+from sqlalchemy import exists, or_, select
 from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage.core import models as m
 from storage.core.batches import decode_stored, parse_blob_key
 from storage.core.blobs import BlobStore
 from storage.core.config import ENVIRONMENT
@@ -17,6 +19,7 @@ from storage.ingest.writer import index_batch
 from storage.jobs.finish import queue_finished
 from storage.lake import build as lake
 from storage.ray import reindex as ray_reindex
+from storage.runs import detail
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +99,57 @@ def reindex(
     with sessions.begin() as db:
         queue_finished(db)
     return counts
+
+
+def move_detail(
+    blobs: BlobStore,
+    sessions: sessionmaker[Session],
+    *,
+    on_progress: Callable[[int], None] | None = None,
+    chunk: int = 500,
+) -> dict[str, int]:
+    """Move the detail rows every finished run still has in the index (replay samples,
+    profile: runs finished before migration 0017, or whose finish job has not run since)
+    into its detail object, one run a transaction, each object stored before its rows go
+    (``storage.runs.detail.store``); running runs keep theirs. Safe to run on a live index
+    and to repeat. Returns counts: ``runs`` moved, ``objects`` pruned of old versions."""
+    counts = {"runs": 0, "pruned": 0}
+    after = 0
+    while True:
+        with sessions() as db:
+            found = (
+                db.execute(
+                    select(m.Run.id)
+                    .where(
+                        m.Run.id > after,
+                        m.Run.status != "running",
+                        or_(
+                            exists().where(m.RunState.run_id == m.Run.id),
+                            exists().where(m.RunProfile.run_id == m.Run.id),
+                        ),
+                    )
+                    .order_by(m.Run.id)
+                    .limit(chunk)
+                )
+                .scalars()
+                .all()
+            )
+        if not found:
+            return counts
+        for run_id in found:
+            with sessions.begin() as db:
+                run = db.get(m.Run, run_id, with_for_update=True)
+                if run is None or run.status == "running":
+                    continue
+                before = run.detail_digest
+                moved = detail.store(db, blobs, run)
+                after_digest = run.detail_digest
+            counts["runs"] += moved
+            if moved and before not in (None, after_digest):
+                with sessions() as db:  # once the new digest is committed
+                    run = db.get(m.Run, run_id)
+                    if run is not None:
+                        counts["pruned"] += detail.prune_versions(db, blobs, run)
+            if on_progress:
+                on_progress(1)
+        after = found[-1]

@@ -16,6 +16,7 @@ memory and occupancy.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from sqlalchemy import func, select
@@ -23,6 +24,8 @@ from sqlalchemy.orm import Session
 
 from storage.analysis.rundata import RunData
 from storage.core import models as m
+from storage.core.blobs import BlobStore
+from storage.runs import detail
 
 PREFIX_FIELDS = ("waiting", "processing", "memory", "released", "erred")
 WORKER_FIELDS = ("managed", "unmanaged", "spilled", "limit")
@@ -67,7 +70,14 @@ def _answer(
     }
 
 
-def state_at(db: Session, run: m.Run, at: float, data: RunData | None = None) -> dict[str, Any]:
+def state_at(
+    db: Session,
+    run: m.Run,
+    at: float,
+    data: RunData | None = None,
+    *,
+    blobs: BlobStore | None = None,
+) -> dict[str, Any]:
     """The run's state at ``at`` (epoch seconds): its latest sample at or before ``at``,
     with each prefix's finished, running and erred tasks from the run's task records when
     ``data`` holds them (:func:`exact_counts`).
@@ -76,23 +86,37 @@ def state_at(db: Session, run: m.Run, at: float, data: RunData | None = None) ->
     of the run counts as waiting (the run had been submitted: samples start within one
     interval of it) and no worker is shown. A run with no samples at all (recorded before
     replay existed, or not by Dask) answers no prefixes and no workers, with
-    ``sampled_at`` None.
+    ``sampled_at`` None. A finished run's samples are read from its detail object
+    (``storage.runs.detail``) when ``blobs`` is given and it has one.
     """
-    S = m.RunState
-    q = select(S.time, S.prefixes, S.workers).where(S.run_id == run.id)
     ended = run.status != "running" and run.finished_at is not None and at >= run.finished_at
-    # From the run's end on, its last sample (taken once the scheduler saw it done; a
-    # sample taken just before that may be stamped after the last task's stop).
-    latest = q if ended else q.where(S.time <= at)
-    row = db.execute(latest.order_by(S.time.desc()).limit(1)).first()
-    if row is not None:
-        sampled, prefixes, workers = row[0], row[1], row[2]
-    else:
-        first = db.execute(q.order_by(S.time).limit(1)).first()
-        if first is None:
+    if blobs is not None and run.detail_digest is not None:
+        samples = detail.states(db, blobs, run)
+        if not samples:
             return _answer(at, None, {}, {})
-        sampled, workers = None, {}
-        prefixes = {p: [sum(v), 0, 0, 0, 0] for p, v in first[1].items()}
+        # From the run's end on, its last sample (as below).
+        i = len(samples) if ended else bisect.bisect_right([s.time for s in samples], at)
+        if i > 0:
+            s = samples[i - 1]
+            sampled, prefixes, workers = s.time, dict(s.prefixes), dict(s.workers)
+        else:
+            sampled, workers = None, {}
+            prefixes = {p: [sum(v), 0, 0, 0, 0] for p, v in samples[0].prefixes.items()}
+    else:
+        S = m.RunState
+        q = select(S.time, S.prefixes, S.workers).where(S.run_id == run.id)
+        # From the run's end on, its last sample (taken once the scheduler saw it done; a
+        # sample taken just before that may be stamped after the last task's stop).
+        latest = q if ended else q.where(S.time <= at)
+        row = db.execute(latest.order_by(S.time.desc()).limit(1)).first()
+        if row is not None:
+            sampled, prefixes, workers = row[0], row[1], row[2]
+        else:
+            first = db.execute(q.order_by(S.time).limit(1)).first()
+            if first is None:
+                return _answer(at, None, {}, {})
+            sampled, workers = None, {}
+            prefixes = {p: [sum(v), 0, 0, 0, 0] for p, v in first[1].items()}
     if data is not None and data.tasks.num_rows:
         prefixes = with_records(prefixes, exact_counts(data, at))
     return _answer(at, sampled, prefixes, workers)
@@ -213,11 +237,16 @@ def with_records(
     return out
 
 
-def sample_times(db: Session, run_id: int) -> dict[str, Any]:
+def sample_times(db: Session, run: m.Run, blobs: BlobStore | None = None) -> dict[str, Any]:
     """The run's first and last sample times and how many there are (the slider's range)."""
+    if blobs is not None and run.detail_digest is not None:
+        samples = detail.states(db, blobs, run)
+        if not samples:
+            return {"first": None, "last": None, "samples": 0}
+        return {"first": samples[0].time, "last": samples[-1].time, "samples": len(samples)}
     S = m.RunState
     lo, hi, n = db.execute(
-        select(func.min(S.time), func.max(S.time), func.count()).where(S.run_id == run_id)
+        select(func.min(S.time), func.max(S.time), func.count()).where(S.run_id == run.id)
     ).one()
     return {"first": lo, "last": hi, "samples": n}
 

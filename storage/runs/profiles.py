@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from hindsight.schema import ProfileEvent
 from storage.analysis.profile import (
@@ -45,7 +46,7 @@ from storage.analysis.profile import (
 from storage.core import models as m
 from storage.core.batches import decode_stored
 from storage.core.blobs import BlobStore
-from storage.runs import runfile
+from storage.runs import detail, runfile
 from storage.runs.context import FinishedRun
 from storage.runs.runcode import run_code
 
@@ -299,21 +300,29 @@ def _events(blobs: BlobStore, batches: list[tuple[int, str]]) -> Iterator[Any]:
         yield from batch.events
 
 
+def _index_has(db: Session, run: m.Run) -> dict[tuple[str, str], Any]:
+    P = m.RunProfile
+    return {
+        (p, w): (samples, t)
+        for p, w, samples, t in db.execute(
+            select(P.prefix, P.worker, P.samples, P.tag).where(P.run_id == run.id)
+        )
+    }
+
+
 def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], Any] | None:
     """The run's stored profile rows by (prefix, worker) without their data, building
     them first if they are missing or stale. A running run's profile is built but not
-    stored: None then, and :func:`load` builds it in memory."""
+    stored: None then, and :func:`load` builds it in memory. Rows are read from the index,
+    or from the run's detail object (``storage.runs.detail``) once they moved there."""
 
     batches = _worker_batches(db, run)
     tag = inputs_tag(db, run, batches)
-    have = {
-        (p, w): (samples, t)
-        for p, w, samples, t in db.execute(
-            select(
-                m.RunProfile.prefix, m.RunProfile.worker, m.RunProfile.samples, m.RunProfile.tag
-            ).where(m.RunProfile.run_id == run.id)
-        )
-    }
+    have = _index_has(db, run)
+    if not have:
+        stored = detail.read(db, blobs, run)
+        if stored is not None:
+            have = {(r.prefix, r.worker): (r.samples, r.tag) for r in stored.profiles}
     marker = have.get(("", ""))
     if marker is not None and marker[1] == tag:
         return have
@@ -322,15 +331,52 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run) -> dict[tuple[str, str], A
     data = runfile.load_run(db, blobs, run)
     new_rows = build(data.tasks, _events(blobs, batches))
     # Derived data, written in its own transaction (as a finisher would): the caller's
-    # session stays a reader.
+    # session stays a reader. A run whose detail is in an object already gets a new
+    # version of it (a later run's worker batches made its profile stale), so the rows
+    # do not come back into the index; the version the caller may be reading stays.
+    digest = run.detail_digest
     try:
         with Session(db.get_bind()) as writer, writer.begin():
             store(writer, run, new_rows, tag)
+            own = writer.get(m.Run, run.id) if run.detail_digest is not None else None
+            if own is not None:
+                detail.store(writer, blobs, own)
+                digest = own.detail_digest
+        if run.detail_digest is not None and digest != run.detail_digest:
+            # the reader's copy of the run names the new version (not a change to flush)
+            previous = run.detail_digest
+            set_committed_value(run, "detail_digest", digest)
+            detail.prune_versions(db, blobs, run, previous)
     except (IntegrityError, DBAPIError):
         # Another request stored it at the same time, or the index is busy: the rows
         # built here are as good; they are stored next time.
         logger.info("profile of run %s not stored (concurrent build)", run.public_id)
     return {(r.prefix, r.worker): (r.tree.samples, tag) for r in new_rows}
+
+
+def _wanted(prefix: str | None, worker: str | None) -> Callable[[str, str], bool]:
+    """Which stored rows make the profile of ``prefix`` and/or ``worker``."""
+    if worker is None:
+        return lambda p, w: p == (prefix or "") and w == ""
+    if prefix is not None:
+        return lambda p, w: p == prefix and w == worker
+    return lambda p, w: p != "" and w == worker
+
+
+def _from_object(db: Session, blobs: BlobStore, run: m.Run, want: Any) -> Profile | None:
+    """The merge of the run's detail object's trees ``want(prefix, worker)`` accepts, or
+    None when the index holds the run's rows (or it has no object)."""
+    P = m.RunProfile
+    if db.execute(select(P.run_id).where(P.run_id == run.id).limit(1)).first() is not None:
+        return None
+    stored = detail.read(db, blobs, run)
+    if stored is None:
+        return None
+    out = Profile()
+    for row, tree in detail.profile_trees(stored, lambda r: want(r.prefix, r.worker)):
+        merge_into(out, tree)
+        out.interval = row.interval
+    return out
 
 
 def _live(db: Session, blobs: BlobStore, run: m.Run) -> RunProfiles:
@@ -352,6 +398,10 @@ def load(
                 merge_into(out, tree)
                 out.interval = tree.interval
         return _named(db, run, out)
+    want = _wanted(prefix, worker)
+    moved = _from_object(db, blobs, run, want)
+    if moved is not None:
+        return _named(db, run, moved)
     P = m.RunProfile
     if worker is None:
         where = [P.prefix == (prefix or ""), P.worker == ""]
@@ -398,16 +448,22 @@ def across_runs(
     since: float | None = None,
     until: float | None = None,
     limit: int = MAX_RUNS,
+    blobs: BlobStore | None = None,
 ) -> Merged:
     """The merged profile of ``prefix`` (or of whole runs) over the runs started in
     ``[since, until)``, optionally only those named ``name`` or of ``cluster``: one stored
     tree per run, newest runs first."""
     P, R = m.RunProfile, m.Run
-    q = (
+    stored = (
         select(P.data)
-        .join(R, R.id == P.run_id)
-        .where(R.tenant_id == tenant_id, P.prefix == (prefix or ""), P.worker == "")
+        .where(P.run_id == R.id, P.prefix == (prefix or ""), P.worker == "")
+        .scalar_subquery()
     )
+    q = select(R.id, R.public_id, R.session_id, R.detail_digest, stored.label("data")).where(
+        R.tenant_id == tenant_id
+    )
+    # Runs with a stored tree in the index, or with a detail object (which may hold one).
+    q = q.where(or_(stored.is_not(None), R.detail_digest.is_not(None)))
     if name is not None:
         q = q.where(R.name == name)
     if cluster is not None:
@@ -417,8 +473,26 @@ def across_runs(
     if until is not None:
         q = q.where(R.started_at < until)
     found = db.execute(q.order_by(R.started_at.desc(), R.id.desc()).limit(limit + 1)).all()
-    out = merge_stored(data for (data,) in found[:limit])
-    return Merged(resolve(db, tenant_id, out), min(len(found), limit), len(found) > limit)
+    from_index = merge_stored(row.data for row in found[:limit] if row.data is not None)
+    out = resolve(db, tenant_id, from_index)
+    runs = sum(1 for row in found[:limit] if row.data is not None)
+    if blobs is not None:
+        want = prefix or ""
+        for row in found[:limit]:
+            if row.data is not None:
+                continue
+            run = db.get(R, row.id)
+            stored_detail = detail.read(db, blobs, run) if run is not None else None
+            if stored_detail is None:
+                continue
+            trees = detail.profile_trees(
+                stored_detail, lambda r: r.prefix == want and r.worker == ""
+            )
+            for prow, tree in trees:
+                merge_into(out, tree)
+                out.interval = prow.interval
+            runs += bool(trees)
+    return Merged(out, runs, len(found) > limit)
 
 
 def load_prefixes(db: Session, blobs: BlobStore, run: m.Run) -> dict[str, Profile]:
@@ -437,6 +511,11 @@ def load_prefixes(db: Session, blobs: BlobStore, run: m.Run) -> dict[str, Profil
         select(P.prefix, P.data).where(P.run_id == run.id, P.prefix != "", P.worker == "")
     ):
         out[prefix] = decode(db, run.tenant_id, data)
+    if not out:
+        stored = detail.read(db, blobs, run)
+        if stored is not None:
+            for row, tree in detail.profile_trees(stored, lambda r: r.prefix and not r.worker):
+                out[row.prefix] = tree
     if out:
         _named(db, run, *out.values())
     return out

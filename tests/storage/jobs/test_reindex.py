@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
+from storage.core import models as m
 from storage.core.blobs import open_blob_store
 from storage.core.db import make_engine, make_sessionmaker, upgrade
 from storage.core.tokens import create_token
@@ -213,4 +214,58 @@ def test_a_rebuilt_index_keeps_when_each_batch_arrived(stack, make_token, tmp_pa
         expired = plan(db, tenant, max_age=7 * 86400).sessions
         assert [s.name for s in expired] == [example()["session"]]
         assert expired[0].last_seen == pytest.approx(month_ago, abs=1)
+    rebuilt.dispose()
+
+
+def test_a_rebuild_writes_equal_detail_objects(stack, tmp_path):
+    """Each finished run's detail object (``storage.runs.detail``) rebuilt by a reindex
+    holds what the original held: its replay samples and profile trees, frames by name.
+    Profile tags name batch ids, which a rebuilt index may number otherwise."""
+    from collector.app import create_app as collector_app
+    from storage.jobs.finish import drain, finish_run
+    from storage.runs import detail
+
+    tenant = new_tenant()
+    engine = make_engine(stack["database_url"])
+    upgrade(engine)
+    sessions = make_sessionmaker(engine)
+    with sessions.begin() as db:
+        token = create_token(db, tenant, "ingest,read")
+    collector = collector_app(stack).test_client()
+    for seq in range(3):
+        body = run_batch("c3", "s3", "r", seq, n_tasks=20, status="finished" if seq == 2 else None)
+        assert post(collector, body, token=token).status_code == 202
+    blobs = open_blob_store(stack["blob_url"], endpoint_url=stack["s3_endpoint_url"])
+    with sessions() as db:  # this tenant's runs only: the stack's index is shared
+        ids = (
+            db.execute(select(m.Run.id).join(m.Tenant).where(m.Tenant.name == tenant))
+            .scalars()
+            .all()
+        )
+        for run_id in ids:
+            assert finish_run(db, blobs, run_id) == []
+
+    def objects(sessions: Any) -> dict[str, Any]:
+        out = {}
+        with sessions() as db:
+            runs = db.execute(select(m.Run).join(m.Tenant).where(m.Tenant.name == tenant)).scalars()
+            for run in runs:
+                d = detail.read(db, blobs, run)
+                out[run.public_id] = (
+                    d.states,
+                    d.frames,
+                    [(p.prefix, p.worker, p.samples, p.nodes, p.data) for p in d.profiles],
+                )
+        return out
+
+    before = objects(sessions)
+    engine.dispose()
+    assert len(before) == 1
+    rebuilt = make_engine(fresh_index(stack, tmp_path))
+    upgrade(rebuilt)
+    again = make_sessionmaker(rebuilt)
+    reindex(blobs, again)
+    drain(again, blobs)
+    detail.clear_cache()
+    assert objects(again) == before
     rebuilt.dispose()
