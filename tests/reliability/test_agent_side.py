@@ -4,6 +4,7 @@ Dask run outlives a ten-minute collector outage with the spool inside its bound.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from pathlib import Path
@@ -39,7 +40,9 @@ def test_close_keeps_retrying_until_its_budget_is_spent(collector, tmp_path):
 
 
 def _spooled(spool: Path) -> list[Path]:
-    return sorted(spool.rglob("*.hsb"))
+    # os.walk, not rglob: the agent creates its spool directory under a temporary name and
+    # renames it into place, and rglob fails on an entry that vanishes while it walks.
+    return sorted(Path(d, f) for d, _, names in os.walk(spool) for f in names if f.endswith(".hsb"))
 
 
 def test_corrupted_and_truncated_spool_files_are_skipped_and_counted(collector, tmp_path):
