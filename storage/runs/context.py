@@ -83,11 +83,18 @@ class FinishedRun:
     _data: RunData | None = field(default=None, repr=False)
 
     def data(self) -> RunData:
-        """The run's Arrow tables (tasks, graph, metrics), read or built once, and written
-        as the run's compacted copy if it had none."""
+        """The run's Arrow tables (tasks, graph, metrics), written as the run's compacted
+        copy if it had none; each table read from the copy when first used, and
+        ``RunData.columns`` reads a few columns of one without the rest."""
         if self._data is None:
-            self._data = self.load(self.db, self.blobs, self.run, cache=False)
+            self._data = self.load(self.db, self.blobs, self.run, cache=False, lazy=True)
         return self._data
+
+    def release(self) -> None:
+        """Let go of the tables read so far (``storage.jobs.finish`` calls this after each
+        finisher): a 10^6-task run's tasks table is ~600 MB, and every later finisher held
+        it though each reads what it needs again, a column at a time where it can."""
+        self._data = None
 
     def batches(self) -> Iterator[Batch]:
         """The decoded raw batches around the run: its own, and the session's batches
