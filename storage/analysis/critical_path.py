@@ -157,8 +157,9 @@ def critical_path(data: RunData) -> dict[str, Any]:
         k = int(code[i])
         wanted.update(int(r) for r in by_key[first_of[k] : end_of[k]] if erred[r])
     wanted_rows = sorted(wanted)
-    picked = data.columns(
+    picked = data.take(
         "tasks",
+        row_of[wanted_rows].tolist(),
         [
             "key",
             "prefix",
@@ -170,7 +171,7 @@ def critical_path(data: RunData) -> dict[str, Any]:
             "compute_stop",
             "startstops",
         ],
-    ).take(pa.array(row_of[wanted_rows], type=pa.int64()))
+    )
     rec = dict(zip(wanted_rows, picked.to_pylist(), strict=True))
     del picked
     segments: list[dict[str, Any]] = []

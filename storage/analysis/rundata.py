@@ -25,3 +25,10 @@ class RunData:
         leaving the whole table unread: a finisher that needs a few columns of a large
         run's tasks then holds those, not every task's phases, tracebacks and attributes."""
         return getattr(self, name).select(columns)
+
+    def take(self, name: str, rows: list[int], columns: list[str]) -> Any:
+        """Rows ``rows`` (ascending positions) of some columns of one of the tables; a
+        compacted run's reader reads only the row groups that hold them."""
+        import pyarrow as pa
+
+        return getattr(self, name).select(columns).take(pa.array(rows, type=pa.int64()))

@@ -451,4 +451,21 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run, tasks: Any) -> dict[str, A
 
 def finish(fr: FinishedRun) -> None:
     """Finisher (``storage.jobs.finish``): the run's task-stream tiles."""
-    ensure(fr.db, fr.blobs, fr.run, lambda: fr.data().tasks)
+    # the columns the tiles are drawn from, not every task's traceback and attributes
+    ensure(fr.db, fr.blobs, fr.run, lambda: fr.data().columns("tasks", list(TILE_COLUMNS)))
+
+
+#: The tasks' columns :func:`build` reads.
+TILE_COLUMNS = (
+    "key",
+    "prefix",
+    "status",
+    "worker",
+    "thread",
+    "compute_start",
+    "compute_stop",
+    "transfer",
+    "disk_read",
+    "disk_write",
+    "startstops",
+)

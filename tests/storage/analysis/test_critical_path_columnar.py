@@ -88,6 +88,52 @@ def test_the_synthetic_runs_walk_every_case() -> None:
 def test_run_without_finished_tasks() -> None:
     data = synthetic_run(3, 0)
     data.tasks = data.tasks.set_column(
-        data.tasks.schema.get_field_index("stop"), "stop", pa.nulls(data.tasks.num_rows, pa.float64())
+        data.tasks.schema.get_field_index("stop"),
+        "stop",
+        pa.nulls(data.tasks.num_rows, pa.float64()),
     )
     assert critical_path(data) == critical_path_rows(data)
+
+
+def progress_rows(data: RunData, buckets: int) -> dict:
+    """The run page's progress as it was counted before: a Python pair per task."""
+    from collections import defaultdict
+
+    stops = [
+        (s, p)
+        for s, p in zip(
+            data.tasks["stop"].to_pylist(), data.tasks["prefix"].to_pylist(), strict=True
+        )
+        if s is not None
+    ]
+    if not stops:
+        return {"start": None, "bucket_seconds": None, "times": [], "prefixes": {}}
+    t0 = min(s for s, _ in stops)
+    t1 = max(s for s, _ in stops)
+    width = (t1 - t0) / buckets if t1 > t0 else 1.0
+    counts: dict = defaultdict(lambda: [0] * buckets)
+    for s, p in stops:
+        counts[p][min(buckets - 1, int((s - t0) / width))] += 1
+    return {
+        "start": t0,
+        "bucket_seconds": width,
+        "times": [t0 + (i + 1) * width for i in range(buckets)],
+        "prefixes": dict(sorted(counts.items())),
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_progress_on_arrays_equals_the_row_wise_count(seed: int) -> None:
+    from storage.analysis.tasks import progress
+
+    data = synthetic_run(200, seed)
+    rng = random.Random(seed)
+    prefixes = [rng.choice(["a", "b", "c-d"]) for _ in range(data.tasks.num_rows)]
+    data.tasks = data.tasks.set_column(
+        data.tasks.schema.get_field_index("prefix"), "prefix", pa.array(prefixes)
+    )
+    got = progress(data, 120)
+    assert got == progress_rows(data, 120)
+    assert sum(map(sum, got["prefixes"].values())) == sum(
+        s is not None for s in data.tasks["stop"].to_pylist()
+    )
