@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -100,9 +101,31 @@ class FinishedRun:
 
         self._data = None
         pa.default_memory_pool().release_unused()
+        _trim()
 
     def batches(self) -> Iterator[Batch]:
         """The decoded raw batches around the run: its own, and the session's batches
         received near it (metrics and worker-side events carry no run)."""
         for _, key, _mine in self.batch_keys(self.db, self.run):
             yield decode_stored(self.blobs.get(key))
+
+
+def _trim() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``). Finishers
+    run on a worker thread, whose malloc arena glibc does not shrink by itself: the Python
+    objects one finisher freed kept the service's resident memory at its peak through the
+    next (~600 MB of a 10^6-task run's compaction). A no-op where there is no glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
