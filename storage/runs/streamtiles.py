@@ -356,6 +356,9 @@ def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
     r = rects_of(table)
     n, n_lanes, cats = len(r.start), len(r.lanes), r.cats
     keys = table["key"].combine_chunks() if table.num_rows else None
+    # the rest of the table is not needed past here: a caller that handed it over (the
+    # finisher) lets the tiles be written without it
+    del table
     chunks = []
     for i, lo in enumerate(range(0, n, CHUNK)):
         hi = min(n, lo + CHUNK)
