@@ -9,14 +9,6 @@ from typing import Any
 from storage.analysis.rundata import RunData
 
 
-def _before(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    """Of a key's records (by stop), the latest that started by ``start``, the dependent's
-    compute start (not "ended by": a worker's clock skew can make the record a dependent
-    waited for appear to end just after it began); else the first."""
-    began = [r for r in records if r["start"] <= start]
-    return began[-1] if began else records[0]
-
-
 def _carve_failed(
     segs: list[dict[str, Any]], failed: list[tuple[float, float, dict[str, Any]]]
 ) -> list[dict[str, Any]]:
@@ -56,8 +48,118 @@ def critical_path(data: RunData) -> dict[str, Any]:
     the time from that end to its submission is ``unsubmitted``, not waiting. The step
     still goes to the dependency: what the client waited for is not recorded (stepping to
     the task that ended last before the submission named unrelated tasks in busy runs).
-    Segments are in time order."""
-    rows = data.tasks.select(
+    Segments are in time order.
+
+    Columnar: the walk reads the tasks' keys and times as NumPy arrays (keys as integer
+    codes, each key's records a contiguous run of a by-key order, the graph's dependencies
+    in CSR form), and only the records on the path become Python rows. Rows of every task
+    and graph entry held ~1.2 GB at 10^6 tasks, and the walk touches a chain of them."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    empty = {
+        "makespan": None,
+        "tasks": 0,
+        "segments": [],
+        "totals": {},
+        "clock_skew_seconds": 0.0,
+    }
+    t = data.columns("tasks", ["key", "status", "start", "stop", "compute_start", "compute_stop"])
+    # A key computed more than once in a run (recomputed after a worker died, computed
+    # again by a second compute() of the run) has a record per time: all of them count for
+    # the run's start, and a dependent waited for the latest that started before it did.
+    stop_all = _floats(t["stop"])
+    row_of = np.flatnonzero(~np.isnan(stop_all))  # records with a stop, as table rows
+    if not len(row_of):
+        return empty
+    stop = stop_all[row_of]
+    del stop_all
+    start = _floats(t["start"])[row_of]
+    cstart_of = _floats(t["compute_start"])[row_of]
+    taken = pa.array(row_of)
+    erred = np.asarray(pc.fill_null(pc.equal(t["status"].take(taken), "erred"), False), dtype=bool)
+    keys_enc = pc.dictionary_encode(t["key"].take(taken).combine_chunks())
+    del t, taken
+    code = np.asarray(keys_enc.indices, dtype=np.int64)
+    names = keys_enc.dictionary
+    n_keys = len(names)
+    # a key's records by stop (ties in table order), as a run of the by-key order
+    by_stop = np.argsort(stop, kind="stable")
+    by_key = by_stop[np.argsort(code[by_stop], kind="stable")]
+    first_of = np.searchsorted(code[by_key], np.arange(n_keys), side="left")
+    end_of = np.searchsorted(code[by_key], np.arange(n_keys), side="right")
+    # The graph: each key's dependencies (as codes; -1 a key without a record) and
+    # submission times, from its last row, as a dict of rows kept the last.
+    g = data.columns("graph", ["key", "dependencies", "submitted"])
+    g_code = np.asarray(pc.fill_null(pc.index_in(g["key"], value_set=names), -1), dtype=np.int64)
+    g_row = np.full(n_keys, -1, dtype=np.int64)
+    rev = np.flatnonzero(g_code >= 0)[::-1]
+    kept, at = np.unique(g_code[rev], return_index=True)
+    g_row[kept] = rev[at]
+    deps = g["dependencies"].combine_chunks()
+    dep_off = np.asarray(deps.offsets, dtype=np.int64)
+    dep_code = np.asarray(
+        pc.fill_null(pc.index_in(deps.values, value_set=names), -1), dtype=np.int64
+    )
+    subs = g["submitted"].combine_chunks()
+    sub_off = np.asarray(subs.offsets, dtype=np.int64)
+    sub_val = _floats(subs.values)
+    del g, deps, subs, g_code, rev, kept, at
+
+    def latest_started(k: int, by: float) -> int:
+        """Of key ``k``'s records (by stop), the latest that started by ``by``, the
+        dependent's compute start (not "ended by": a worker's clock skew can make the
+        record a dependent waited for appear to end just after it began); else the first."""
+        recs = by_key[first_of[k] : end_of[k]]
+        began = np.flatnonzero(start[recs] <= by)
+        return int(recs[began[-1]] if len(began) else recs[0])
+
+    def compute_start(i: int) -> float:
+        return float(start[i] if np.isnan(cstart_of[i]) else cstart_of[i])
+
+    t0 = float(np.nanmin(start))
+    # The last record to stop: of the keys whose last record (by stop) stops last, the one
+    # first met in stop order (the first of equal maxima, as ``max`` over the keys would).
+    last_rec = by_key[end_of - 1]
+    rank = np.empty(len(by_stop), dtype=np.int64)
+    rank[by_stop] = np.arange(len(by_stop))
+    tied = np.flatnonzero(stop[last_rec] == stop[last_rec].max())
+    last = int(last_rec[tied[np.argmin(rank[by_key[first_of[tied]]])]])
+    del rank, last_rec, by_stop
+    # The walk, on the arrays: each step's record, the record it waited for (None at the
+    # chain's start), and its key's submission before its compute.
+    chain: list[tuple[int, int | None, float | None]] = []
+    seen: set[int] = set()
+    step: int | None = last
+    while step is not None and int(code[step]) not in seen:
+        k = int(code[step])
+        seen.add(k)
+        cstart = compute_start(step)
+        gr = g_row[k]
+        pred: int | None = None
+        sub: float | None = None
+        if gr >= 0:
+            for d in dep_code[dep_off[gr] : dep_off[gr + 1]]:
+                if d < 0:
+                    continue
+                r = latest_started(int(d), cstart)
+                if pred is None or stop[r] > stop[pred]:
+                    pred = r
+            s = sub_val[sub_off[gr] : sub_off[gr + 1]]
+            s = s[s <= cstart]
+            sub = float(s.max()) if len(s) else None
+        chain.append((step, pred, sub))
+        step = pred
+    # Only the records on the path, and their keys' failed attempts, become Python rows.
+    wanted = {i for i, p, _ in chain} | {p for _, p, _ in chain if p is not None}
+    for i, _, _ in chain:
+        k = int(code[i])
+        wanted.update(int(r) for r in by_key[first_of[k] : end_of[k]] if erred[r])
+    wanted_rows = sorted(wanted)
+    picked = data.take(
+        "tasks",
+        row_of[wanted_rows].tolist(),
         [
             "key",
             "prefix",
@@ -68,34 +170,15 @@ def critical_path(data: RunData) -> dict[str, Any]:
             "compute_start",
             "compute_stop",
             "startstops",
-        ]
-    ).to_pylist()
-    # A key computed more than once in a run (recomputed after a worker died, computed
-    # again by a second compute() of the run) has a record per time: all of them count for
-    # the run's start, and a dependent waited for the latest that started before it did.
-    tasks: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in sorted((r for r in rows if r["stop"] is not None), key=lambda r: r["stop"]):
-        tasks[r["key"]].append(r)
-    graph = data.graph.to_pylist()
-    deps = {r["key"]: r["dependencies"] for r in graph}
-    # When the scheduler received each task, each time it did (graph events of older
-    # agents carry none).
-    submitted = {r["key"]: r.get("submitted") or [] for r in graph}
-    if not tasks:
-        return {
-            "makespan": None,
-            "tasks": 0,
-            "segments": [],
-            "totals": {},
-            "clock_skew_seconds": 0.0,
-        }
-    t0 = min(r["start"] for records in tasks.values() for r in records)
-    last = max((records[-1] for records in tasks.values()), key=lambda r: r["stop"])
+        ],
+    )
+    rec = dict(zip(wanted_rows, picked.to_pylist(), strict=True))
+    del picked
     segments: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    node: dict[str, Any] | None = last
-    while node is not None and node["key"] not in seen:
-        seen.add(node["key"])
+    for i, p, sub in chain:
+        node = rec[i]
+        pred_r = rec[p] if p is not None else None
+        k = int(code[i])
         phases = json.loads(node["startstops"])
         cstart = node["compute_start"] if node["compute_start"] is not None else node["start"]
         cstop = node["compute_stop"] if node["compute_stop"] is not None else node["stop"]
@@ -131,12 +214,9 @@ def critical_path(data: RunData) -> dict[str, Any]:
                 "stop": cstop,
             }
         )
-        preds = [_before(tasks[d], cstart) for d in deps.get(node["key"], ()) if d in tasks]
-        pred = max(preds, key=lambda r: r["stop"]) if preds else None
-        ready = pred["stop"] if pred is not None else t0
-        # This record's submission: the latest before its compute (a key computed again by
-        # a later computation was submitted again).
-        sub = max((s for s in submitted.get(node["key"], ()) if s <= cstart), default=None)
+        ready = pred_r["stop"] if pred_r is not None else t0
+        # ``sub``: this record's submission, the latest before its compute (a key computed
+        # again by a later computation was submitted again).
         late = sub is not None and ready < sub
         # The gap before compute: its recorded transfers / disk reads, the rest waiting.
         cursor = cstart
@@ -203,23 +283,20 @@ def critical_path(data: RunData) -> dict[str, Any]:
                 min(r["compute_stop"] if r["compute_stop"] is not None else r["stop"], cstart),
                 r,
             )
-            for r in tasks[node["key"]]
-            if r is not node
-            and r["status"] == "erred"
-            and ready < r["stop"]
-            and r["start"] < cstart
+            for j in by_key[first_of[k] : end_of[k]].tolist()
+            if j != i and erred[j] and ready < (r := rec[j])["stop"] and r["start"] < cstart
         ]
         if failed:
             mine = _carve_failed(mine, failed)
         segments += mine
-        node = pred
+    last_r = {"stop": float(stop[last])}
     # ``segments`` runs backwards in time. Lay it on one timeline from the last stop back
     # to the run's first start: worker clocks are corrected to the scheduler's by an
     # estimate, so a dependency can appear to end a few ms after its dependent started;
     # such overlaps are clipped (and reported), any gap left is waiting.
     timeline: list[dict[str, Any]] = []
     skew = 0.0
-    bound = last["stop"]
+    bound = last_r["stop"]
     for seg in segments:
         if seg["stop"] > bound:
             skew += seg["stop"] - bound
@@ -273,9 +350,20 @@ def critical_path(data: RunData) -> dict[str, Any]:
         s["seconds"] = s["stop"] - s["start"]
         totals[s["kind"]] += s["seconds"]
     return {
-        "makespan": last["stop"] - t0,
+        "makespan": last_r["stop"] - t0,
         "tasks": len(seen),
         "segments": segments,
         "totals": dict(sorted(totals.items())),
         "clock_skew_seconds": skew,
     }
+
+
+def _floats(column: Any) -> Any:
+    """A float column as a NumPy array, null as NaN."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return np.asarray(pc.fill_null(column, float("nan")), dtype=np.float64)

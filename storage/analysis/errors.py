@@ -36,8 +36,8 @@ def errors(data: RunData) -> list[dict[str, Any]]:
 
     groups: dict[str, dict[str, Any]] = {}
     fingerprints: dict[str, str] = {}  # per distinct text (a failed task's dependents share it)
-    table = data.tasks.select(
-        ["key", "prefix", "status", "worker", "exception", "traceback", "attrs"]
+    table = data.columns(
+        "tasks", ["key", "prefix", "status", "worker", "exception", "traceback", "attrs"]
     )
     # Filter in Arrow first: a 100k-task run has a handful of failures, not 100k Python rows.
     for r in table.filter(pc.equal(table["status"], "erred")).to_pylist():

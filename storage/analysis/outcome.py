@@ -23,17 +23,18 @@ def outcome(data: RunData) -> dict[str, int]:
     import numpy as np
     import pyarrow.compute as pc
 
-    t = data.tasks
+    t = data.columns("tasks", ["key", "stop", "status"])
+    graph_keys = data.columns("graph", ["key"])["key"]
     out = {
         "keys": 0,
         "erred_keys": 0,
         "errored_keys": 0,
         "recovered_keys": 0,
-        "graph": data.graph.num_rows,
+        "graph": len(graph_keys),
         "unrecorded": 0,
     }
-    if data.graph.num_rows:
-        recorded = pc.is_in(data.graph["key"], value_set=t["key"].combine_chunks())
+    if len(graph_keys):
+        recorded = pc.is_in(graph_keys, value_set=t["key"].combine_chunks())
         out["unrecorded"] = int(pc.sum(pc.invert(recorded)).as_py() or 0)
     n = t.num_rows
     if not n:
@@ -87,7 +88,7 @@ def graph_groups(data: RunData, most: int = GRAPH_GROUPS) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    g = data.graph
+    g = data.columns("graph", ["key", "prefix", "dependencies"])
     if not g.num_rows:
         return {"groups": [], "edges": [], "other_groups": 0, "other_tasks": 0}
     codes = np.asarray(pc.dictionary_encode(g["key"].combine_chunks()).indices)

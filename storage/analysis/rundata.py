@@ -18,3 +18,17 @@ class RunData:
     #: What analyses derive from these tables once and read on every request (the tables
     #: are cached per run by their reader, and never change).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def columns(self, name: str, columns: list[str]) -> Any:
+        """Some columns of one of the tables (``tasks``, ``graph``, ``metrics``). A
+        compacted run's reader overrides this to read just those columns from its copy,
+        leaving the whole table unread: a finisher that needs a few columns of a large
+        run's tasks then holds those, not every task's phases, tracebacks and attributes."""
+        return getattr(self, name).select(columns)
+
+    def take(self, name: str, rows: list[int], columns: list[str]) -> Any:
+        """Rows ``rows`` (ascending positions) of some columns of one of the tables; a
+        compacted run's reader reads only the row groups that hold them."""
+        import pyarrow as pa
+
+        return getattr(self, name).select(columns).take(pa.array(rows, type=pa.int64()))

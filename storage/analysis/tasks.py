@@ -116,27 +116,33 @@ def metric_series(
 
 
 def progress(data: RunData, buckets: int) -> dict[str, Any]:
-    """Completed tasks per prefix per time bucket (by each task's last stop)."""
-    stops = [
-        (s, p)
-        for s, p in zip(
-            data.tasks["stop"].to_pylist(), data.tasks["prefix"].to_pylist(), strict=True
-        )
-        if s is not None
-    ]
-    if not stops:
+    """Completed tasks per prefix per time bucket (by each task's last stop). On NumPy
+    arrays (a Python pair per task was ~100 MB at 10^6 tasks)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    t = data.columns("tasks", ["stop", "prefix"])
+    stop = np.asarray(pc.fill_null(t["stop"], float("nan")), dtype=np.float64)
+    done = np.flatnonzero(~np.isnan(stop))
+    if not len(done):
         return {"start": None, "bucket_seconds": None, "times": [], "prefixes": {}}
-    t0 = min(s for s, _ in stops)
-    t1 = max(s for s, _ in stops)
+    s = stop[done]
+    t0 = float(s.min())
+    t1 = float(s.max())
     width = (t1 - t0) / buckets if t1 > t0 else 1.0
-    counts: dict[str, list[int]] = defaultdict(lambda: [0] * buckets)
-    for s, p in stops:
-        counts[p][min(buckets - 1, int((s - t0) / width))] += 1
+    bucket = np.minimum(buckets - 1, ((s - t0) / width).astype(np.int64))
+    enc = pc.dictionary_encode(t["prefix"].combine_chunks().take(done))
+    names = [*enc.dictionary.to_pylist(), None]  # the last: a task without a prefix
+    code = np.asarray(pc.fill_null(enc.indices, len(names) - 1), dtype=np.int64)
+    counts = np.bincount(code * buckets + bucket, minlength=len(names) * buckets).reshape(
+        len(names), buckets
+    )
+    seen = np.flatnonzero(counts.sum(axis=1))
     return {
         "start": t0,
         "bucket_seconds": width,
         "times": [t0 + (i + 1) * width for i in range(buckets)],
-        "prefixes": dict(sorted(counts.items())),
+        "prefixes": dict(sorted((names[i], counts[i].tolist()) for i in seen)),
     }
 
 

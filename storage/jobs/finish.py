@@ -122,6 +122,8 @@ def finish_run(db: Session, blobs: BlobStore, run_id: int) -> list[str]:
                 return []
             logger.exception("finisher %s failed for run %s", name, public_id)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        finally:
+            fr.release()  # what one finisher read is not held through the others
     return errors
 
 

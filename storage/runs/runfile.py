@@ -28,7 +28,7 @@ from storage.analysis.runfacts import ACTION_COLUMNS, phases_of
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, decode_stored
 from storage.core.blobs import BlobStore, LocalBlobStore
-from storage.runs.context import FinishedRun
+from storage.runs.context import FinishedRun, ReadOnce
 
 logger = logging.getLogger(__name__)
 
@@ -416,6 +416,14 @@ def _parquet(table: Any) -> bytes:
     return buf.getvalue()
 
 
+def _local(blobs: Any) -> LocalBlobStore | None:
+    """The local store under ``blobs`` (a finisher's :class:`ReadOnce` too), whose files
+    are read in place: a column or a footer without fetching the whole file."""
+    if isinstance(blobs, ReadOnce):
+        blobs = blobs.blobs
+    return blobs if isinstance(blobs, LocalBlobStore) else None
+
+
 class CompactRun(RunData):
     """A compacted run whose tables are each read from its copy when first used: a big
     finished run's page draws from stored facts, rollups and tiles, and decoding its tasks
@@ -435,9 +443,51 @@ class CompactRun(RunData):
 
         with self._lock:
             if name not in self.__dict__:
-                body = self._blobs.get(f"{self._base}/{name}.parquet")
-                self.__dict__[name] = pq.read_table(io.BytesIO(body))
+                key = f"{self._base}/{name}.parquet"
+                local = _local(self._blobs)
+                self.__dict__[name] = pq.read_table(
+                    local.path(key) if local is not None else io.BytesIO(self._blobs.get(key))
+                )
         return self.__dict__[name]
+
+    def columns(self, name: str, columns: list[str]) -> Any:
+        """Some columns of a table: of the table when it is read already, else read from
+        the copy alone and not kept (a finisher reads what it needs and lets it go)."""
+        import pyarrow.parquet as pq
+
+        if name in self.__dict__:
+            return self.__dict__[name].select(columns)
+        key = f"{self._base}/{name}.parquet"
+        local = _local(self._blobs)
+        if local is not None:
+            return pq.read_table(local.path(key), columns=columns)
+        return pq.read_table(io.BytesIO(self._blobs.get(key)), columns=columns)
+
+    def take(self, name: str, rows: list[int], columns: list[str]) -> Any:
+        """Rows of some columns, from the row groups that hold them alone when the table is
+        not read yet (the critical path's few records of a large run)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if name in self.__dict__ or not rows:
+            return super().take(name, rows, columns)
+        key = f"{self._base}/{name}.parquet"
+        local = _local(self._blobs)
+        with pq.ParquetFile(
+            local.path(key) if local is not None else io.BytesIO(self._blobs.get(key))
+        ) as f:
+            meta = f.metadata
+            sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            firsts = np.concatenate([[0], np.cumsum(sizes)])
+            want = np.asarray(rows, dtype=np.int64)
+            groups = np.unique(np.searchsorted(firsts, want, side="right") - 1).tolist()
+            table = f.read_row_groups(groups, columns=columns)
+        # positions within the groups read: each row less the rows of the groups skipped
+        read_firsts = firsts[groups]
+        offset = np.concatenate([[0], np.cumsum([sizes[g] for g in groups])])[:-1]
+        at = np.searchsorted(read_firsts, want, side="right") - 1
+        return table.take(pa.array(want - read_firsts[at] + offset[at]))
 
     def rows(self, name: str) -> int:
         """A table's row count, from its Parquet footer when the table is not read yet: on
@@ -448,8 +498,9 @@ class CompactRun(RunData):
         if name in self.__dict__:
             return int(self.__dict__[name].num_rows)
         key = f"{self._base}/{name}.parquet"
-        if isinstance(self._blobs, LocalBlobStore):
-            with pq.ParquetFile(self._blobs.path(key)) as f:
+        local = _local(self._blobs)
+        if local is not None:
+            with pq.ParquetFile(local.path(key)) as f:
                 return int(f.metadata.num_rows)
         return int(pq.ParquetFile(io.BytesIO(self._blobs.get(key))).metadata.num_rows)
 
@@ -500,6 +551,10 @@ def load_run(
                 blobs.put(f"{cache_key}/{n}.parquet", _parquet(table), if_absent=True)
             logger.info("compacted run %s (%d tasks) at %s", run.public_id, len(tasks), cache_key)
             prune_tags(blobs, base, tag)
+            if lazy:
+                # the copy is written: read back what is used, not hold every table built
+                del tasks, graph, metrics
+                data = CompactRun(blobs, cache_key, tag)
     if cache and (data.source == "compact" or run.status != "running"):
         _cache.put(cache_key, data)
     return data

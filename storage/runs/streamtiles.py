@@ -356,6 +356,9 @@ def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
     r = rects_of(table)
     n, n_lanes, cats = len(r.start), len(r.lanes), r.cats
     keys = table["key"].combine_chunks() if table.num_rows else None
+    # the rest of the table is not needed past here: a caller that handed it over (the
+    # finisher) lets the tiles be written without it
+    del table
     chunks = []
     for i, lo in enumerate(range(0, n, CHUNK)):
         hi = min(n, lo + CHUNK)
@@ -451,4 +454,21 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run, tasks: Any) -> dict[str, A
 
 def finish(fr: FinishedRun) -> None:
     """Finisher (``storage.jobs.finish``): the run's task-stream tiles."""
-    ensure(fr.db, fr.blobs, fr.run, lambda: fr.data().tasks)
+    # the columns the tiles are drawn from, not every task's traceback and attributes
+    ensure(fr.db, fr.blobs, fr.run, lambda: fr.data().columns("tasks", list(TILE_COLUMNS)))
+
+
+#: The tasks' columns :func:`build` reads.
+TILE_COLUMNS = (
+    "key",
+    "prefix",
+    "status",
+    "worker",
+    "thread",
+    "compute_start",
+    "compute_stop",
+    "transfer",
+    "disk_read",
+    "disk_write",
+    "startstops",
+)
