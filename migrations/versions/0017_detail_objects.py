@@ -8,7 +8,7 @@ When a run finishes, its replay samples (``run_states``) and its profile
 (``run_profiles``) move into one immutable object next to its compacted copy
 (``storage.runs.detail``), named by the digest of its content; the column holds that
 digest (NULL: the rows are in the index, as for every run indexed before this revision
-until ``hindsight catalog backfill`` moves them; readers read either).
+until ``hindsight reindex --detail`` moves them; readers read either).
 """
 
 from __future__ import annotations
