@@ -395,6 +395,9 @@ def test_task_stream_hover_shows_a_long_key_whole_on_screen(recorded, page):
     run = server.run_named(cluster, "map-with-failure")
     page.goto(f"{server.url}/runs/{run['id']}")
     page.wait_for_selector("body[data-keys='1']", timeout=60_000)
+    # the stream's legend is refitted once every figure is drawn, which may move its frame:
+    # hover where the task is after that
+    page.wait_for_selector("body[data-complete='1']", timeout=60_000)
     hover_task(page, "task-stream-source", "k => k.includes('kkkk')")
     tip = page.locator(".bk-tooltip-content").filter(has_text="kkkk")
     tip.wait_for(timeout=10_000)
