@@ -22,11 +22,31 @@ from storage.ray.worker import StoreParts, Sweeper, merge_held_at_exit
 logger = logging.getLogger(__name__)
 
 
-class FinishWorker:
+class _PerProcess:
+    """One daemon thread per process serving every open store registered with it; the
+    subclass's ``__init__`` makes ``_targets``, ``_lock`` and starts ``_thread``."""
+
+    _instance: Any = None  # set per subclass
+    _instance_lock = threading.Lock()
+    _targets: weakref.WeakKeyDictionary[Any, Any]
+    _lock: threading.Lock
+    _thread: threading.Thread
+
+    @classmethod
+    def _attach(cls, owner: Any, target: Any) -> None:
+        """Serve ``target`` while ``owner`` lives, starting the thread if none runs."""
+        with cls._instance_lock:
+            if cls._instance is None or not cls._instance._thread.is_alive():
+                cls._instance = cls()
+            instance = cls._instance
+        with instance._lock:
+            instance._targets[owner] = target
+
+
+class FinishWorker(_PerProcess):
     """One daemon thread per process running due jobs for every open store in it."""
 
     _instance: FinishWorker | None = None
-    _instance_lock = threading.Lock()
 
     def __init__(self) -> None:
         self._targets: weakref.WeakKeyDictionary[
@@ -46,12 +66,7 @@ class FinishWorker:
     ) -> None:
         """Run ``owner``'s due jobs in this process's worker thread while ``owner`` lives,
         and close its silent runs (:func:`close_silent`) when ``silence`` is positive."""
-        with cls._instance_lock:
-            if cls._instance is None or not cls._instance._thread.is_alive():
-                cls._instance = cls()
-            worker = cls._instance
-        with worker._lock:
-            worker._targets[owner] = (sessions, blobs, silence)
+        cls._attach(owner, (sessions, blobs, silence))
 
     def _loop(self) -> None:
         last_fold = last_silent = time.monotonic()
@@ -81,13 +96,12 @@ class FinishWorker:
                 last_silent = time.monotonic()
 
 
-class AlertSender:
+class AlertSender(_PerProcess):
     """One daemon thread per process posting due alerts (``storage.alerts.deliver``) for
     every open store in it: apart from the finished-run worker, so a slow webhook never
     holds a run's finished-run work back."""
 
     _instance: AlertSender | None = None
-    _instance_lock = threading.Lock()
 
     def __init__(self) -> None:
         self._targets: weakref.WeakKeyDictionary[Any, tuple[sessionmaker[Session], bool, float]] = (
@@ -101,12 +115,7 @@ class AlertSender:
     def register(
         cls, owner: Any, sessions: sessionmaker[Session], allow_private: bool, backoff: float
     ) -> None:
-        with cls._instance_lock:
-            if cls._instance is None or not cls._instance._thread.is_alive():
-                cls._instance = cls()
-            sender = cls._instance
-        with sender._lock:
-            sender._targets[owner] = (sessions, allow_private, backoff)
+        cls._attach(owner, (sessions, allow_private, backoff))
 
     def _loop(self) -> None:
         while True:
