@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,16 @@ class RunData:
         leaving the whole table unread: a finisher that needs a few columns of a large
         run's tasks then holds those, not every task's phases, tracebacks and attributes."""
         return getattr(self, name).select(columns)
+
+    def parts(self, name: str, columns: list[str], rows: int = 65_536) -> Iterator[Any]:
+        """Some columns of one of the tables, a slice of at most ``rows`` rows at a time, in
+        order: a compacted run's reader reads its copy a row group at a time, so a finisher
+        that folds a run's tasks part by part holds one part, whatever the run's size."""
+        table = getattr(self, name).select(columns)
+        if not table.num_rows:
+            yield table
+        for lo in range(0, table.num_rows, rows):
+            yield table.slice(lo, rows)
 
     def take(self, name: str, rows: list[int], columns: list[str]) -> Any:
         """Rows ``rows`` (ascending positions) of some columns of one of the tables; a

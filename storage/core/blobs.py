@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import urllib.parse
 from collections.abc import Iterator
@@ -74,12 +75,20 @@ class LocalBlobStore:
         return self._path(key)
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
+        return self._write(key, lambda fh: fh.write(data), if_absent)
+
+    def put_file(self, key: str, source: str, *, if_absent: bool = False) -> bool:
+        """:meth:`put` of a file's content, copied without holding it in memory."""
+        with open(source, "rb") as src:
+            return self._write(key, lambda fh: shutil.copyfileobj(src, fh, 1 << 20), if_absent)
+
+    def _write(self, key: str, write: Any, if_absent: bool) -> bool:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
+                write(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
             if if_absent:
@@ -269,6 +278,19 @@ class S3BlobStore:
             return False
         return True
 
+    def put_file(self, key: str, source: str, *, if_absent: bool = False) -> bool:
+        """:meth:`put` of a file's content, streamed from the file (one PUT)."""
+        if self._put is not None:
+            with open(source, "rb") as fh:
+                return self.put(key, fh.read(), if_absent=if_absent)
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            with open(source, "rb") as fh:
+                self._call("put_object", Key=self.prefix + _check_key(key), Body=fh, **extra)
+        except FileExistsError:
+            return False
+        return True
+
     def get(self, key: str) -> bytes:
         return self._call("get_object", Key=self.prefix + _check_key(key))["Body"].read()
 
@@ -303,6 +325,15 @@ class S3BlobStore:
             self._call("head_bucket")
         except FileNotFoundError:  # its message was the empty key: /readyz said "error: "
             raise ConnectionError(f"no bucket {self.bucket!r} at the S3 endpoint") from None
+
+
+def put_file(blobs: Any, key: str, source: str, *, if_absent: bool = False) -> bool:
+    """Store a file's content under ``key``: streamed where the store can (a big run's
+    compacted copy is not read into memory to be stored), else read and :meth:`put`."""
+    if hasattr(blobs, "put_file"):
+        return bool(blobs.put_file(key, source, if_absent=if_absent))
+    with open(source, "rb") as fh:
+        return blobs.put(key, fh.read(), if_absent=if_absent)
 
 
 def blob_store_for(settings: Any) -> BlobStore:

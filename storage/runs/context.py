@@ -14,16 +14,18 @@ from hindsight.schema import Batch
 from storage.analysis.rundata import RunData
 from storage.core import models as m
 from storage.core.batches import decode_stored
-from storage.core.blobs import BlobStore
+from storage.core.blobs import BlobStore, put_file
 
 
 class ReadOnce:
     """The blob store as one run's finishers see it: each object is fetched once. The
     compacted copy, the profile and the run's logs are each built from the run's batches;
     without this every finisher fetched them all again. Holds at most ``limit`` bytes (as
-    stored, compressed: ~120 KB a 5,000-task batch); past that, reads go to the store."""
+    stored, compressed: ~120 KB a 5,000-task batch); past that, reads go to the store
+    (a 10^7-task run's batches are ~240 MB: held, they were an eighth of the finish's
+    memory budget)."""
 
-    def __init__(self, blobs: BlobStore, limit: int = 256 << 20) -> None:
+    def __init__(self, blobs: BlobStore, limit: int = 64 << 20) -> None:
         self.blobs = blobs
         self.url = blobs.url
         self.limit = limit
@@ -47,6 +49,10 @@ class ReadOnce:
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         self._forget(key)
         return self.blobs.put(key, data, if_absent=if_absent)
+
+    def put_file(self, key: str, source: str, *, if_absent: bool = False) -> bool:
+        self._forget(key)
+        return put_file(self.blobs, key, source, if_absent=if_absent)
 
     def delete(self, key: str) -> None:
         self._forget(key)
@@ -97,9 +103,14 @@ class FinishedRun:
         it though each reads what it needs again, a column at a time where it can. Arrow's
         allocator keeps freed pages for reuse: handed back here, so the service's memory
         falls back between finishers instead of staying at the largest one's peak."""
+        import gc
+
         import pyarrow as pa
 
         self._data = None
+        # what a finisher's reference cycles hold (frames, closures over its arrays) goes
+        # now, not at the next collection some later finisher's allocations trigger
+        gc.collect()
         pa.default_memory_pool().release_unused()
         _trim()
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -27,7 +30,7 @@ from storage.analysis.rundata import RunData
 from storage.analysis.runfacts import ACTION_COLUMNS, phases_of
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, decode_stored
-from storage.core.blobs import BlobStore, LocalBlobStore
+from storage.core.blobs import BlobStore, LocalBlobStore, put_file
 from storage.runs.context import FinishedRun, ReadOnce
 
 logger = logging.getLogger(__name__)
@@ -222,8 +225,10 @@ def batch_keys(db: Session, run: m.Run) -> list[tuple[int, str, bool]]:
     )
 
 
-def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
-    """Decode the run's raw batches into Arrow tables."""
+def _build(db: Session, blobs: BlobStore, run: m.Run, sink: Any = None) -> tuple[Any, Any, Any]:
+    """Decode the run's raw batches into Arrow tables. ``sink``: a Parquet writer the tasks
+    are written to a chunk at a time instead (the tasks returned are then None): a run's
+    task rows are never all held, whatever its size."""
     import pyarrow as pa
 
     tasks_schema, graph_schema, metrics_schema = _schemas()
@@ -261,12 +266,22 @@ def _build(db: Session, blobs: BlobStore, run: m.Run) -> tuple[Any, Any, Any]:
         if tasks:
             _task_columns(tasks, cols)
             if len(cols["key"]) >= BUILD_CHUNK:
-                chunks.append(pa.record_batch(cols, schema=tasks_schema))
+                chunk = pa.record_batch(cols, schema=tasks_schema)
+                if sink is None:
+                    chunks.append(chunk)
+                else:
+                    sink.write_batch(chunk)
                 cols = {c: [] for c in TASK_COLUMNS}
-    chunks.append(pa.record_batch(cols, schema=tasks_schema))
+                del chunk
+    chunk = pa.record_batch(cols, schema=tasks_schema)
     del cols
-    tasks = pa.Table.from_batches(chunks, schema=tasks_schema)
-    del chunks
+    if sink is None:
+        tasks = pa.Table.from_batches([*chunks, chunk], schema=tasks_schema)
+    else:
+        if chunk.num_rows:
+            sink.write_batch(chunk)
+        tasks = None
+    del chunks, chunk
     graph = pa.table(
         {"key": g_key, "prefix": g_prefix, "dependencies": g_deps, "submitted": g_time},
         schema=graph_schema,
@@ -463,6 +478,28 @@ class CompactRun(RunData):
             return pq.read_table(local.path(key), columns=columns)
         return pq.read_table(io.BytesIO(self._blobs.get(key)), columns=columns)
 
+    def parts(self, name: str, columns: list[str], rows: int = ROW_GROUP) -> Iterator[Any]:
+        """Some columns a row group at a time, read from the copy when the table is not read
+        yet: one row group's columns are held, whatever the run's size."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if name in self.__dict__:
+            yield from super().parts(name, columns, rows)
+            return
+        key = f"{self._base}/{name}.parquet"
+        local = _local(self._blobs)
+        with pq.ParquetFile(
+            local.path(key) if local is not None else io.BytesIO(self._blobs.get(key))
+        ) as f:
+            for i in range(f.metadata.num_row_groups):
+                table = f.read_row_group(i, columns=columns)
+                for lo in range(0, table.num_rows, rows):
+                    yield table.slice(lo, rows)
+                del table
+            if not f.metadata.num_row_groups:
+                yield pa.schema([f.schema_arrow.field(c) for c in columns]).empty_table()
+
     def take(self, name: str, rows: list[int], columns: list[str]) -> Any:
         """Rows of some columns, from the row groups that hold them alone when the table is
         not read yet (the critical path's few records of a large run)."""
@@ -543,21 +580,40 @@ def load_run(
             ]
             data = RunData(*tables, tag=tag, source="compact")
     except FileNotFoundError:
-        tasks, graph, metrics = _build(db, blobs, run)
-        data = RunData(tasks, graph, metrics, tag=tag, source="raw")
         if write and run.status != "running":
-            # Metrics and graph first, tasks last: tasks.parquet present means complete.
-            for n, table in (("graph", graph), ("metrics", metrics), ("tasks", tasks)):
-                blobs.put(f"{cache_key}/{n}.parquet", _parquet(table), if_absent=True)
-            logger.info("compacted run %s (%d tasks) at %s", run.public_id, len(tasks), cache_key)
+            rows = _compact(db, blobs, run, cache_key)
+            logger.info("compacted run %s (%d tasks) at %s", run.public_id, rows, cache_key)
             prune_tags(blobs, base, tag)
-            if lazy:
-                # the copy is written: read back what is used, not hold every table built
-                del tasks, graph, metrics
-                data = CompactRun(blobs, cache_key, tag)
+            # read back what is used from the copy, not every table built
+            data = CompactRun(blobs, cache_key, tag)
+            if not lazy:
+                data = RunData(data.tasks, data.graph, data.metrics, tag=tag, source="compact")
+        else:
+            tasks, graph, metrics = _build(db, blobs, run)
+            data = RunData(tasks, graph, metrics, tag=tag, source="raw")
     if cache and (data.source == "compact" or run.status != "running"):
         _cache.put(cache_key, data)
     return data
+
+
+def _compact(db: Session, blobs: BlobStore, run: m.Run, at: str) -> int:
+    """Write the run's compacted copy under ``at``; returns its task count. The tasks are
+    streamed to a spooled file a chunk at a time (a 10^7-task run's rows are gigabytes as
+    Arrow tables); metrics and graph first, tasks last: tasks.parquet present means
+    complete."""
+    import pyarrow.parquet as pq
+
+    tasks_schema = _schemas()[0]
+    with tempfile.TemporaryDirectory(prefix="hindsight-compact-") as tmp:
+        path = os.path.join(tmp, "tasks.parquet")
+        with pq.ParquetWriter(path, tasks_schema, compression="zstd") as sink:
+            _, graph, metrics = _build(db, blobs, run, sink)
+        for n, table in (("graph", graph), ("metrics", metrics)):
+            blobs.put(f"{at}/{n}.parquet", _parquet(table), if_absent=True)
+        del graph, metrics
+        put_file(blobs, f"{at}/tasks.parquet", path, if_absent=True)
+        with pq.ParquetFile(path) as f:
+            return int(f.metadata.num_rows)
 
 
 def finish(fr: FinishedRun) -> None:
