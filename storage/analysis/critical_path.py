@@ -6,6 +6,7 @@ import json
 from collections import defaultdict
 from typing import Any
 
+from storage.analysis.keyhash import hashes
 from storage.analysis.rundata import RunData
 
 
@@ -55,7 +56,6 @@ def critical_path(data: RunData) -> dict[str, Any]:
     in CSR form), and only the records on the path become Python rows. Rows of every task
     and graph entry held ~1.2 GB at 10^6 tasks, and the walk touches a chain of them."""
     import numpy as np
-    import pyarrow as pa
     import pyarrow.compute as pc
 
     empty = {
@@ -65,24 +65,38 @@ def critical_path(data: RunData) -> dict[str, Any]:
         "totals": {},
         "clock_skew_seconds": 0.0,
     }
-    t = data.columns("tasks", ["key", "status", "start", "stop", "compute_start", "compute_stop"])
+    # Per record, read a row group at a time: its key's hash (a big run's keys are not
+    # held as strings: storage.analysis.keyhash), its times and whether it erred.
+    cols = ["key", "status", "start", "stop", "compute_start"]
+    got: dict[str, list[Any]] = {c: [] for c in cols}
+    for t in data.parts("tasks", cols):
+        got["key"].append(hashes(t["key"]))
+        got["status"].append(
+            np.asarray(pc.fill_null(pc.equal(t["status"], "erred"), False), dtype=bool)
+        )
+        for c in ("start", "stop", "compute_start"):
+            got[c].append(_floats(t[c]))
+        del t
+    hashed, erred_all, start_all, stop_all, cstart_all = (np.concatenate(got.pop(c)) for c in cols)
     # A key computed more than once in a run (recomputed after a worker died, computed
     # again by a second compute() of the run) has a record per time: all of them count for
     # the run's start, and a dependent waited for the latest that started before it did.
-    stop_all = _floats(t["stop"])
     row_of = np.flatnonzero(~np.isnan(stop_all))  # records with a stop, as table rows
     if not len(row_of):
         return empty
-    stop = stop_all[row_of]
-    del stop_all
-    start = _floats(t["start"])[row_of]
-    cstart_of = _floats(t["compute_start"])[row_of]
-    taken = pa.array(row_of)
-    erred = np.asarray(pc.fill_null(pc.equal(t["status"].take(taken), "erred"), False), dtype=bool)
-    keys_enc = pc.dictionary_encode(t["key"].take(taken).combine_chunks())
-    del t, taken
-    code = np.asarray(keys_enc.indices, dtype=np.int64)
-    names = keys_enc.dictionary
+    if len(row_of) == len(stop_all):  # (the usual: every record has a stop; no copies)
+        stop, start, cstart_of, erred = stop_all, start_all, cstart_all, erred_all
+    else:
+        stop = stop_all[row_of]
+        start = start_all[row_of]
+        cstart_of = cstart_all[row_of]
+        erred = erred_all[row_of]
+        hashed = hashed[row_of]
+    del stop_all, start_all, cstart_all, erred_all
+    names, code = np.unique(hashed, return_inverse=True)
+    del hashed
+    # 4 bytes a record where they do (the walk's arrays are most of a big run's finish)
+    code = code.reshape(-1).astype(np.int32 if len(names) < 2**31 else np.int64)
     n_keys = len(names)
     # a key's records by stop (ties in table order), as a run of the by-key order
     by_stop = np.argsort(stop, kind="stable")
@@ -92,16 +106,14 @@ def critical_path(data: RunData) -> dict[str, Any]:
     # The graph: each key's dependencies (as codes; -1 a key without a record) and
     # submission times, from its last row, as a dict of rows kept the last.
     g = data.columns("graph", ["key", "dependencies", "submitted"])
-    g_code = np.asarray(pc.fill_null(pc.index_in(g["key"], value_set=names), -1), dtype=np.int64)
+    g_code = _code_of(hashes(g["key"].combine_chunks()), names)
     g_row = np.full(n_keys, -1, dtype=np.int64)
     rev = np.flatnonzero(g_code >= 0)[::-1]
     kept, at = np.unique(g_code[rev], return_index=True)
     g_row[kept] = rev[at]
     deps = g["dependencies"].combine_chunks()
     dep_off = np.asarray(deps.offsets, dtype=np.int64)
-    dep_code = np.asarray(
-        pc.fill_null(pc.index_in(deps.values, value_set=names), -1), dtype=np.int64
-    )
+    dep_code = _code_of(hashes(deps.values), names)
     subs = g["submitted"].combine_chunks()
     sub_off = np.asarray(subs.offsets, dtype=np.int64)
     sub_val = _floats(subs.values)
@@ -356,6 +368,15 @@ def critical_path(data: RunData) -> dict[str, Any]:
         "totals": dict(sorted(totals.items())),
         "clock_skew_seconds": skew,
     }
+
+
+def _code_of(hashed: Any, names: Any) -> Any:
+    """Each hash's position in ``names`` (sorted hashes), -1 where it is not there."""
+    import numpy as np
+
+    at = np.minimum(np.searchsorted(names, hashed), max(len(names) - 1, 0))
+    found = names[at] == hashed if len(names) else np.zeros(len(hashed), dtype=bool)
+    return np.where(found, at, -1).astype(np.int64)
 
 
 def _floats(column: Any) -> Any:

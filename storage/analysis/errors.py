@@ -36,11 +36,15 @@ def errors(data: RunData) -> list[dict[str, Any]]:
 
     groups: dict[str, dict[str, Any]] = {}
     fingerprints: dict[str, str] = {}  # per distinct text (a failed task's dependents share it)
-    table = data.columns(
-        "tasks", ["key", "prefix", "status", "worker", "exception", "traceback", "attrs"]
+    columns = ["key", "prefix", "status", "worker", "exception", "traceback", "attrs"]
+    # Filter in Arrow first, a row group at a time: a 100k-task run has a handful of
+    # failures, not 100k Python rows, and a big run's columns are not all held.
+    erred = (
+        r
+        for t in data.parts("tasks", columns)
+        for r in t.filter(pc.equal(t["status"], "erred")).to_pylist()
     )
-    # Filter in Arrow first: a 100k-task run has a handful of failures, not 100k Python rows.
-    for r in table.filter(pc.equal(table["status"], "erred")).to_pylist():
+    for r in erred:
         exc = r["exception"] or "(no exception recorded)"
         fp = fingerprints.get(exc)
         if fp is None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from storage.analysis.critical_path import critical_path
 from storage.analysis.errors import errors
+from storage.analysis.keyhash import hashes
 from storage.analysis.rundata import RunData
 from storage.analysis.tasks import progress
 
@@ -23,7 +24,17 @@ def outcome(data: RunData) -> dict[str, int]:
     import numpy as np
     import pyarrow.compute as pc
 
-    t = data.columns("tasks", ["key", "stop", "status"])
+    # per record: its key's hash, its stop (a record without one first) and how it ended,
+    # read a row group at a time (a big run's keys are not held as strings)
+    got: dict[str, list[Any]] = {"key": [], "stop": [], "erred": [], "memory": []}
+    for t in data.parts("tasks", ["key", "stop", "status"]):
+        got["key"].append(hashes(t["key"]))
+        got["stop"].append(np.asarray(pc.fill_null(t["stop"], -np.inf), dtype=np.float64))
+        for status in ("erred", "memory"):
+            got[status].append(
+                np.asarray(pc.fill_null(pc.equal(t["status"], status), False), dtype=bool)
+            )
+    key, stop, erred, memory = (np.concatenate(got.pop(c)) for c in list(got))
     graph_keys = data.columns("graph", ["key"])["key"]
     out = {
         "keys": 0,
@@ -34,25 +45,20 @@ def outcome(data: RunData) -> dict[str, int]:
         "unrecorded": 0,
     }
     if len(graph_keys):
-        recorded = pc.is_in(graph_keys, value_set=t["key"].combine_chunks())
-        out["unrecorded"] = int(pc.sum(pc.invert(recorded)).as_py() or 0)
-    n = t.num_rows
+        recorded = np.isin(hashes(graph_keys.combine_chunks()), key)
+        out["unrecorded"] = int((~recorded).sum())
+    n = len(key)
     if not n:
         return out
-    # a key's records by stop (a record without one first), the last one its end
-    order = pc.sort_indices(
-        t.select(["key", "stop"]),
-        sort_keys=[("key", "ascending"), ("stop", "ascending", "at_start")],
-    )
-    keys = pc.take(t["key"], order).combine_chunks()
-    codes = np.asarray(pc.dictionary_encode(keys).indices)
+    # a key's records by stop (ties in table order), the last one its end
+    order = np.lexsort((stop, key))
+    codes = key[order]
+    del key, stop
     first = np.ones(n, dtype=bool)
     first[1:] = codes[1:] != codes[:-1]
     last = np.ones(n, dtype=bool)
     last[:-1] = first[1:]
-    status = pc.take(t["status"], order)
-    erred = np.asarray(pc.fill_null(pc.equal(status, "erred"), False))
-    memory = np.asarray(pc.fill_null(pc.equal(status, "memory"), False))
+    erred, memory = erred[order], memory[order]
     any_erred = np.maximum.reduceat(erred, np.flatnonzero(first))
     out["keys"] = int(first.sum())
     out["erred_keys"] = int(erred[last].sum())

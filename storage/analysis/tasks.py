@@ -121,22 +121,34 @@ def progress(data: RunData, buckets: int) -> dict[str, Any]:
     import numpy as np
     import pyarrow.compute as pc
 
-    t = data.columns("tasks", ["stop", "prefix"])
-    stop = np.asarray(pc.fill_null(t["stop"], float("nan")), dtype=np.float64)
-    done = np.flatnonzero(~np.isnan(stop))
-    if not len(done):
+    # two passes over the tasks a row group at a time: the stops' range, then the counts
+    t0 = t1 = None
+    for t in data.parts("tasks", ["stop"]):
+        lo, hi = pc.min_max(t["stop"]).values()
+        if lo.is_valid and lo.as_py() == lo.as_py():  # (NaN: no stop)
+            t0 = lo.as_py() if t0 is None else min(t0, lo.as_py())
+            t1 = hi.as_py() if t1 is None else max(t1, hi.as_py())
+    if t0 is None:
         return {"start": None, "bucket_seconds": None, "times": [], "prefixes": {}}
-    s = stop[done]
-    t0 = float(s.min())
-    t1 = float(s.max())
     width = (t1 - t0) / buckets if t1 > t0 else 1.0
-    bucket = np.minimum(buckets - 1, ((s - t0) / width).astype(np.int64))
-    enc = pc.dictionary_encode(t["prefix"].combine_chunks().take(done))
-    names = [*enc.dictionary.to_pylist(), None]  # the last: a task without a prefix
-    code = np.asarray(pc.fill_null(enc.indices, len(names) - 1), dtype=np.int64)
-    counts = np.bincount(code * buckets + bucket, minlength=len(names) * buckets).reshape(
-        len(names), buckets
-    )
+    codes: dict[str | None, int] = {}
+    counts = np.zeros((0, buckets), dtype=np.int64)
+    for t in data.parts("tasks", ["stop", "prefix"]):
+        stop = np.asarray(pc.fill_null(t["stop"], float("nan")), dtype=np.float64)
+        done = np.flatnonzero(~np.isnan(stop))
+        bucket = np.minimum(buckets - 1, ((stop[done] - t0) / width).astype(np.int64))
+        enc = pc.dictionary_encode(t["prefix"].combine_chunks().take(done))
+        local = [codes.setdefault(p, len(codes)) for p in enc.dictionary.to_pylist()]
+        local.append(codes.setdefault(None, len(codes)))  # the last: a task without a prefix
+        code = np.asarray(local, dtype=np.int64)[
+            np.asarray(pc.fill_null(enc.indices, len(local) - 1), dtype=np.int64)
+        ]
+        if len(codes) > len(counts):
+            counts = np.vstack([counts, np.zeros((len(codes) - len(counts), buckets), "i8")])
+        counts += np.bincount(code * buckets + bucket, minlength=len(codes) * buckets).reshape(
+            len(codes), buckets
+        )
+    names = list(codes)
     seen = np.flatnonzero(counts.sum(axis=1))
     return {
         "start": t0,

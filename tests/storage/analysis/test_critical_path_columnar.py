@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -69,11 +70,20 @@ def synthetic_run(n: int, seed: int) -> RunData:
     return RunData(tasks, g, pa.table({"worker": []}), tag="t", source="raw")
 
 
+class InParts(RunData):
+    """A run whose tasks are read a few rows at a time, as a big compacted run's are."""
+
+    def parts(self, name: str, columns: list[str], rows: int = 65_536) -> Any:
+        yield from super().parts(name, columns, 7)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_columnar_walk_equals_the_row_wise_one(seed: int) -> None:
     data = synthetic_run(50 + 40 * seed, seed)
     got = critical_path(data)
     assert got == critical_path_rows(data)
+    parted = InParts(data.tasks, data.graph, data.metrics, tag="t", source="raw")
+    assert critical_path(parted) == got
 
 
 def test_the_synthetic_runs_walk_every_case() -> None:
