@@ -43,6 +43,7 @@ from storage.analysis.profile import (
     name_dynamic_frames,
     prune,
 )
+from storage.analysis.rundata import RunData
 from storage.core import models as m
 from storage.core.batches import decode_stored
 from storage.core.blobs import BlobStore
@@ -138,28 +139,44 @@ class RunProfiles:
     events: int = 0
 
 
+#: The tasks' columns :func:`windows` reads.
+WINDOW_COLUMNS = ["worker", "prefix", "compute_start", "compute_stop"]
+
+
 def windows(tasks: Any) -> dict[tuple[str, str], tuple[float, float]]:
     """Per (worker, prefix): the first compute start and last compute stop of a run's
-    tasks (``tasks`` is the run's Arrow table, as ``storage.runs.runfile`` builds it)."""
+    tasks (``tasks`` is the run's Arrow table, as ``storage.runs.runfile`` builds it, or
+    its :class:`RunData`, whose tasks are then read a row group at a time)."""
     import pyarrow.compute as pc
 
-    t = tasks.select(["worker", "prefix", "compute_start", "compute_stop"])
-    t = t.filter(pc.is_valid(t["compute_start"]))
-    if t.num_rows == 0:
-        return {}
-    g = t.group_by(["worker", "prefix"]).aggregate(
-        [("compute_start", "min"), ("compute_stop", "max")]
+    parts = (
+        tasks.parts("tasks", WINDOW_COLUMNS)
+        if isinstance(tasks, RunData)
+        else [tasks.select(WINDOW_COLUMNS)]
     )
-    return {
-        (w or "", p or ""): (lo, hi)
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for t in parts:
+        t = t.filter(pc.is_valid(t["compute_start"]))
+        if t.num_rows == 0:
+            continue
+        g = t.group_by(["worker", "prefix"]).aggregate(
+            [("compute_start", "min"), ("compute_stop", "max")]
+        )
         for w, p, lo, hi in zip(
             g["worker"].to_pylist(),
             g["prefix"].to_pylist(),
             g["compute_start_min"].to_pylist(),
             g["compute_stop_max"].to_pylist(),
             strict=True,
-        )
-    }
+        ):
+            key = (w or "", p or "")
+            was = out.get(key)
+            out[key] = (lo, hi) if was is None else (min(was[0], lo), _max(was[1], hi))
+    return out
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def attribute(
@@ -232,7 +249,8 @@ def inputs_tag(db: Session, run: m.Run, batches: list[tuple[int, str]]) -> str:
 
 
 def build(tasks: Any, events: Iterable[Any]) -> list[Row]:
-    """A run's profile rows from its task table and candidate events."""
+    """A run's profile rows from its task table (or :class:`RunData`) and candidate
+    events."""
     return rows(attribute(windows(tasks), events))
 
 
@@ -288,7 +306,8 @@ def finish(fr: FinishedRun) -> None:
     Idempotent: the rows are replaced whole."""
     batches = _worker_batches(fr.db, fr.run)
     events = (ev for batch in fr.batches() for ev in batch.events)
-    store(fr.db, fr.run, build(fr.data().tasks, events), inputs_tag(fr.db, fr.run, batches))
+    # the tasks' windows from their columns a row group at a time, not the whole table
+    store(fr.db, fr.run, build(fr.data(), events), inputs_tag(fr.db, fr.run, batches))
 
 
 def _events(blobs: BlobStore, batches: list[tuple[int, str]]) -> Iterator[Any]:

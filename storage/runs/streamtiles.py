@@ -33,6 +33,7 @@ import numpy as np
 import zstandard
 from sqlalchemy.orm import Session
 
+from storage.analysis.rundata import RunData
 from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.runs.context import FinishedRun
@@ -93,14 +94,13 @@ class Rects:
 PARSE_ROWS = 100_000
 
 
-def _extra_phases(table: Any, rows: Any) -> tuple[Any, Any, Any, Any, list[str]]:
-    """The phases other than compute of the tasks at ``rows``: their task rows, action
-    codes, starts and stops, parsed :data:`PARSE_ROWS` tasks at a time, and the actions
-    (``compute`` first) the codes index."""
+def _extra_phases(table: Any, rows: Any, code: dict[str, int]) -> tuple[Any, Any, Any, Any]:
+    """The phases other than compute of the tasks at ``rows`` of ``table``: their task
+    rows, action codes (from ``code``, which gains the actions new to it), starts and stops,
+    parsed :data:`PARSE_ROWS` tasks at a time."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    code: dict[str, int] = {COMPUTE: 0}
     parts: list[tuple[Any, Any, Any, Any]] = []
     for lo in range(0, len(rows), PARSE_ROWS):
         part = rows[lo : lo + PARSE_ROWS]
@@ -117,81 +117,129 @@ def _extra_phases(table: Any, rows: Any) -> tuple[Any, Any, Any, Any, list[str]]
             )
         )
     if not parts:
-        return np.zeros(0, "i8"), np.zeros(0, "i2"), np.zeros(0), np.zeros(0), list(code)
-    return (*(np.concatenate([p[k] for p in parts]) for k in range(4)), list(code))  # type: ignore[return-value]
+        return np.zeros(0, "i8"), np.zeros(0, "i2"), np.zeros(0), np.zeros(0)
+    return tuple(np.concatenate([p[k] for p in parts]) for k in range(4))  # type: ignore[return-value]
 
 
-def _lanes(table: Any, task: Any) -> tuple[Any, list[tuple[str, int | None]]]:
-    """Each start/stop's lane (a "worker-thread" row, the worker alone where the scheduler
-    reports no thread), lanes sorted by that name as the run page's rows, and each lane's
-    (worker, thread). From the workers' and threads' codes, not a string per task."""
+def _codes(column: Any, codes: dict[Any, int], null: Any) -> Any:
+    """Each row's code in ``codes`` (a value's first appearance across parts gives it the
+    next code; a null is coded as ``null``), from the part's dictionary, not per row."""
     import pyarrow.compute as pc
 
-    workers = pc.dictionary_encode(pc.fill_null(table["worker"], "?")).combine_chunks()
-    threads = pc.dictionary_encode(table["thread"]).combine_chunks()
-    w = np.asarray(workers.indices, dtype="i8")
-    t = np.asarray(pc.fill_null(threads.indices, -1), dtype="i8") + 1
-    width = len(threads.dictionary) + 1
-    used, inverse = np.unique(w[task] * width + t[task], return_inverse=True)
-    worker_of = workers.dictionary.to_pylist()
-    thread_of = [None, *threads.dictionary.to_pylist()]
-    pairs = [(worker_of[u // width], thread_of[u % width]) for u in used.tolist()]
-    names = [wk if th is None else f"{wk}-{th}" for wk, th in pairs]
-    order = sorted(range(len(pairs)), key=names.__getitem__)
-    rank = np.empty(len(order), dtype="i4")
-    rank[order] = np.arange(len(order), dtype="i4")
-    return rank[inverse], [pairs[i] for i in order]
+    encoded = pc.dictionary_encode(column).combine_chunks()
+    local = np.fromiter(
+        (codes.setdefault(v, len(codes)) for v in encoded.dictionary.to_pylist()),
+        "i8",
+        len(encoded.dictionary),
+    )
+    nulls = encoded.indices.null_count
+    idx = np.asarray(pc.fill_null(encoded.indices, 0), dtype="i8")
+    out = local[idx] if len(local) else np.zeros(len(idx), "i8")
+    if nulls:
+        out[np.asarray(encoded.indices.is_null(), dtype=bool)] = codes.setdefault(null, len(codes))
+    return out
 
 
 def rects_of(table: Any) -> Rects:
-    """A tasks table's start/stops, sorted by start: each task's compute phase from its
-    columns, the other phases parsed from the start/stops of only the tasks that
-    transferred or touched disk."""
+    """A tasks table's start/stops, sorted by start (:func:`rects_of_parts`)."""
+    return rects_of_parts([table])
+
+
+def rects_of_parts(parts: Any) -> Rects:
+    """A tasks table's start/stops, sorted by start, from the table's consecutive parts
+    (slices of :data:`TILE_COLUMNS`): each task's compute phase from its columns, the other
+    phases parsed from the start/stops of only the tasks that transferred or touched disk.
+    What is kept of each task is a few numbers, so a run's parts are folded one at a time
+    whatever the run's size (its phases as JSON are most of a tasks table's bytes)."""
     import pyarrow.compute as pc
 
-    n = table.num_rows
-    prefix_codes = pc.dictionary_encode(table["prefix"]).combine_chunks()
-    prefixes = [p or "" for p in prefix_codes.dictionary.to_pylist()] or [""]
-    cstart = np.asarray(pc.fill_null(table["compute_start"], np.nan), dtype="f8")
-    cstop = np.asarray(pc.fill_null(table["compute_stop"], np.nan), dtype="f8")
+    prefix_code: dict[Any, int] = {}
+    action_code: dict[str, int] = {COMPUTE: 0}
+    pair_code: dict[tuple[str, int | None], int] = {}
+    got: dict[str, list[Any]] = {
+        k: [] for k in ("cstart", "cstop", "prefix", "erred", "lane", "ex_task", "ex_action")
+    }
+    got.update(ex_start=[], ex_stop=[])
+    n = 0
+    for table in parts:
+        rows = table.num_rows
+        got["prefix"].append(_codes(table["prefix"], prefix_code, None).astype("i4"))
+        got["cstart"].append(np.asarray(pc.fill_null(table["compute_start"], np.nan), "f8"))
+        got["cstop"].append(np.asarray(pc.fill_null(table["compute_stop"], np.nan), "f8"))
+        got["erred"].append(
+            np.asarray(pc.fill_null(pc.equal(table["status"], "erred"), False), dtype=bool)
+        )
+        worker_codes: dict[Any, int] = {}
+        workers = _codes(pc.fill_null(table["worker"], "?"), worker_codes, None)
+        worker_of = list(worker_codes)
+        thread_codes: dict[Any, int] = {}
+        threads = _codes(table["thread"], thread_codes, None)
+        thread_of = list(thread_codes)
+        width = len(thread_of) + 1
+        used, inverse = np.unique(workers * width + threads, return_inverse=True)
+        gid = np.fromiter(
+            (
+                pair_code.setdefault((worker_of[u // width], thread_of[u % width]), len(pair_code))
+                for u in used.tolist()
+            ),
+            "i4",
+            len(used),
+        )
+        got["lane"].append(gid[inverse.reshape(-1)] if rows else np.zeros(0, "i4"))
+        extra = np.zeros(rows)
+        for col in ("transfer", "disk_read", "disk_write"):
+            extra += np.asarray(pc.fill_null(table[col], 0), dtype="f8")
+        ex_task, ex_action, ex_start, ex_stop = _extra_phases(
+            table, np.flatnonzero(extra > 0), action_code
+        )
+        got["ex_task"].append(ex_task + n)
+        for k, v in (("ex_action", ex_action), ("ex_start", ex_start), ("ex_stop", ex_stop)):
+            got[k].append(v)
+        n += rows
+        del table
+    cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in got.items()}
+    del got
+    prefixes = ["" if p is None else p for p in prefix_code] or [""]
+    cstart, cstop = cat.pop("cstart"), cat.pop("cstop")
     computed = np.flatnonzero(~np.isnan(cstart) & ~np.isnan(cstop))
-    extra_seconds = np.zeros(n)
-    for col in ("transfer", "disk_read", "disk_write"):
-        extra_seconds += np.asarray(pc.fill_null(table[col], 0), dtype="f8")
-    ex_task, ex_action, ex_start, ex_stop, actions = _extra_phases(
-        table, np.flatnonzero(extra_seconds > 0)
-    )
-    del extra_seconds
-
-    start = np.concatenate([cstart[computed], ex_start])
-    stop = np.concatenate([cstop[computed], ex_stop])
-    del cstart, cstop, ex_start, ex_stop
+    start = np.concatenate([cstart[computed], cat.pop("ex_start")])
+    stop = np.concatenate([cstop[computed], cat.pop("ex_stop")])
+    del cstart, cstop
     sort = np.argsort(start, kind="stable")
     start, stop = start[sort], stop[sort]
     np.maximum(stop, start, out=stop)
     origin = float(start[0]) if len(start) else 0.0
     start -= origin
     stop -= origin
-    task = np.concatenate([computed, ex_task])[sort]
-    action = np.concatenate([np.zeros(len(computed), "i2"), ex_action])[sort]
-    del computed, ex_task, ex_action, sort
-    prefix = np.asarray(pc.fill_null(prefix_codes.indices, 0), dtype="i4")[task]
-    erred = np.asarray(pc.fill_null(pc.equal(table["status"], "erred"), False), dtype=bool)
-    lane, lanes = _lanes(table, task)
+    task = np.concatenate([computed, cat.pop("ex_task").astype("i8")])[sort]
+    action = np.concatenate([np.zeros(len(computed), "i2"), cat.pop("ex_action").astype("i2")])[
+        sort
+    ]
+    del computed, sort
+    prefix = cat.pop("prefix").astype("i4")[task]
+    erred = cat.pop("erred").astype(bool)[task]
+    # the lanes that hold a start/stop, sorted by name as the run page's rows
+    used, lane = np.unique(cat.pop("lane").astype("i4")[task], return_inverse=True)
+    pairs_of = list(pair_code)
+    pairs = [pairs_of[u] for u in used.tolist()]
+    names = [wk if th is None else f"{wk}-{th}" for wk, th in pairs]
+    order = sorted(range(len(pairs)), key=names.__getitem__)
+    rank = np.empty(len(order), dtype="i4")
+    rank[order] = np.arange(len(order), dtype="i4")
     compute = action == 0
     return Rects(
-        lane=lane,
+        lane=rank[lane.reshape(-1)] if len(order) else np.zeros(0, "i4"),
         cat=np.where(compute, prefix, len(prefixes) + action.astype("i4") - 1).astype("i4"),
         prefix=prefix,
         action=action.astype("i4"),
         start=start,
         stop=stop,
-        erred=erred[task] & compute,
+        erred=erred & compute,
         task=task,
         origin=origin,
-        lanes=lanes,
+        lanes=[pairs[i] for i in order],
         prefixes=prefixes,
-        actions=actions,
+        actions=list(action_code),
     )
 
 
@@ -350,15 +398,20 @@ def _chunk_parquet(r: Rects, keys: Any, lo: int, hi: int) -> bytes:
     return buf.getvalue()
 
 
-def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
-    """Write a run's tiles under ``base`` from its tasks table; returns the index (written
+def build(blobs: BlobStore, base: str, source: Any) -> dict[str, Any]:
+    """Write a run's tiles under ``base`` from its tasks (``source``: a tasks table, or a
+    :class:`RunData` whose tasks are read a part at a time); returns the index (written
     last: an index present means every file it names is)."""
-    r = rects_of(table)
+    if isinstance(source, RunData):
+        r = rects_of_parts(source.parts("tasks", list(TILE_COLUMNS)))
+        # the keys alone, for the chunks' hover (every other column was folded away), in
+        # the chunks they were read in (one array of them would be a second copy)
+        keys = source.columns("tasks", ["key"])["key"] if len(r.task) else None
+    else:
+        r = rects_of(source)
+        keys = source["key"] if len(r.task) else None
+    del source
     n, n_lanes, cats = len(r.start), len(r.lanes), r.cats
-    keys = table["key"].combine_chunks() if table.num_rows else None
-    # the rest of the table is not needed past here: a caller that handed it over (the
-    # finisher) lets the tiles be written without it
-    del table
     chunks = []
     for i, lo in enumerate(range(0, n, CHUNK)):
         hi = min(n, lo + CHUNK)
@@ -368,22 +421,14 @@ def build(blobs: BlobStore, base: str, table: Any) -> dict[str, Any]:
     span = span if span > 0 else 1.0
     levels = level_cells(n_lanes, n)
     finest = levels[0]
-    parts = []
-    for lo in range(0, n, 1 << 20):  # bounded working memory
+    k, s, c = merge([])
+    for lo in range(0, n, 1 << 20):  # bounded working memory: the cells, and a slice
         sl = slice(lo, lo + (1 << 20))
-        parts.append(
-            accumulate(
-                r.lane[sl],
-                r.cat[sl],
-                r.start[sl],
-                r.stop[sl],
-                0.0,
-                span / finest,
-                finest,
-                len(cats),
-            )
+        part = accumulate(
+            r.lane[sl], r.cat[sl], r.start[sl], r.stop[sl], 0.0, span / finest, finest, len(cats)
         )
-    k, s, c = merge(parts)
+        k, s, c = merge([(k, s, c), part])
+        del part
     for level, cells in enumerate(levels):
         if level:  # the cells of the level below, four to one
             lane, rest = np.divmod(k // len(cats), levels[level - 1])
@@ -438,7 +483,7 @@ def load_index(blobs: BlobStore, base: str) -> dict[str, Any] | None:
 def ensure(db: Session, blobs: BlobStore, run: m.Run, tasks: Any) -> dict[str, Any] | None:
     """The tile index of a run that is no longer running, building its tiles if they are
     missing (a run finished before tiles existed); None for a running run. ``tasks``: a
-    function returning its tasks table (read only if needed)."""
+    function returning its tasks table or its :class:`RunData` (called only if needed)."""
     if run.status == "running":
         return None
     base = base_key(db, run)
@@ -454,8 +499,8 @@ def ensure(db: Session, blobs: BlobStore, run: m.Run, tasks: Any) -> dict[str, A
 
 def finish(fr: FinishedRun) -> None:
     """Finisher (``storage.jobs.finish``): the run's task-stream tiles."""
-    # the columns the tiles are drawn from, not every task's traceback and attributes
-    ensure(fr.db, fr.blobs, fr.run, lambda: fr.data().columns("tasks", list(TILE_COLUMNS)))
+    # the columns the tiles are drawn from, a row group at a time
+    ensure(fr.db, fr.blobs, fr.run, fr.data)
 
 
 #: The tasks' columns :func:`build` reads.

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from storage.query import task_stream
+from storage.runs import runfile
 from tests.helpers import auth, example, post
 
 T0 = 1_795_000_000.0
@@ -116,6 +117,32 @@ def test_the_whole_runs_bins_add_up_to_its_seconds(run_of):
         for busy, top, n in zip(busy_row, top_row, n_row, strict=True):
             assert (top >= 0) == (busy > 0 or n > 0)
     assert sum(map(sum, bins["count"])) == len(phases)
+
+
+def test_a_run_compacted_in_many_row_groups_gets_the_same_stream(run_of, monkeypatch):
+    # a big run's tiles are built from its copy a row group at a time: the prefixes,
+    # actions and lanes coded in one part must mean the same in the next
+    monkeypatch.setattr(runfile, "BUILD_CHUNK", 250)
+    query, h, rid, phases = run_of(3000)
+    a, b = T0 + 2.0, T0 + 9.0
+    body = query.get(f"/v1/runs/{rid}/task-stream?start={a}&stop={b}", headers=h).json
+    assert body["mode"] == "rects"
+    r, lanes, names = body["rects"], body["lanes"], body["names"]
+    got = {
+        (k, act, s, e)
+        for k, act, s, e in zip(r["key"], r["action"], r["start"], r["stop"], strict=True)
+    }
+    assert got == {(k, act, s, e) for k, act, s, e in phases if s < b and e > a}
+    by_key = {p[0]: p for p in phases}
+    for k, pre, ln in zip(r["key"], r["prefix"], r["lane"], strict=True):
+        assert pre == ("load", "inc", "sum")[int(k.rsplit(", ", 1)[1][:-1]) % 3], k
+        assert lanes[ln]["worker"] in WORKERS and k in by_key
+    assert set(names) == {"load", "inc", "sum", "transfer"} and len(lanes) == 8
+    whole = query.get(f"/v1/runs/{rid}/task-stream?width=300&max_rects=100", headers=h).json
+    assert sum(map(sum, whole["bins"]["busy"])) == pytest.approx(
+        clipped(phases, whole["start"], whole["stop"]), rel=0.01
+    )
+    assert sum(map(sum, whole["bins"]["count"])) == len(phases)
 
 
 def test_a_windows_bins_add_up_to_its_clipped_seconds_from_the_pyramid_too(run_of, monkeypatch):
