@@ -32,10 +32,12 @@ from storage.analysis.runfacts import fingerprint
 from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.lake import write
+from storage.lake.spill import SortedRows
 from storage.lake.write import Location, Partition, RunRows
 from storage.query.runs import run_summary
 from storage.runs import runlogs
 from storage.runs.context import FinishedRun
+from storage.runs.runfile import table_rows
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,27 @@ def _with_identity(table: Any, run: str, session: str, schema: Any) -> Any:
     return pa.Table.from_arrays(cols + table.columns, schema=schema)
 
 
+#: Runs with more tasks than this go to the lake sorted through temporary files
+#: (:class:`storage.lake.write.SortedRows`), not as one table sorted in memory.
+SPILL_ROWS = 1 << 19
+
+
+def _task_parts(
+    data: Any, columns: list[str] | None, run: str, session: str, schema: Any
+) -> Iterator[Any]:
+    """The run's lake task rows a part at a time: all of them (``columns`` None), or just
+    those columns (named as the lake names them)."""
+    if columns is not None:
+        stored = ["compute" if c == "duration" else c for c in columns]
+        for t in data.parts("tasks", stored):
+            yield t.rename_columns(columns)
+        return
+    names = [f.name for f in schema][2:]  # after run and session
+    stored = ["compute" if c == "duration" else c for c in names]
+    for t in data.parts("tasks", stored):
+        yield _with_identity(t.rename_columns(names), run, session, schema)
+
+
 def emitted(db: Session, blobs: BlobStore, run: m.Run) -> Iterator[CustomEvent]:
     """The values the run's tasks emitted (``hindsight.emit``): the run's streams table
     (``storage.runs.runlogs``, built from the batches around the run once, by whichever of the
@@ -108,12 +131,28 @@ def build_tables(
 
     sch = {t: layout.schema(t) for t in layout.TABLES}
     pid = run.public_id
-    renamed = ["duration" if c == "compute" else c for c in data.tasks.column_names]
-    tasks = _with_identity(data.tasks.rename_columns(renamed), pid, session, sch["tasks"])
     metrics = _with_identity(data.metrics, pid, session, sch["metrics"])
     summary = run_summary(run, cluster, session)
-    prefixes = sorted(p for p in pc.unique(data.tasks["prefix"]).to_pylist() if p is not None)
-    total = lambda col: float(pc.sum(data.tasks[col]).as_py() or 0.0)  # noqa: E731
+    # the run's row from a few columns of its tasks, a part at a time
+    seen: dict[str, set[Any]] = {"prefix": set(), "worker": set()}
+    sums = dict.fromkeys(("compute", "transfer", "disk_read", "disk_write"), 0.0)
+    for t in data.parts("tasks", [*seen, *sums]):
+        for col, distinct in seen.items():
+            distinct.update(pc.unique(t[col]).to_pylist())
+        for col in sums:
+            sums[col] += float(pc.sum(t[col]).as_py() or 0.0)
+    prefixes = sorted(p for p in seen["prefix"] if p is not None)
+    total = sums.__getitem__
+    tasks: Any
+    if table_rows(data, "tasks") > SPILL_ROWS:
+        tasks = SortedRows(
+            write.SORT_KEYS["tasks"],
+            lambda cols: _task_parts(data, cols, pid, session, sch["tasks"]),
+            write.ROW_GROUP,
+        ).spill()
+    else:
+        renamed = ["duration" if c == "compute" else c for c in data.tasks.column_names]
+        tasks = _with_identity(data.tasks.rename_columns(renamed), pid, session, sch["tasks"])
     runs = pa.Table.from_pylist(
         [
             {
@@ -135,7 +174,7 @@ def build_tables(
                 "transfer_seconds": total("transfer"),
                 "disk_read_seconds": total("disk_read"),
                 "disk_write_seconds": total("disk_write"),
-                "workers": pc.count_distinct(data.tasks["worker"]).as_py(),
+                "workers": len(seen["worker"] - {None}),
                 "prefixes": prefixes,
                 "fingerprint": fingerprint(run.name, run.run_key, prefixes),
                 "span": [str(s) for s in run.span or []],

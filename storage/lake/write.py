@@ -43,6 +43,7 @@ from threading import Lock
 from typing import Any
 
 from hindsight import lake as layout
+from storage.lake.spill import SortedRows
 
 logger = logging.getLogger(__name__)
 
@@ -401,6 +402,55 @@ def write_files(tbl: Any, name: str, part: Partition, rows: Any, order: Any = No
     return paths
 
 
+def write_sorted_files(tbl: Any, name: str, part: Partition, rows: SortedRows) -> list[str]:
+    """:func:`write_files` of a :class:`SortedRows`: its groups, with the partition columns,
+    as data files of at most ``TARGET_ROWS`` rows, the statistics of each in its footer."""
+    import pyarrow.parquet as pq
+
+    q = lambda v: urllib.parse.quote_plus(v, safe="")  # noqa: E731
+    base = f"{tbl.location().rstrip('/')}/data/tenant={q(part.tenant)}/cluster={q(part.cluster)}"
+    paths: list[str] = []
+    step = TARGET_ROWS[name]
+    writer = fh = None
+    stats: dict[str, Any] = {}
+    written = 0
+
+    def close() -> None:
+        writer.add_key_value_metadata({STATS_KEY: json.dumps(stats, separators=(",", ":"))})
+        writer.close()
+        fh.close()
+
+    try:
+        for group in rows.groups():
+            group = with_partition(group, name, part, sort=False)
+            while len(group):
+                if writer is None:
+                    path = f"{base}/day={q(part.day)}/{len(paths):05d}-0-{uuid.uuid4()}.parquet"
+                    fh = tbl.io.new_output(path).create()
+                    writer = pq.ParquetWriter(fh, group.schema, **parquet_options(group.schema))
+                    paths.append(path)
+                    stats, written = {}, 0
+                take = group.slice(0, step - written)
+                group = group.slice(len(take))
+                writer.write_table(take, row_group_size=ROW_GROUP)
+                stats = _merge_stats(stats, _stats(name, take))
+                written += len(take)
+                if written >= step:
+                    close()
+                    writer = fh = None
+        if writer is not None:
+            close()
+            writer = None
+    except BaseException:
+        if writer is not None:
+            writer.close()
+            fh.close()
+        raise
+    finally:
+        rows.close()
+    return paths
+
+
 #: The columns :func:`_stats` reads of each table.
 STATS_COLUMNS = {
     "tasks": ["prefix", "duration", "nbytes", "status"],
@@ -500,15 +550,25 @@ def commit_runs(
     where = _run_filter(part, replace, days) if replace else None
     for name in ("tasks", "metrics", "streams", "runs"):
         parts = [r.tables[name] for r in add if len(r.tables[name])]
-        rows = with_partition(pa.concat_tables(parts), name, part, sort=False) if parts else None
+        big = [p for p in parts if isinstance(p, SortedRows)]
+        if big and len(parts) > 1:
+            raise ValueError("a run whose rows are sorted through files is committed alone")
+        rows = (
+            with_partition(pa.concat_tables(parts), name, part, sort=False)
+            if parts and not big
+            else None
+        )
         tbl = table(loc, name)
         props = {"hindsight.runs": ",".join(r.run for r in add)[:4096]}
         # Deleting costs a plan and a snapshot: only where the lake may hold the runs. (Two
         # writers of one run at once cannot be: the finish queue leases a run to one.)
         held = replace and any(True for _ in tbl.scan(row_filter=where).plan_files())
-        paths = (
-            write_files(tbl, name, part, rows, sorted_order(rows, name)) if rows is not None else []
-        )
+        if big:
+            paths = write_sorted_files(tbl, name, part, big[0])
+        elif rows is not None:
+            paths = write_files(tbl, name, part, rows, sorted_order(rows, name))
+        else:
+            paths = []
         if not held and not paths:
             continue
         try:

@@ -16,6 +16,7 @@ from sqlalchemy import select
 from hindsight import lake as layout
 from storage.core import models as m
 from storage.lake import write as lakewrite
+from storage.lake.spill import SortedRows
 from tests.helpers import auth
 from tests.lake.conftest import DAY, finish_all, lake_location, lake_records
 from tests.query.test_runs import T0
@@ -326,3 +327,92 @@ def test_lake_tasks_and_metrics_are_the_compacted_copys_columns():
         s = layout.schema(table)
         assert s.names[:2] == ["run", "session"]
         assert s.remove(0).remove(0).equals(copy), table
+
+
+def test_a_big_runs_rows_sorted_through_files_equal_the_rows_sorted_in_memory(storage, monkeypatch):
+    # A run past SPILL_ROWS tasks is sorted a bucket at a time through temporary files;
+    # its files must hold what sorting it whole in memory gives: the same rows, in the
+    # same order (prefix, then start; nulls last; ties in arrival order), the same footers.
+    import random
+
+    from tests.conftest import new_tenant
+
+    monkeypatch.setattr(lakewrite, "ROW_GROUP", 16)
+    monkeypatch.setitem(lakewrite.TARGET_ROWS, "tasks", 70)
+    rng = random.Random(5)
+    n = 230
+    tables = synthetic("big", n, T0).tables
+    tasks = tables["tasks"]
+    prefixes = ["load", "inc", None, "sum", "a-longer-prefix"]
+    tasks = tasks.set_column(
+        tasks.schema.get_field_index("prefix"),
+        "prefix",
+        pa_table({"p": [rng.choice(prefixes) for _ in range(n)]}, None)["p"],
+    )
+    starts = [None if rng.random() < 0.05 else T0 + rng.randrange(40) for _ in range(n)]
+    tasks = tasks.set_column(
+        tasks.schema.get_field_index("start"), "start", pa_table({"s": starts}, None)["s"]
+    )
+    tasks = tasks.set_column(
+        tasks.schema.get_field_index("status"),
+        "status",
+        pa_table({"s": [rng.choice(["memory", "erred"]) for _ in range(n)]}, None)["s"],
+    )
+
+    def parts(cols: list[str] | None) -> Any:
+        t = tasks if cols is None else tasks.select(cols)
+        for lo in range(0, n, 37):
+            yield t.slice(lo, 37)
+
+    spilled = SortedRows(lakewrite.SORT_KEYS["tasks"], parts, 16).spill()
+    assert len(spilled) == n
+    tenant = new_tenant()
+    in_memory = lakewrite.Partition(tenant, "mem", layout.day_of(T0))
+    through_files = lakewrite.Partition(tenant, "files", layout.day_of(T0))
+    commit(
+        storage, in_memory, lakewrite.RunRows("big", "s", "v1", lambda: {**tables, "tasks": tasks})
+    )
+    commit(
+        storage,
+        through_files,
+        lakewrite.RunRows("big", "s", "v1", lambda: {**tables, "tasks": spilled}),
+    )
+    assert task_keys(storage, through_files) == task_keys(storage, in_memory)
+    assert sorted(task_keys(storage, in_memory)) == sorted(tasks["key"].to_pylist())
+    from storage.lake import read as lakeread
+
+    loc = lake_location(storage)
+    io = lakewrite.table(loc, "tasks").io
+
+    def footers(part: Any) -> list[Any]:
+        files = sorted(data_files(storage, part), key=lambda f: f.file_path.rsplit("/", 1)[1][:5])
+        return [(f.record_count, lakeread.footer_stats(io, f.file_path)) for f in files]
+
+    assert [c for c, _ in footers(through_files)] == [70, 70, 70, 20]
+    assert footers(through_files) == footers(in_memory)
+
+
+def test_a_run_past_the_spill_size_lands_with_the_route_records(
+    stack, storage, tenant_runs, monkeypatch
+):
+    # the finisher's path for big runs: the compacted copy read a row group at a time,
+    # the rows sorted through files, the run's summary from its columns part by part
+    from storage.lake import build as lakebuild
+    from storage.runs import runfile
+
+    monkeypatch.setattr(lakebuild, "SPILL_ROWS", 1)
+    monkeypatch.setattr(runfile, "BUILD_CHUNK", 1)
+    monkeypatch.setattr(lakewrite, "ROW_GROUP", 2)
+    tenant, query, token = tenant_runs["tenant"], tenant_runs["query"], tenant_runs["token"]
+    assert finish_all(storage.sessions, storage.blobs, tenant) == 4
+    runs = tenant_runs["runs"]
+    summaries = {r["run"]: r for r in lake_records(storage, stack, tenant, "runs")}
+    for name in ("r0", "r1", "r2", "r3"):
+        rows = lake_records(storage, stack, tenant, run=runs[name]["id"])
+        assert by_key([as_task_record(r) for r in rows]) == by_key(
+            route_records(query, token, runs[name]["id"])
+        )
+        assert [r["start"] for r in rows] == sorted(r["start"] for r in rows)
+        summary = summaries[runs[name]["id"]]
+        assert summary["prefixes"] == ["inc"] and summary["workers"] == 1
+        assert summary["compute_seconds"] == pytest.approx(4 * 0.5)
