@@ -112,7 +112,7 @@ class FinishedRun:
         # now, not at the next collection some later finisher's allocations trigger
         gc.collect()
         pa.default_memory_pool().release_unused()
-        _trim()
+        trim_heap()
 
     def batches(self) -> Iterator[Batch]:
         """The decoded raw batches around the run: its own, and the session's batches
@@ -121,7 +121,7 @@ class FinishedRun:
             yield decode_stored(self.blobs.get(key))
 
 
-def _trim() -> None:
+def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``). Finishers
     run on a worker thread, whose malloc arena glibc does not shrink by itself: the Python
     objects one finisher freed kept the service's resident memory at its peak through the

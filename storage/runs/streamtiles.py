@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 from storage.analysis.rundata import RunData
 from storage.core import models as m
 from storage.core.blobs import BlobStore
-from storage.runs.context import FinishedRun
+from storage.runs.context import FinishedRun, trim_heap
 from storage.runs.runfile import RecentCache, compact_prefix, run_tag
 
 logger = logging.getLogger(__name__)
@@ -203,35 +203,39 @@ def rects_of_parts(parts: Any) -> Rects:
     cstart, cstop = cat.pop("cstart"), cat.pop("cstop")
     computed = np.flatnonzero(~np.isnan(cstart) & ~np.isnan(cstop))
     start = np.concatenate([cstart[computed], cat.pop("ex_start")])
-    stop = np.concatenate([cstop[computed], cat.pop("ex_stop")])
-    del cstart, cstop
     sort = np.argsort(start, kind="stable")
-    start, stop = start[sort], stop[sort]
+    start = start[sort]
+    stop = np.concatenate([cstop[computed], cat.pop("ex_stop")])[sort]
+    del cstart, cstop
     np.maximum(stop, start, out=stop)
     origin = float(start[0]) if len(start) else 0.0
     start -= origin
     stop -= origin
-    task = np.concatenate([computed, cat.pop("ex_task").astype("i8")])[sort]
-    action = np.concatenate([np.zeros(len(computed), "i2"), cat.pop("ex_action").astype("i2")])[
+    # 4 bytes a task row where they do (a 10^7-task run's start/stops are 1.3 * 10^7)
+    index = "i4" if n < 2**31 else "i8"
+    task = np.concatenate([computed.astype(index), cat.pop("ex_task").astype(index)])[sort]
+    action = np.concatenate([np.zeros(len(computed), "i4"), cat.pop("ex_action").astype("i4")])[
         sort
     ]
     del computed, sort
     prefix = cat.pop("prefix").astype("i4")[task]
     erred = cat.pop("erred").astype(bool)[task]
-    # the lanes that hold a start/stop, sorted by name as the run page's rows
-    used, lane = np.unique(cat.pop("lane").astype("i4")[task], return_inverse=True)
+    # the lanes that hold a start/stop, sorted by name as the run page's rows (lane codes
+    # are few: counted, not sorted)
+    lane = cat.pop("lane").astype("i4")[task]
+    used = np.flatnonzero(np.bincount(lane, minlength=len(pair_code)))
     pairs_of = list(pair_code)
     pairs = [pairs_of[u] for u in used.tolist()]
     names = [wk if th is None else f"{wk}-{th}" for wk, th in pairs]
     order = sorted(range(len(pairs)), key=names.__getitem__)
-    rank = np.empty(len(order), dtype="i4")
-    rank[order] = np.arange(len(order), dtype="i4")
+    rank = np.zeros(max(len(pair_code), 1), dtype="i4")
+    rank[used[order]] = np.arange(len(order), dtype="i4")
     compute = action == 0
     return Rects(
-        lane=rank[lane.reshape(-1)] if len(order) else np.zeros(0, "i4"),
-        cat=np.where(compute, prefix, len(prefixes) + action.astype("i4") - 1).astype("i4"),
+        lane=rank[lane] if len(lane) else np.zeros(0, "i4"),
+        cat=np.where(compute, prefix, len(prefixes) + action - 1).astype("i4"),
         prefix=prefix,
-        action=action.astype("i4"),
+        action=action,
         start=start,
         stop=stop,
         erred=erred & compute,
@@ -390,12 +394,87 @@ def _chunk_parquet(r: Rects, keys: Any, lo: int, hi: int) -> bytes:
             "start": r.start[sl],
             "stop": r.stop[sl],
             "erred": r.erred[sl],
-            "key": keys.take(pa.array(r.task[sl])),
+            "key": keys.take(r.task[sl]) if isinstance(keys, _KeysOf) else _take(keys, r.task[sl]),
         }
     )
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
+
+
+class _KeysOf:
+    """A run's task keys, taken by rows from its tables (``RunData.take``: a compacted
+    run's reads only the row groups that hold them)."""
+
+    def __init__(self, data: RunData) -> None:
+        self.data = data
+
+    def take(self, rows: Any) -> Any:
+        import pyarrow as pa
+
+        order = np.argsort(rows, kind="stable")
+        got = self.data.take("tasks", rows[order].tolist(), ["key"])["key"]
+        back = np.empty(len(rows), dtype=np.int64)
+        back[order] = np.arange(len(rows))
+        return got.take(pa.array(back))
+
+
+def _take(column: Any, rows: Any) -> Any:
+    """``column.take(rows)`` of a chunked column, from only the chunks the rows are in (a
+    chunked take may join every chunk into one array first: a run's keys, each time)."""
+    import pyarrow as pa
+
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    bounds = np.cumsum([0, *(len(c) for c in chunks)])
+    which = np.searchsorted(bounds, rows, side="right") - 1
+    order = np.argsort(which, kind="stable")
+    which_sorted = which[order]
+    cuts = np.flatnonzero(np.diff(which_sorted)) + 1
+    parts = [
+        chunks[int(which_sorted[g[0]])].take(pa.array(rows[order[g]] - bounds[which[order[g[0]]]]))
+        for g in np.split(np.arange(len(rows)), cuts)
+        if len(g)
+    ]
+    if not parts:
+        return pa.array([], type=column.type)
+    taken = pa.concat_arrays(parts)
+    back = np.empty(len(rows), dtype=np.int64)
+    back[order] = np.arange(len(rows))
+    return taken.take(pa.array(back))
+
+
+#: Start/stops accumulated at once (bounded working memory).
+SLICE = 1 << 18
+#: Level 0 is added up in dense arrays (8 bytes a cell and category, twice) up to this many
+#: cells x categories, else by merging sparse parts.
+DENSE_ADD_MAX = 1 << 24
+
+
+def _level0(r: Rects, width: float, cells: int, n_cats: int) -> tuple[Any, Any, Any]:
+    """:func:`accumulate` of every start/stop at level 0, a slice at a time: into dense
+    arrays when the cells and categories are few enough (a sparse total merged with each
+    slice held twice the cells touched, and re-sorted them every slice), else merged."""
+    n, size = len(r.start), len(r.lanes) * cells * n_cats
+    if size > DENSE_ADD_MAX:
+        k, s, c = merge([])
+        for lo in range(0, n, SLICE):
+            sl = slice(lo, lo + SLICE)
+            part = accumulate(
+                r.lane[sl], r.cat[sl], r.start[sl], r.stop[sl], 0.0, width, cells, n_cats
+            )
+            k, s, c = merge([(k, s, c), part])
+        return k, s, c
+    seconds = np.zeros(size)
+    counts = np.zeros(size, dtype=np.int64)
+    for lo in range(0, n, SLICE):
+        sl = slice(lo, lo + SLICE)
+        pk, ps, pc_ = accumulate(
+            r.lane[sl], r.cat[sl], r.start[sl], r.stop[sl], 0.0, width, cells, n_cats
+        )
+        seconds[pk] += ps  # (keys are distinct within a part)
+        counts[pk] += pc_
+    k = np.flatnonzero((seconds > 0) | (counts > 0))
+    return k, seconds[k], counts[k]
 
 
 def build(blobs: BlobStore, base: str, source: Any) -> dict[str, Any]:
@@ -404,31 +483,31 @@ def build(blobs: BlobStore, base: str, source: Any) -> dict[str, Any]:
     last: an index present means every file it names is)."""
     if isinstance(source, RunData):
         r = rects_of_parts(source.parts("tasks", list(TILE_COLUMNS)))
-        # the keys alone, for the chunks' hover (every other column was folded away), in
-        # the chunks they were read in (one array of them would be a second copy)
-        keys = source.columns("tasks", ["key"])["key"] if len(r.task) else None
     else:
         r = rects_of(source)
-        keys = source["key"] if len(r.task) else None
-    del source
+    # the parts' arrays freed (heap holes between the kept ones) go back to the system
+    trim_heap()
     n, n_lanes, cats = len(r.start), len(r.lanes), r.cats
+    span = float(r.stop.max()) if n else 0.0
+    span = span if span > 0 else 1.0
+    levels = level_cells(n_lanes, n)
+    finest = levels[0]
+    k, s, c = _level0(r, span / finest, finest, len(cats))
+    # the start/stops' chunks, with the keys for their hover: a run's from its copy, only
+    # the row groups that hold a chunk's tasks (a start/stop's chunk is near its task's
+    # row, records arriving about as tasks end), so a 10^7-task run's keys (~0.6 GB) are
+    # never all held
+    keys = _KeysOf(source) if isinstance(source, RunData) else source["key"]
+    del source
     chunks = []
     for i, lo in enumerate(range(0, n, CHUNK)):
         hi = min(n, lo + CHUNK)
         blobs.put(f"{base}/rects-{i}.parquet", _chunk_parquet(r, keys, lo, hi))
         chunks.append([float(r.start[lo]), float(r.stop[lo:hi].max()), hi - lo])
-    span = float(r.stop.max()) if n else 0.0
-    span = span if span > 0 else 1.0
-    levels = level_cells(n_lanes, n)
-    finest = levels[0]
-    k, s, c = merge([])
-    for lo in range(0, n, 1 << 20):  # bounded working memory: the cells, and a slice
-        sl = slice(lo, lo + (1 << 20))
-        part = accumulate(
-            r.lane[sl], r.cat[sl], r.start[sl], r.stop[sl], 0.0, span / finest, finest, len(cats)
-        )
-        k, s, c = merge([(k, s, c), part])
-        del part
+    origin, lanes, prefixes, actions = r.origin, r.lanes, r.prefixes, r.actions
+    # the start/stops are let go before the levels above (their merges, and the rects,
+    # were most of a 10^7-task run's peak)
+    del r, keys
     for level, cells in enumerate(levels):
         if level:  # the cells of the level below, four to one
             lane, rest = np.divmod(k // len(cats), levels[level - 1])
@@ -445,15 +524,17 @@ def build(blobs: BlobStore, base: str, source: Any) -> dict[str, Any]:
                 "top_n": d["top_n"][sl].astype("i4"),
             }
             blobs.put(f"{base}/level-{level}-{j}.npz.zst", _npz(arrays))
+        del d
+    del k, s, c
     index = {
         "version": VERSION,
         "count": n,
-        "origin": r.origin,
+        "origin": origin,
         "span": span,
-        "lanes": [list(x) for x in r.lanes],
+        "lanes": [list(x) for x in lanes],
         "cats": cats,
-        "prefixes": r.prefixes,
-        "actions": r.actions,
+        "prefixes": prefixes,
+        "actions": actions,
         "chunks": chunks,
         "levels": levels,
         "tile": TILE,

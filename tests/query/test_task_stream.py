@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from storage.query import task_stream
-from storage.runs import runfile
+from storage.runs import runfile, streamtiles
 from tests.helpers import auth, example, post
 
 T0 = 1_795_000_000.0
@@ -145,7 +145,13 @@ def test_a_run_compacted_in_many_row_groups_gets_the_same_stream(run_of, monkeyp
     assert sum(map(sum, whole["bins"]["count"])) == len(phases)
 
 
-def test_a_windows_bins_add_up_to_its_clipped_seconds_from_the_pyramid_too(run_of, monkeypatch):
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-level-0", "merged-level-0"])
+def test_a_windows_bins_add_up_to_its_clipped_seconds_from_the_pyramid_too(
+    run_of, monkeypatch, dense
+):
+    if not dense:  # many cells x categories: level 0 merged from sparse slices
+        monkeypatch.setattr(streamtiles, "DENSE_ADD_MAX", 0)
+        monkeypatch.setattr(streamtiles, "SLICE", 500)
     query, h, rid, phases = run_of(3000)
     a, b = T0 + 3.3, T0 + 17.7
     want = clipped(phases, a, b)
