@@ -119,7 +119,7 @@ def task_phases(task: Any, action: Any, start: Any, stop: Any, n_tasks: int) -> 
     cstop = np.full(n_tasks, np.nan)
     if len(task):
         # Phases of a task are contiguous: reduce over each task's run of phases.
-        bounds = np.flatnonzero(np.r_[True, task[1:] != task[:-1]])
+        bounds = np.flatnonzero(np.concatenate(([True], task[1:] != task[:-1])))
         owners = task[bounds]
         first[owners] = np.minimum.reduceat(start, bounds)
         last[owners] = np.maximum.reduceat(stop, bounds)

@@ -13,6 +13,8 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -287,13 +289,17 @@ def _finish_enqueue(insert: Any, hi: Callable[[Expr, Expr], Expr]) -> Statement:
 @dataclass(frozen=True, slots=True)
 class _Template:
     """A statement as psycopg2 SQL: ``head`` + one ``row`` per parameter set + ``tail``
-    (an INSERT's VALUES list takes many rows; any other statement exactly one)."""
+    (an INSERT's VALUES list takes many rows; any other statement exactly one). An INSERT's
+    row is also kept with positional placeholders (``row_at``) and the parameter each takes
+    (``order``): all its rows are then rendered by one ``mogrify`` of a flat list."""
 
     head: str
     row: str
     tail: str
     defaults: dict[str, Any]
     many: bool
+    row_at: str = ""
+    order: tuple[str, ...] = ()
 
 
 @functools.cache
@@ -321,20 +327,42 @@ def _template(name: str, keys: tuple[str, ...]) -> _Template:
             if depth == 0:
                 # literals outside the row (e.g. an upsert's CASE values) rendered once
                 lits = {k: adapt(v).getquoted().decode() for k, v in defaults.items()}
+                row = rest[: i + 1]
+                order = tuple(re.findall(r"%\((\w+)\)s", row))
                 return _Template(
-                    (head + " VALUES ") % lits, rest[: i + 1], rest[i + 1 :] % lits, {}, True
+                    (head + " VALUES ") % lits,
+                    row,
+                    rest[i + 1 :] % lits,
+                    {},
+                    True,
+                    re.sub(r"%\((\w+)\)s", "%s", row),
+                    order,
                 )
     return _Template("", sql, "", defaults, False)
 
 
 _json = msgspec.json.Encoder()
+_JSON_TYPES = (dict, list)
 
 
 def _adapt(row: dict[str, Any]) -> dict[str, Any]:
     # JSON columns are the only ones given dicts and lists (psycopg2 cannot adapt them)
     return {
-        k: _json.encode(v).decode() if isinstance(v, dict | list) else v for k, v in row.items()
+        k: _json.encode(v).decode() if isinstance(v, _JSON_TYPES) else v for k, v in row.items()
     }
+
+
+def _flat(rows: list[dict[str, Any]], order: tuple[str, ...]) -> list[Any]:
+    """Every row's parameters in ``order``, one flat list, JSON values encoded."""
+    flat = (
+        list(chain.from_iterable(map(itemgetter(*order), rows)))
+        if len(order) > 1
+        else [r[order[0]] for r in rows]
+    )
+    for i, v in enumerate(flat):
+        if isinstance(v, _JSON_TYPES):
+            flat[i] = _json.encode(v).decode()
+    return flat
 
 
 class Pipeline:
@@ -357,7 +385,7 @@ class Pipeline:
     def raw(self) -> bool:
         return self.st.dialect == "postgresql"
 
-    def _render(self, sql: str, params: dict[str, Any]) -> str:
+    def _render(self, sql: str, params: dict[str, Any] | list[Any]) -> str:
         import psycopg2
         from sqlalchemy.exc import DBAPIError
 
@@ -380,6 +408,11 @@ class Pipeline:
         if any(r.keys() != keys for r in many):
             raise ValueError(f"rows of {name!r} must all have the same keys")
         t = _template(name, tuple(keys))
+        if t.many and t.order:
+            # all rows in one mogrify: a call and a dict per row were most of this step
+            rows_sql = self._render(",".join([t.row_at] * len(many)), _flat(many, t.order))
+            self.parts.append(t.head + rows_sql + t.tail)
+            return
         rendered = [self._render(t.row, {**t.defaults, **_adapt(r)}) for r in many]
         if t.many:
             self.parts.append(t.head + ",".join(rendered) + t.tail)

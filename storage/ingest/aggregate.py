@@ -177,7 +177,14 @@ def _codes(values: list[Any]) -> tuple[list[Any], Any]:
     cold, their hashes not yet computed) ``dict.fromkeys`` alone cost more (8.50 -> 9.19 ms
     for the aggregation pass), though it was faster on a batch aggregated again."""
     first = values[0]
-    if values.count(first) == len(values):  # one run, one worker...: the common case
+    # one run, one worker...: the common case. The last value and one in the middle are
+    # probed first: a column of many values (prefixes, workers, actions) then skips the
+    # full count, a compare of every value wasted.
+    if (
+        values[-1] == first
+        and values[len(values) // 2] == first
+        and values.count(first) == len(values)
+    ):
         return [first], np.zeros(len(values), dtype=np.int64)
     index = {v: i for i, v in enumerate(dict.fromkeys(values))}
     codes = np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values))
@@ -284,16 +291,48 @@ def aggregate(batch: Batch) -> BatchAggregate:
         _per_hour(c, out)
         if len(c.ph_task):
             # each phase's histogram bucket, once for both groupings
-            buckets = np.unique(sketch.buckets(c.d), return_inverse=True)
+            buckets = _distinct(sketch.buckets(c.d))
             _per_action(c, aggs, buckets)
-            _per_day(c, out, buckets)
+            day = np.floor(c.start / 86400).astype(np.int64)
+            d0 = int(day.min())
+            if len(aggs) == 1 and int(day.max()) == d0:
+                # One run, one day (most batches): the day's groups are the run's, already
+                # summed (the same phases, sorted alike), so not grouped a second time.
+                rs = aggs[0]
+                for (p, a), st in rs.actions.items():
+                    out.days[(p, a, d0)] = DayStats(st.count, st.total, st.max, rs.hists[(p, a)])
+            else:
+                _per_day(c, out, buckets, day, d0)
     return out
+
+
+def _distinct(b: Any) -> tuple[Any, Any]:
+    """``np.unique(b, return_inverse=True)`` of histogram buckets without a sort: they are
+    small integers in a narrow range (and :data:`sketch.ZERO`), so a presence table and a
+    running count give each one's rank."""
+    zero = b == sketch.ZERO
+    has_zero = bool(zero.any())
+    real = b[~zero] if has_zero else b
+    if not len(real):
+        return np.unique(b, return_inverse=True)
+    lo, hi = int(real.min()), int(real.max())
+    if hi - lo > 4 * len(b) + 4096:  # a sparse spread: the sort is cheaper
+        return np.unique(b, return_inverse=True)
+    slot = b - (lo - 1)  # slot 0 is ZERO, below every real bucket
+    if has_zero:
+        slot[zero] = 0
+    present = np.zeros(hi - lo + 2, dtype=bool)
+    present[slot] = True
+    values = np.flatnonzero(present) + (lo - 1)
+    if has_zero:
+        values[0] = sketch.ZERO
+    return values, (np.cumsum(present) - 1)[slot]
 
 
 def _per_run(c: _Tasks, aggs: list[RunAggregate]) -> None:
     """Tasks, errors, bytes, first start, last stop and statuses of each run."""
     order, starts = _segments(c.run)
-    counts = np.diff(np.r_[starts, c.n])
+    counts = np.diff(starts, append=c.n)
     errors = np.add.reduceat(c.err[order], starts)
     nbytes = np.add.reduceat(c.nbytes[order], starts)
     first = np.fmin.reduceat(c.phases.start[order], starts)
@@ -325,7 +364,7 @@ def _per_run(c: _Tasks, aggs: list[RunAggregate]) -> None:
 
 def _per_prefix(c: _Tasks, aggs: list[RunAggregate]) -> None:
     order, starts = _segments(c.prefix, c.run)
-    counts = np.diff(np.r_[starts, c.n])
+    counts = np.diff(starts, append=c.n)
     errors = np.add.reduceat(c.err[order], starts)
     nbytes = np.add.reduceat(c.nbytes[order], starts)
     heads = order[starts]
@@ -348,7 +387,7 @@ def _per_worker(c: _Tasks, aggs: list[RunAggregate]) -> None:
         return
     order, starts = _segments(c.worker[mine], c.run[mine])
     idx = mine[order]
-    counts = np.diff(np.r_[starts, len(idx)])
+    counts = np.diff(starts, append=len(idx))
     errors = np.add.reduceat(c.err[idx], starts)
     seconds = np.add.reduceat(c.phases.seconds[idx], starts, axis=0)
     first = np.fmin.reduceat(c.phases.start[idx], starts)
@@ -380,7 +419,7 @@ def _per_hour(c: _Tasks, out: BatchAggregate) -> None:
     hour = np.floor(start[timed] / 3600).astype(np.int64)
     order, starts = _segments(hour)
     idx = timed[order]
-    counts = np.diff(np.r_[starts, len(idx)])
+    counts = np.diff(starts, append=len(idx))
     errors = np.add.reduceat(c.err[idx], starts)
     seconds = np.add.reduceat(c.phases.seconds[idx], starts, axis=0)
     nbytes = np.add.reduceat(c.nbytes[idx], starts)
@@ -428,15 +467,15 @@ def _phase_groups(
     code = _combine([*parts, (bcode.reshape(-1), nb)])
     order = np.argsort(code, kind="stable")
     s = code[order]
-    bstarts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    bstarts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1])))
     g = s[bstarts] // nb
-    head = np.r_[True, g[1:] != g[:-1]]
+    head = np.concatenate(([True], g[1:] != g[:-1]))
     gstarts = bstarts[head]
     ds = c.d[order]
-    counts = np.diff(np.r_[gstarts, len(order)])
+    counts = np.diff(gstarts, append=len(order))
     # each group's buckets and counts, cut where the group changes
     bl = buckets[bcode.reshape(-1)[order[bstarts]]].tolist()
-    nl = np.diff(np.r_[bstarts, len(order)]).tolist()
+    nl = np.diff(bstarts, append=len(order)).tolist()
     cuts = [*np.flatnonzero(head).tolist(), len(bl)]
     hists = [
         dict(zip(bl[i:j], nl[i:j], strict=True)) for i, j in zip(cuts[:-1], cuts[1:], strict=True)
@@ -480,11 +519,10 @@ def _per_action(c: _Tasks, aggs: list[RunAggregate], buckets: tuple[Any, Any]) -
         rs.hists[pa] = h
 
 
-def _per_day(c: _Tasks, out: BatchAggregate, buckets: tuple[Any, Any]) -> None:
-    """The cluster's durations per prefix, action and day of each phase's start, across runs."""
+def _per_day(c: _Tasks, out: BatchAggregate, buckets: tuple[Any, Any], day: Any, d0: int) -> None:
+    """The cluster's durations per prefix, action and day of each phase's start (``day``,
+    the first ``d0``), across runs."""
     ph_prefix = c.prefix[c.ph_task]
-    day = np.floor(c.start / 86400).astype(np.int64)
-    d0 = int(day.min())
     heads, counts, totals, _, maxs, hists = _phase_groups(
         c,
         [

@@ -24,7 +24,7 @@ from hindsight.schema import Batch
 from storage.analysis.runfacts import ACTION_COLUMNS
 from storage.core.batches import run_public_id
 from storage.core.idcache import IdCache
-from storage.core.statements import Pipeline, Statements, statements
+from storage.core.statements import Pipeline, statements
 from storage.ingest import perf_index
 from storage.ingest.aggregate import BatchAggregate, RunAggregate, aggregate
 
@@ -64,10 +64,10 @@ def index_batch(
     leaves finished or erred gets its finished-run work queued, due ``settle`` seconds on."""
     st = statements(db.get_bind().dialect.name)
     agg = agg or aggregate(batch)
-    ids = _manifest(db, st, tenant_id, batch, agg, blob_key, size, now, cache)
+    out = Pipeline(db, st)
+    ids = _manifest(db, out, tenant_id, batch, agg, blob_key, size, now, cache)
     if ids is None:
         return False
-    out = Pipeline(db, st)
     if cache is None or cache.due("clusters", ids.cluster, now):
         out.add("touch_cluster", {"p_id": ids.cluster, "p_stale": now - 10, "p_now": now})
     if cache is None or cache.due("sessions", ids.session, now):
@@ -128,7 +128,7 @@ def index_batch(
 
 def _manifest(
     db: Session,
-    st: Statements,
+    out: Pipeline,
     tenant_id: int,
     batch: Batch,
     agg: BatchAggregate,
@@ -138,6 +138,7 @@ def _manifest(
     cache: IdCache | None,
 ) -> _Ids | None:
     """Insert the batch's manifest row: its ids, or None if this identity was indexed."""
+    st = out.st
     row = {
         "seq": batch.seq,
         "blob_key": blob_key,
@@ -152,8 +153,10 @@ def _manifest(
     if cached is not None:
         # Through cached ids, guarded: the insert happens only if they still name this
         # tenant/cluster/session/agent. None means duplicate or stale: take the slow path.
-        batch_id = db.execute(
-            st.batch_guarded,
+        # Through the pipeline: rendered and sent as it sends the rest (an ORM execute cost
+        # more than the statement's round trip).
+        found = out.one(
+            "batch_guarded",
             {
                 **row,
                 "agent_id": cached[2],
@@ -164,9 +167,9 @@ def _manifest(
                 "p_cluster": batch.cluster,
                 "p_tenant_id": tenant_id,
             },
-        ).scalar()
-        if batch_id is not None:
-            return _Ids(tenant_id, *cached, batch_id)
+        )
+        if found is not None:
+            return _Ids(tenant_id, *cached, found[0])
     seen = {"first_seen": now, "last_seen": now}
     cluster_id = st.cluster.id(db, {"tenant_id": tenant_id, "name": batch.cluster}, seen)
     session_id = st.session.id(db, {"cluster_id": cluster_id, "name": batch.session}, seen)
