@@ -487,6 +487,7 @@ COPIED = {
     "prefix_days",
     "cluster_hours",
     "run_activity",
+    "run_metrics",
     "run_code",
     "run_profiles",
     "lake_runs",
@@ -509,6 +510,8 @@ class Template:
     tenant: str = TENANTS[0]
     #: per other tenant: the template's profile trees in that tenant's frame ids
     trees: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
+    #: the template runs' packed fine metrics, decoded
+    metrics: dict[int, Any] | None = None
 
     @classmethod
     def read(cls, conn: Any, tenant_id: int) -> Template:
@@ -691,7 +694,7 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         "run_status_counts": ("status, count", ""),
         "run_batches": ("batch_id, tasks", "{batch}"),
         "run_prefixes": ("prefix, count, errors, nbytes", ""),
-        "run_prefix_actions": ("prefix, action, count, total, min, max", ""),
+        "run_prefix_actions": ("prefix, action, count, total, min, max, hist", ""),
         "run_prefix_hist": ("prefix, action, batch_id, buckets", "{bid}"),
         "run_workers": (
             "worker, tasks, errors, compute, transfer, disk_read, disk_write, other, first_start, "
@@ -761,6 +764,22 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         cur.execute(
             f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"
         )
+    # a finished run's packed fine metrics: times inside the bytes, shifted here
+    from storage.runs.packed import pack_activity, unpack_activity
+
+    if tm.metrics is None:
+        lo_r, hi_r = tm.ranges["runs"]
+        cur.execute(
+            "SELECT run_id, data FROM run_metrics WHERE run_id BETWEEN %s AND %s", (lo_r, hi_r)
+        )
+        tm.metrics = {r: unpack_activity(bytes(d)) for r, d in cur.fetchall()}
+    cur.execute("SELECT _r.new, _r.old, _u.shift FROM _r JOIN _u ON _u.unit = _r.unit")
+    packed = [
+        (new, pack_activity({k: (t + shift, v) for k, (t, v) in tm.metrics[old].items()}))
+        for new, old, shift in cur.fetchall()
+        if old in tm.metrics
+    ]
+    execute_values(cur, "INSERT INTO run_metrics (run_id, data) VALUES %s", packed)
     cur.execute("DROP TABLE _u, _c, _r, _pdata")
     conn.commit()
 

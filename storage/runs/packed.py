@@ -1,0 +1,227 @@
+"""A finished run's histograms and fine metrics packed into few catalog rows.
+
+While a run runs, ingest appends a ``run_prefix_hist`` row per batch, prefix and action,
+and upserts a ``run_activity`` row per (context, prefix, activity, unit): one row each,
+so that concurrent batches never read or rewrite a shared value (decision 0003). Once the
+run has finished, those rows are read one run or one prefix at a time and their per-row
+cost dominated the catalog (decision 0034): the finisher (``storage.runs.rollups``) packs
+
+- each (prefix, action)'s histogram into ``run_prefix_actions.hist`` (:func:`pack_hist`),
+  the row the run page and prefix history already read for count, total, min and max;
+- all the run's fine metrics into one ``run_metrics`` row (:func:`pack_activity`).
+
+Packing deletes the rows it packs (``DELETE ... RETURNING``) and merges them with what
+was packed before, in one transaction serialised on the run's row, exactly like a fold:
+a row is packed by the transaction that deleted it, so a late batch's rows (written
+after) are packed by the next finish and never counted twice. Readers read both the
+packed values and whatever rows there are (:func:`hists`, :func:`activity`), so packing
+changes no answer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import zstandard
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from storage.core import models as m
+from storage.core.statements import dialect_functions
+
+ZSTD_LEVEL = 6
+_encoder = msgspec.msgpack.Encoder()
+
+#: A fine metric's key: (context, prefix, activity, unit).
+MetricKey = tuple[str, str, str, str]
+#: Per fine metric: (time, value) of its latest sample.
+Metrics = dict[MetricKey, tuple[float, float]]
+
+
+# ------------------------------------------------------------------ histograms
+def pack_hist(buckets: dict[int, int]) -> bytes:
+    """A histogram as msgpack integers: the first bucket, its count, then per further
+    bucket the step from the previous one and its count. Durations fill neighbouring
+    buckets, so steps and most counts are one byte each: ~2 bytes a bucket."""
+    out: list[int] = []
+    prev = None
+    for b in sorted(buckets):
+        c = int(buckets[b])
+        if not c:
+            continue
+        out += (b if prev is None else b - prev, c)
+        prev = b
+    return _encoder.encode(out)
+
+
+def unpack_hist(data: bytes | None) -> dict[int, int]:
+    if not data:
+        return {}
+    seq = msgspec.msgpack.decode(data)
+    out: dict[int, int] = {}
+    b = 0
+    for i in range(0, len(seq), 2):
+        b = seq[i] if i == 0 else b + seq[i]
+        out[b] = seq[i + 1]
+    return out
+
+
+def add_hist(into: dict[int, int], buckets: dict[Any, int] | None) -> None:
+    for b, c in (buckets or {}).items():
+        into[int(b)] = into.get(int(b), 0) + int(c)
+
+
+def hists(
+    db: Session,
+    run_ids: Iterable[int],
+    *,
+    prefix: str | None = None,
+    action: str | None = None,
+) -> dict[tuple[int, str, str], dict[int, int]]:
+    """Per (run, prefix, action): the histogram, its packed part and its rows summed."""
+    ids = sorted(set(run_ids))
+    out: dict[tuple[int, str, str], dict[int, int]] = defaultdict(dict)
+    if not ids:
+        return out
+    A, H = m.RunPrefixAction, m.RunPrefixHist
+    for i in range(0, len(ids), 5000):
+        chunk = ids[i : i + 5000]
+        qa = select(A.run_id, A.prefix, A.action, A.hist).where(
+            A.run_id.in_(chunk), A.hist.is_not(None)
+        )
+        qh = select(H.run_id, H.prefix, H.action, H.buckets).where(H.run_id.in_(chunk))
+        if prefix is not None:
+            qa, qh = qa.where(A.prefix == prefix), qh.where(H.prefix == prefix)
+        if action is not None:
+            qa, qh = qa.where(A.action == action), qh.where(H.action == action)
+        for r, p, a, data in db.execute(qa):
+            add_hist(out[(r, p, a)], unpack_hist(data))
+        for r, p, a, buckets in db.execute(qh):
+            add_hist(out[(r, p, a)], buckets)
+    return out
+
+
+def pack_hists(db: Session, run_id: int) -> int:
+    """Move the run's ``run_prefix_hist`` rows into ``run_prefix_actions.hist`` (the caller
+    holds the run's row lock); returns how many rows went. A histogram whose action row is
+    missing stays a row (``batch_id`` 0), so nothing is lost."""
+    H = m.RunPrefixHist.__table__
+    A = m.RunPrefixAction.__table__
+    deleted = db.execute(
+        delete(H).where(H.c.run_id == run_id).returning(H.c.prefix, H.c.action, H.c.buckets)
+    ).all()
+    if not deleted:
+        return 0
+    merged: dict[tuple[str, str], dict[int, int]] = {}
+    for p, a, buckets in deleted:
+        add_hist(merged.setdefault((p, a), {}), buckets)
+    packed = {
+        (p, a): data
+        for p, a, data in db.execute(
+            select(A.c.prefix, A.c.action, A.c.hist).where(A.c.run_id == run_id)
+        )
+    }
+    orphans = []
+    for key, h in sorted(merged.items()):
+        if key not in packed:
+            buckets = {str(b): c for b, c in sorted(h.items())}
+            orphans.append(
+                {
+                    "run_id": run_id,
+                    "prefix": key[0],
+                    "action": key[1],
+                    "batch_id": 0,
+                    "buckets": buckets,
+                }
+            )
+            continue
+        add_hist(h, unpack_hist(packed[key]))
+        db.execute(
+            update(A)
+            .where(A.c.run_id == run_id, A.c.prefix == key[0], A.c.action == key[1])
+            .values(hist=pack_hist(h))
+        )
+    if orphans:
+        db.execute(H.insert(), orphans)
+    return len(deleted)
+
+
+# ------------------------------------------------------------------ fine metrics
+def _newer(a: tuple[float, float], b: tuple[float, float] | None) -> bool:
+    """Whether sample (time, value) ``a`` wins over ``b``: the later, ties the larger
+    (the rule ``storage.ingest.perf_index`` applies, so merging commutes)."""
+    return b is None or a > b
+
+
+def pack_activity(metrics: Metrics) -> bytes:
+    """Fine metrics {(context, prefix, activity, unit): (time, value)} as zstd-compressed
+    msgpack of their sorted rows (names repeat across rows, which zstd folds)."""
+    rows = [[*k, t, v] for k, (t, v) in sorted(metrics.items())]
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(_encoder.encode(rows))
+
+
+def unpack_activity(data: bytes | None) -> Metrics:
+    if not data:
+        return {}
+    rows = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(data))
+    return {(c, p, a, u): (float(t), float(v)) for c, p, a, u, t, v in rows}
+
+
+def activity(
+    db: Session, run_ids: Iterable[int]
+) -> dict[int, dict[MetricKey, tuple[float, float]]]:
+    """Per run: its fine metrics {(context, prefix, activity, unit): (time, value)}, packed
+    and rows merged (the later sample wins)."""
+    ids = sorted(set(run_ids))
+    out: dict[int, Metrics] = defaultdict(dict)
+    M, A = m.RunMetrics, m.RunActivity
+    for i in range(0, len(ids), 5000):
+        chunk = ids[i : i + 5000]
+        for r, data in db.execute(select(M.run_id, M.data).where(M.run_id.in_(chunk))):
+            out[r].update(unpack_activity(data))
+        for r, c, p, a, u, v, t in db.execute(
+            select(A.run_id, A.context, A.prefix, A.activity, A.unit, A.value, A.time).where(
+                A.run_id.in_(chunk)
+            )
+        ):
+            have = out[r]
+            if _newer((t, v), have.get((c, p, a, u))):
+                have[(c, p, a, u)] = (t, v)
+    return out
+
+
+def pack_metrics(db: Session, run_id: int) -> int:
+    """Move the run's ``run_activity`` rows into its ``run_metrics`` row (the caller holds
+    the run's row lock); returns how many rows went."""
+    A = m.RunActivity.__table__
+    M = m.RunMetrics.__table__
+    deleted = db.execute(
+        delete(A)
+        .where(A.c.run_id == run_id)
+        .returning(A.c.context, A.c.prefix, A.c.activity, A.c.unit, A.c.value, A.c.time)
+    ).all()
+    if not deleted:
+        return 0
+    have = unpack_activity(
+        db.execute(select(M.c.data).where(M.c.run_id == run_id)).scalar_one_or_none()
+    )
+    for c, p, a, u, v, t in deleted:
+        if _newer((t, v), have.get((c, p, a, u))):
+            have[(c, p, a, u)] = (t, v)
+    insert, _, _ = dialect_functions(db.get_bind().dialect.name)
+    ins = insert(M)
+    db.execute(
+        ins.on_conflict_do_update(index_elements=["run_id"], set_={"data": ins.excluded.data}),
+        [{"run_id": run_id, "data": pack_activity(have)}],
+    )
+    return len(deleted)
+
+
+def pack_run(db: Session, run_id: int) -> int:
+    """Pack the run's histogram and fine-metric rows (after taking its row lock, in the
+    order ingest takes it); returns how many rows went."""
+    db.execute(select(m.Run.id).where(m.Run.id == run_id).with_for_update(key_share=True))
+    return pack_hists(db, run_id) + pack_metrics(db, run_id)
