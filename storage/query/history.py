@@ -79,7 +79,7 @@ def prefix_history(
         .join(A, A.run_id == r.c.id)
         .where(A.prefix == prefix, A.action == action, A.hist.is_not(None))
     ):
-        packed.add_hist(hists[int(s)], packed.unpack_hist(data))
+        packed.add_packed(hists[int(s)], data)
     totals: dict[int, tuple[int, float, float]] = {}
     for s, c, t, hi in db.execute(
         select(r.c.slot, func.sum(A.count), func.sum(A.total), func.max(A.max))

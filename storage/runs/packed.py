@@ -60,13 +60,22 @@ def pack_hist(buckets: dict[int, int]) -> bytes:
 def unpack_hist(data: bytes | None) -> dict[int, int]:
     if not data:
         return {}
-    seq = msgspec.msgpack.decode(data)
     out: dict[int, int] = {}
-    b = 0
-    for i in range(0, len(seq), 2):
-        b = seq[i] if i == 0 else b + seq[i]
-        out[b] = seq[i + 1]
+    add_packed(out, data)
     return out
+
+
+def add_packed(into: dict[int, int], data: bytes | None) -> None:
+    """Add a packed histogram into ``into`` (no dictionary of its own: a prefix history
+    adds thousands)."""
+    if not data:
+        return
+    seq = msgspec.msgpack.decode(data)
+    b = 0
+    get = into.get
+    for i in range(0, len(seq), 2):
+        b += seq[i]
+        into[b] = get(b, 0) + seq[i + 1]
 
 
 def add_hist(into: dict[int, int], buckets: dict[Any, int] | None) -> None:
@@ -98,7 +107,7 @@ def hists(
         if action is not None:
             qa, qh = qa.where(A.action == action), qh.where(H.action == action)
         for r, p, a, data in db.execute(qa):
-            add_hist(out[(r, p, a)], unpack_hist(data))
+            add_packed(out[(r, p, a)], data)
         for r, p, a, buckets in db.execute(qh):
             add_hist(out[(r, p, a)], buckets)
     return out
