@@ -488,6 +488,7 @@ COPIED = {
     "cluster_hours",
     "run_activity",
     "run_metrics",
+    "run_batch_lists",
     "run_code",
     "run_profiles",
     "lake_runs",
@@ -512,6 +513,8 @@ class Template:
     trees: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
     #: the template runs' packed fine metrics, decoded
     metrics: dict[int, Any] | None = None
+    #: the template runs' packed batch lists, decoded
+    batch_lists: dict[int, list[tuple[int, int]]] | None = None
 
     @classmethod
     def read(cls, conn: Any, tenant_id: int) -> Template:
@@ -765,7 +768,12 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
             f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"
         )
     # a finished run's packed fine metrics: times inside the bytes, shifted here
-    from storage.runs.packed import pack_activity, unpack_activity
+    from storage.runs.packed import (
+        pack_activity,
+        pack_batch_list,
+        unpack_activity,
+        unpack_batch_list,
+    )
 
     if tm.metrics is None:
         lo_r, hi_r = tm.ranges["runs"]
@@ -780,6 +788,22 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         if old in tm.metrics
     ]
     execute_values(cur, "INSERT INTO run_metrics (run_id, data) VALUES %s", packed)
+    # a finished run's packed batch list: batch ids inside the bytes, renumbered here as
+    # ``nid`` renumbers them (one offset a unit)
+    if tm.batch_lists is None:
+        lo_r, hi_r = tm.ranges["runs"]
+        cur.execute(
+            "SELECT run_id, data FROM run_batch_lists WHERE run_id BETWEEN %s AND %s",
+            (lo_r, hi_r),
+        )
+        tm.batch_lists = {r: unpack_batch_list(bytes(d)) for r, d in cur.fetchall()}
+    cur.execute("SELECT _r.new, _r.old, _u.rank FROM _r JOIN _u ON _u.unit = _r.unit")
+    lists = []
+    for new, old, rank in cur.fetchall():
+        if old in tm.batch_lists:
+            off = base["batches"] + rank * span["batches"] - lo["batches"] + 1
+            lists.append((new, pack_batch_list([(b + off, t) for b, t in tm.batch_lists[old]])))
+    execute_values(cur, "INSERT INTO run_batch_lists (run_id, data) VALUES %s", lists)
     cur.execute("DROP TABLE _u, _c, _r, _pdata")
     conn.commit()
 
@@ -806,6 +830,7 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
     different ids compare equal when they hold the same facts. Lake file keys lose their
     content hash; profile trees are compared decoded, frames by digest."""
     from storage.analysis.profile import _arrays
+    from storage.runs.packed import unpack_batch_list
 
     out: dict[str, list[tuple[Any, ...]]] = {}
     with engine.connect() as conn:
@@ -857,6 +882,8 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
                             tuple(frames[int(f)] for f in fids),
                             tuple(counts.tolist()),
                         )
+                    elif table == "run_batch_lists" and col == "data":
+                        v = tuple((batches[b], t) for b, t in unpack_batch_list(bytes(v)))
                     elif isinstance(v, dict | list):
                         v = repr(_canon(v))
                     r[col] = v

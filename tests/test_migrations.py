@@ -180,7 +180,7 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
             assert "run_metrics" not in inspect(conn).get_table_names()
         apply(sessions, tenant, with_activity(synthetic_batches(seed=2)))
         with engine.connect() as conn:  # populated
-            for table in ("run_activity", "run_prefix_hist"):
+            for table in ("run_activity", "run_prefix_hist", "run_batches"):
                 assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() > 0
 
         upgrade(engine)
@@ -189,9 +189,10 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
         counts = move_detail(blobs, sessions)
         assert counts["runs"] == 2 and counts["packed_rows"] > 0
         with engine.connect() as conn:
-            for table in ("run_activity", "run_prefix_hist"):
+            for table in ("run_activity", "run_prefix_hist", "run_batches"):
                 assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() == 0
-            assert conn.execute(text("SELECT count(*) FROM run_metrics")).scalar_one() == 2
+            for table in ("run_metrics", "run_batch_lists"):
+                assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() == 2
         assert answers(sessions, tenant) == before
         assert before["activity"]["run-1"]["activity"] and before["hists"]["run-1"]
         assert move_detail(blobs, sessions)["runs"] == 0

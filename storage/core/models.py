@@ -183,7 +183,8 @@ class RunStatusCount(Base):
 
 
 class RunBatch(Base):
-    """Which batches hold a run's events (to read its tasks from the blob store)."""
+    """Which batches hold a run's events (to read its tasks from the blob store); once the
+    run has finished, packed into its ``run_batch_lists`` row."""
 
     __tablename__ = "run_batches"
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
@@ -191,6 +192,16 @@ class RunBatch(Base):
         ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
     )
     tasks: Mapped[int] = mapped_column(Integer)
+
+
+class RunBatchList(Base):
+    """A finished run's ``run_batches`` rows packed into one (``storage.runs.packed``):
+    the ids of the batches holding its records and its tasks in each. Readers merge it
+    with any ``run_batches`` rows a late batch wrote since."""
+
+    __tablename__ = "run_batch_lists"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class RunPrefix(Base):

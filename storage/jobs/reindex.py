@@ -111,8 +111,8 @@ def move_detail(
     """Move the detail rows every finished run still has in the index (replay samples,
     profile: runs finished before migration 0017, or whose finish job has not run since)
     into its detail object, one run a transaction, each object stored before its rows go
-    (``storage.runs.detail.store``), and pack its histogram and fine-metric rows into
-    their catalog rows (``storage.runs.packed``: runs finished before migration 0018);
+    (``storage.runs.detail.store``), and pack its histogram, fine-metric and batch rows
+    into their catalog rows (``storage.runs.packed``: runs finished before migration 0018);
     running runs keep theirs. Safe to run on a live index and to repeat. Returns counts:
     ``runs`` moved or packed, ``packed_rows`` the rows packed, ``pruned`` old versions of
     objects deleted."""
@@ -131,6 +131,7 @@ def move_detail(
                             exists().where(m.RunProfile.run_id == m.Run.id),
                             exists().where(m.RunActivity.run_id == m.Run.id),
                             exists().where(m.RunPrefixHist.run_id == m.Run.id),
+                            exists().where(m.RunBatch.run_id == m.Run.id),
                         ),
                     )
                     .order_by(m.Run.id)

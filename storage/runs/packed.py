@@ -8,7 +8,10 @@ cost dominated the catalog (decision 0034): the finisher (``storage.runs.rollups
 
 - each (prefix, action)'s histogram into ``run_prefix_actions.hist`` (:func:`pack_hist`),
   the row the run page and prefix history already read for count, total, min and max;
-- all the run's fine metrics into one ``run_metrics`` row (:func:`pack_activity`).
+- all the run's fine metrics into one ``run_metrics`` row (:func:`pack_activity`);
+- the list of the batches that hold its records (``run_batches``: one row per batch) into
+  one ``run_batch_lists`` row (:func:`pack_batch_list`), which the finished-run work reads
+  to version and rebuild its copies (:func:`run_batches`).
 
 Packing deletes the rows it packs (``DELETE ... RETURNING``) and merges them with what
 was packed before, in one transaction serialised on the run's row, exactly like a fold:
@@ -229,8 +232,86 @@ def pack_metrics(db: Session, run_id: int) -> int:
     return len(deleted)
 
 
+# ------------------------------------------------------------------ the run's batches
+def pack_batch_list(batches: list[tuple[int, int]]) -> bytes:
+    """(batch id, tasks) pairs as msgpack integers: the first id, its tasks, then per
+    further batch the step from the previous id and its tasks."""
+    out: list[int] = []
+    prev = 0
+    for batch_id, tasks in sorted(batches):
+        out += (batch_id - prev, tasks)
+        prev = batch_id
+    return _encoder.encode(out)
+
+
+def unpack_batch_list(data: bytes | None) -> list[tuple[int, int]]:
+    if not data:
+        return []
+    seq = msgspec.msgpack.decode(data)
+    out = []
+    b = 0
+    for i in range(0, len(seq), 2):
+        b += seq[i]
+        out.append((b, seq[i + 1]))
+    return out
+
+
+def run_batches(db: Session, run_id: int) -> list[tuple[int, int]]:
+    """The run's batches, (batch id, tasks of the run in it) by id: its packed list and
+    its ``run_batches`` rows (a late batch's, or all of a running run's)."""
+    L, RB = m.RunBatchList, m.RunBatch
+    found = dict(
+        unpack_batch_list(db.execute(select(L.data).where(L.run_id == run_id)).scalar_one_or_none())
+    )
+    for batch_id, tasks in db.execute(select(RB.batch_id, RB.tasks).where(RB.run_id == run_id)):
+        found[batch_id] = tasks
+    return sorted(found.items())
+
+
+def batch_keys(db: Session, batch_ids: list[int]) -> list[tuple[int, str]]:
+    """(batch id, blob key) of the batches of ``batch_ids`` that exist, by id."""
+    B = m.Batch
+    out: list[tuple[int, str]] = []
+    ids = sorted(set(batch_ids))
+    for i in range(0, len(ids), 5000):
+        out += db.execute(select(B.id, B.blob_key).where(B.id.in_(ids[i : i + 5000]))).all()
+    return sorted((int(b), k) for b, k in out)
+
+
+def batch_tag(db: Session, run_id: int) -> tuple[int, int]:
+    """How many batches hold the run's records, and the highest of their ids (the
+    version of what its finished-run work read)."""
+    found = run_batches(db, run_id)
+    return len(found), (found[-1][0] if found else 0)
+
+
+def pack_batches(db: Session, run_id: int) -> int:
+    """Move the run's ``run_batches`` rows into its ``run_batch_lists`` row (the caller
+    holds the run's row lock); returns how many rows went."""
+    RB = m.RunBatch.__table__
+    L = m.RunBatchList.__table__
+    deleted = db.execute(
+        delete(RB).where(RB.c.run_id == run_id).returning(RB.c.batch_id, RB.c.tasks)
+    ).all()
+    if not deleted:
+        return 0
+    have = dict(
+        unpack_batch_list(
+            db.execute(select(L.c.data).where(L.c.run_id == run_id)).scalar_one_or_none()
+        )
+    )
+    have.update((b, t) for b, t in deleted)
+    insert, _, _ = dialect_functions(db.get_bind().dialect.name)
+    ins = insert(L)
+    db.execute(
+        ins.on_conflict_do_update(index_elements=["run_id"], set_={"data": ins.excluded.data}),
+        [{"run_id": run_id, "data": pack_batch_list(sorted(have.items()))}],
+    )
+    return len(deleted)
+
+
 def pack_run(db: Session, run_id: int) -> int:
-    """Pack the run's histogram and fine-metric rows (after taking its row lock, in the
-    order ingest takes it); returns how many rows went."""
+    """Pack the run's histogram, fine-metric and batch rows (after taking its row lock,
+    in the order ingest takes it); returns how many rows went."""
     db.execute(select(m.Run.id).where(m.Run.id == run_id).with_for_update(key_share=True))
-    return pack_hists(db, run_id) + pack_metrics(db, run_id)
+    return pack_hists(db, run_id) + pack_metrics(db, run_id) + pack_batches(db, run_id)

@@ -72,6 +72,8 @@ def answers(sessions: Any, tenant: str) -> dict[str, Any]:
                 "activity": {k: run_activity(db, r) for k, r in sorted(runs.items())},
                 "hists": {k: sorted(merged_hists(db, [r]).items()) for k, r in runs.items()},
                 "explain": {key[r]: v for r, v in _activity(db, ids).items()},
+                "batches": {k: batches_of(db, r) for k, r in sorted(runs.items())},
+                "tags": {k: packed.batch_tag(db, r)[0] for k, r in sorted(runs.items())},
                 "facts": {key[r]: v for r, v in _prefix_facts(db, ids).items()},
                 "activity_history": [
                     activity_history(db, tid, bucket="hour", prefix=p, unit=u)
@@ -86,12 +88,20 @@ def answers(sessions: Any, tenant: str) -> dict[str, Any]:
         )
 
 
+def batches_of(db: Any, run_id: int) -> list[tuple[str, int]]:
+    """The run's batches as (blob key without its tenant, tasks of the run), by key."""
+    tasks = dict(packed.run_batches(db, run_id))
+    keys = packed.batch_keys(db, list(tasks))
+    assert [b for b, _ in keys] == sorted(tasks)
+    return sorted((k.split("/", 2)[2], tasks[b]) for b, k in keys)
+
+
 def rows_left(sessions: Any, tenant: str) -> int:
     with sessions() as db:
         runs = select(m.Run.id).join(m.Tenant).where(m.Tenant.name == tenant)
         return sum(
             db.execute(select(func.count()).select_from(t).where(t.run_id.in_(runs))).scalar_one()
-            for t in (m.RunActivity, m.RunPrefixHist)
+            for t in (m.RunActivity, m.RunPrefixHist, m.RunBatch)
         )
 
 
@@ -139,3 +149,13 @@ def test_packing_changes_no_answer_and_late_batches_count_once(sessions):
         runs = select(m.Run.id).join(m.Tenant).where(m.Tenant.name == packs)
         n = db.execute(select(func.count()).where(m.RunMetrics.run_id.in_(runs))).scalar_one()
     assert n == 2  # one row a run
+    assert sum(len(v) for v in want["batches"].values()) == 12 + 12  # each batch has both runs
+    assert sum(t for v in want["batches"].values() for _, t in v) == 12 * 25
+
+
+def test_a_batch_list_packs_and_unpacks_to_itself():
+    rng = random.Random(4)
+    for _ in range(50):
+        ids = sorted(rng.sample(range(1, 10**12), rng.randrange(40)))
+        pairs = [(b, rng.randrange(0, 10**6)) for b in ids]
+        assert packed.unpack_batch_list(packed.pack_batch_list(pairs)) == pairs
