@@ -886,6 +886,8 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
                         v = tuple((batches[b], t) for b, t in unpack_batch_list(bytes(v)))
                     elif isinstance(v, dict | list):
                         v = repr(_canon(v))
+                    elif isinstance(v, memoryview):  # packed values: sorted by content
+                        v = bytes(v)
                     r[col] = v
                 norm.append(tuple(sorted(r.items())))
             out[table] = sorted(norm, key=repr)
