@@ -487,6 +487,8 @@ COPIED = {
     "prefix_days",
     "cluster_hours",
     "run_activity",
+    "run_metrics",
+    "run_batch_lists",
     "run_code",
     "run_profiles",
     "lake_runs",
@@ -509,6 +511,10 @@ class Template:
     tenant: str = TENANTS[0]
     #: per other tenant: the template's profile trees in that tenant's frame ids
     trees: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
+    #: the template runs' packed fine metrics, decoded
+    metrics: dict[int, Any] | None = None
+    #: the template runs' packed batch lists, decoded
+    batch_lists: dict[int, list[tuple[int, int]]] | None = None
 
     @classmethod
     def read(cls, conn: Any, tenant_id: int) -> Template:
@@ -691,7 +697,7 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         "run_status_counts": ("status, count", ""),
         "run_batches": ("batch_id, tasks", "{batch}"),
         "run_prefixes": ("prefix, count, errors, nbytes", ""),
-        "run_prefix_actions": ("prefix, action, count, total, min, max", ""),
+        "run_prefix_actions": ("prefix, action, count, total, min, max, hist", ""),
         "run_prefix_hist": ("prefix, action, batch_id, buckets", "{bid}"),
         "run_workers": (
             "worker, tasks, errors, compute, transfer, disk_read, disk_write, other, first_start, "
@@ -761,6 +767,43 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         cur.execute(
             f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"
         )
+    # a finished run's packed fine metrics: times inside the bytes, shifted here
+    from storage.runs.packed import (
+        pack_activity,
+        pack_batch_list,
+        unpack_activity,
+        unpack_batch_list,
+    )
+
+    if tm.metrics is None:
+        lo_r, hi_r = tm.ranges["runs"]
+        cur.execute(
+            "SELECT run_id, data FROM run_metrics WHERE run_id BETWEEN %s AND %s", (lo_r, hi_r)
+        )
+        tm.metrics = {r: unpack_activity(bytes(d)) for r, d in cur.fetchall()}
+    cur.execute("SELECT _r.new, _r.old, _u.shift FROM _r JOIN _u ON _u.unit = _r.unit")
+    packed = [
+        (new, pack_activity({k: (t + shift, v) for k, (t, v) in tm.metrics[old].items()}))
+        for new, old, shift in cur.fetchall()
+        if old in tm.metrics
+    ]
+    execute_values(cur, "INSERT INTO run_metrics (run_id, data) VALUES %s", packed)
+    # a finished run's packed batch list: batch ids inside the bytes, renumbered here as
+    # ``nid`` renumbers them (one offset a unit)
+    if tm.batch_lists is None:
+        lo_r, hi_r = tm.ranges["runs"]
+        cur.execute(
+            "SELECT run_id, data FROM run_batch_lists WHERE run_id BETWEEN %s AND %s",
+            (lo_r, hi_r),
+        )
+        tm.batch_lists = {r: unpack_batch_list(bytes(d)) for r, d in cur.fetchall()}
+    cur.execute("SELECT _r.new, _r.old, _u.rank FROM _r JOIN _u ON _u.unit = _r.unit")
+    lists = []
+    for new, old, rank in cur.fetchall():
+        if old in tm.batch_lists:
+            off = base["batches"] + rank * span["batches"] - lo["batches"] + 1
+            lists.append((new, pack_batch_list([(b + off, t) for b, t in tm.batch_lists[old]])))
+    execute_values(cur, "INSERT INTO run_batch_lists (run_id, data) VALUES %s", lists)
     cur.execute("DROP TABLE _u, _c, _r, _pdata")
     conn.commit()
 
@@ -787,6 +830,7 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
     different ids compare equal when they hold the same facts. Lake file keys lose their
     content hash; profile trees are compared decoded, frames by digest."""
     from storage.analysis.profile import _arrays
+    from storage.runs.packed import unpack_batch_list
 
     out: dict[str, list[tuple[Any, ...]]] = {}
     with engine.connect() as conn:
@@ -838,8 +882,12 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
                             tuple(frames[int(f)] for f in fids),
                             tuple(counts.tolist()),
                         )
+                    elif table == "run_batch_lists" and col == "data":
+                        v = tuple((batches[b], t) for b, t in unpack_batch_list(bytes(v)))
                     elif isinstance(v, dict | list):
                         v = repr(_canon(v))
+                    elif isinstance(v, memoryview):  # packed values: sorted by content
+                        v = bytes(v)
                     r[col] = v
                 norm.append(tuple(sorted(r.items())))
             out[table] = sorted(norm, key=repr)

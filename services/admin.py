@@ -329,7 +329,8 @@ def tokens_revoke(token_id: int | None, token: str | None, data_dir: str | None)
     "detail_only",
     is_flag=True,
     help="Only move finished runs' detail rows (replay samples, profiles) from the index "
-    "into their detail objects: the backfill after upgrading to revision 0017.",
+    "into their detail objects and pack their histograms and fine metrics: the backfill "
+    "after upgrading to revision 0017 or 0018.",
 )
 def reindex(data_dir: str | None, skip_finish: bool, detail_only: bool) -> None:
     """Rebuild the index from the blob store (idempotent; safe on a live index), then the
@@ -339,8 +340,8 @@ def reindex(data_dir: str | None, skip_finish: bool, detail_only: bool) -> None:
         if detail_only:
             counts = move_detail(blobs, make_sessionmaker(engine))
             click.echo(
-                f"{counts['runs']} runs' detail moved into objects, "
-                f"{counts['pruned']} old versions deleted"
+                f"{counts['runs']} runs' detail moved into objects or packed "
+                f"({counts['packed_rows']} rows packed), {counts['pruned']} old versions deleted"
             )
             return
         click.echo(f"listing {settings.blob_url} ...", err=True)

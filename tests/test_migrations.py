@@ -139,3 +139,61 @@ def _downgrade(engine: Any, revision: str) -> None:
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
+
+
+def test_a_populated_index_of_revision_0017_migrates_and_its_rows_pack(tmp_path):
+    """An index of revision 0017 (every run's histograms and fine metrics as rows) upgrades
+    to head and ``hindsight reindex --detail`` (``move_detail``) packs each finished run's
+    rows into ``run_prefix_actions.hist`` and ``run_metrics``: none left, every answer the
+    same, and a second pass packs nothing. On SQLite and on a Postgres database of its own."""
+    from tests.conftest import fresh_pg_database
+
+    urls = [f"sqlite:///{tmp_path / 'old.db'}"]
+    pg = fresh_pg_database()
+    try:
+        urls.append(next(pg))
+    except pytest.skip.Exception:
+        pg = None
+    try:
+        _migrate_and_pack(urls, tmp_path)
+    finally:
+        if pg is not None:
+            next(pg, None)  # the database dropped
+
+
+def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
+    from storage.core.blobs import open_blob_store
+    from storage.core.db import make_sessionmaker
+    from storage.jobs.reindex import move_detail
+    from tests.conftest import new_tenant
+    from tests.storage.ingest.test_index import apply, synthetic_batches
+    from tests.storage.runs.test_packed import answers, with_activity
+
+    blobs = open_blob_store((tmp_path / "blobs").as_uri())
+    for url in urls:
+        engine = make_engine(url)
+        upgrade(engine)
+        sessions = make_sessionmaker(engine)
+        tenant = new_tenant()
+        _downgrade(engine, "0017")
+        with engine.connect() as conn:  # the previous schema
+            assert "run_metrics" not in inspect(conn).get_table_names()
+        apply(sessions, tenant, with_activity(synthetic_batches(seed=2)))
+        with engine.connect() as conn:  # populated
+            for table in ("run_activity", "run_prefix_hist", "run_batches"):
+                assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() > 0
+
+        upgrade(engine)
+        assert current_revision(engine) == head_revisions()[0]
+        before = answers(sessions, tenant)
+        counts = move_detail(blobs, sessions)
+        assert counts["runs"] == 2 and counts["packed_rows"] > 0
+        with engine.connect() as conn:
+            for table in ("run_activity", "run_prefix_hist", "run_batches"):
+                assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() == 0
+            for table in ("run_metrics", "run_batch_lists"):
+                assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() == 2
+        assert answers(sessions, tenant) == before
+        assert before["activity"]["run-1"]["activity"] and before["hists"]["run-1"]
+        assert move_detail(blobs, sessions)["runs"] == 0
+        engine.dispose()

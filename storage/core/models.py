@@ -183,7 +183,8 @@ class RunStatusCount(Base):
 
 
 class RunBatch(Base):
-    """Which batches hold a run's events (to read its tasks from the blob store)."""
+    """Which batches hold a run's events (to read its tasks from the blob store); once the
+    run has finished, packed into its ``run_batch_lists`` row."""
 
     __tablename__ = "run_batches"
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
@@ -191,6 +192,16 @@ class RunBatch(Base):
         ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
     )
     tasks: Mapped[int] = mapped_column(Integer)
+
+
+class RunBatchList(Base):
+    """A finished run's ``run_batches`` rows packed into one (``storage.runs.packed``):
+    the ids of the batches holding its records and its tasks in each. Readers merge it
+    with any ``run_batches`` rows a late batch wrote since."""
+
+    __tablename__ = "run_batch_lists"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class RunPrefix(Base):
@@ -215,6 +226,9 @@ class RunPrefixAction(Base):
     total: Mapped[float] = mapped_column(Float)
     min: Mapped[float] = mapped_column(Float)
     max: Mapped[float] = mapped_column(Float)
+    # The duration histogram once the run has finished, packed (``storage.runs.packed``);
+    # while it runs, its histograms are ``run_prefix_hist`` rows. Readers add both.
+    hist: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class Worker(Base):
@@ -237,9 +251,10 @@ class RunPrefixHist(Base):
 
     Counts add, so histograms of several batches, runs or clusters merge by summing, and
     quantiles over any set of runs come from the index alone. Ingest appends a row per
-    batch (``batch_id``) without reading or locking anything; readers sum the rows; when
-    the run has finished, ``storage.runs.rollups.fold`` sums them into the row with
-    ``batch_id`` 0.
+    batch (``batch_id``) without reading or locking anything; readers sum the rows and the
+    packed histogram; when the run has finished, ``storage.runs.packed`` sums them into
+    ``run_prefix_actions.hist`` and deletes them (a row with ``batch_id`` 0 remains only
+    for a histogram without its action row, or of an index not packed since).
     """
 
     __tablename__ = "run_prefix_hist"
@@ -367,6 +382,17 @@ class RunActivity(Base):
     unit: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[float] = mapped_column(Float)
     time: Mapped[float] = mapped_column(Float)
+
+
+class RunMetrics(Base):
+    """A finished run's fine metrics (what its ``run_activity`` rows held) packed into one
+    row (``storage.runs.packed``): read one run at a time, or summed across runs, so one
+    row a run instead of one per (context, prefix, activity, unit). Readers merge it with
+    any ``run_activity`` rows a late batch wrote since."""
+
+    __tablename__ = "run_metrics"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class RunState(Base):

@@ -19,7 +19,7 @@ from storage.ingest.writer import index_batch
 from storage.jobs.finish import queue_finished
 from storage.lake import build as lake
 from storage.ray import reindex as ray_reindex
-from storage.runs import detail
+from storage.runs import detail, packed
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +111,12 @@ def move_detail(
     """Move the detail rows every finished run still has in the index (replay samples,
     profile: runs finished before migration 0017, or whose finish job has not run since)
     into its detail object, one run a transaction, each object stored before its rows go
-    (``storage.runs.detail.store``); running runs keep theirs. Safe to run on a live index
-    and to repeat. Returns counts: ``runs`` moved, ``objects`` pruned of old versions."""
-    counts = {"runs": 0, "pruned": 0}
+    (``storage.runs.detail.store``), and pack its histogram, fine-metric and batch rows
+    into their catalog rows (``storage.runs.packed``: runs finished before migration 0018);
+    running runs keep theirs. Safe to run on a live index and to repeat. Returns counts:
+    ``runs`` moved or packed, ``packed_rows`` the rows packed, ``pruned`` old versions of
+    objects deleted."""
+    counts = {"runs": 0, "packed_rows": 0, "pruned": 0}
     after = 0
     while True:
         with sessions() as db:
@@ -126,6 +129,9 @@ def move_detail(
                         or_(
                             exists().where(m.RunState.run_id == m.Run.id),
                             exists().where(m.RunProfile.run_id == m.Run.id),
+                            exists().where(m.RunActivity.run_id == m.Run.id),
+                            exists().where(m.RunPrefixHist.run_id == m.Run.id),
+                            exists().where(m.RunBatch.run_id == m.Run.id),
                         ),
                     )
                     .order_by(m.Run.id)
@@ -142,9 +148,11 @@ def move_detail(
                 if run is None or run.status == "running":
                     continue
                 before = run.detail_digest
+                folded = packed.pack_run(db, run.id)
                 moved = detail.store(db, blobs, run)
                 after_digest = run.detail_digest
-            counts["runs"] += moved
+            counts["runs"] += bool(moved or folded)
+            counts["packed_rows"] += folded
             if moved and before not in (None, after_digest):
                 with sessions() as db:  # once the new digest is committed
                     run = db.get(m.Run, run_id)

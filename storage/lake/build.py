@@ -35,7 +35,7 @@ from storage.lake import write
 from storage.lake.spill import SortedRows
 from storage.lake.write import Location, Partition, RunRows
 from storage.query.runs import run_summary
-from storage.runs import runlogs
+from storage.runs import packed, runlogs
 from storage.runs.context import FinishedRun
 from storage.runs.runfile import table_rows
 
@@ -55,11 +55,8 @@ def run_day(run: m.Run) -> str:
 def run_tag(db: Session, run: m.Run, summary: dict[str, Any]) -> str:
     """The version of a run's lake rows: its summary and the blob keys of its batches
     (stable across a rebuilt index, unlike batch ids)."""
-    keys = db.scalars(
-        select(m.Batch.blob_key)
-        .join(m.RunBatch, m.RunBatch.batch_id == m.Batch.id)
-        .where(m.RunBatch.run_id == run.id)
-        .order_by(m.Batch.blob_key)
+    keys = sorted(
+        k for _, k in packed.batch_keys(db, [b for b, _ in packed.run_batches(db, run.id)])
     )
     h = hashlib.sha256(b"lake-v1\n")  # as the lake before Iceberg: migrated runs stay current
     h.update(msgspec.json.encode(summary))

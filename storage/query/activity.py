@@ -1,18 +1,22 @@
 """Read Dask's fine performance metrics: one run's, and rolled up across runs.
 
 ``run_activity`` holds, per run, the cumulative value of each (context, prefix, activity,
-unit) as of the run's last heartbeat (see ``storage.ingest.perf_index``). A run's seconds by
-activity and a prefix's or a job's seconds by activity over time are sums over it.
+unit) as of the run's last heartbeat (see ``storage.ingest.perf_index``); once the run has
+finished, they are packed into its one ``run_metrics`` row (``storage.runs.packed``), and
+readers read both. A run's seconds by activity and a prefix's or a job's seconds by
+activity over time are sums over them.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from storage.core import models as m
+from storage.runs import packed
 
 FIELDS = ("context", "prefix", "activity", "unit", "value")
 #: Bucket widths of the cross-run rollup, in seconds.
@@ -22,16 +26,11 @@ BUCKETS = {"hour": 3600, "day": 86400}
 def run_activity(db: Session, run_id: int) -> dict[str, Any]:
     """A run's metrics, the totals by activity and unit (over contexts and prefixes), and
     the time of its latest sample."""
-    A = m.RunActivity
-    rows = db.execute(
-        select(A.context, A.prefix, A.activity, A.unit, A.value, A.time)
-        .where(A.run_id == run_id)
-        .order_by(A.context, A.prefix, A.activity, A.unit)
-    )
+    metrics = packed.activity(db, [run_id]).get(run_id, {})
     activity = []
     totals: dict[tuple[str, str], float] = {}
     latest = None
-    for context, prefix, act, unit, value, t in rows:
+    for (context, prefix, act, unit), (t, value) in sorted(metrics.items()):
         activity.append(dict(zip(FIELDS, (context, prefix, act, unit, value), strict=True)))
         totals[(act, unit)] = totals.get((act, unit), 0.0) + value
         latest = t if latest is None or t > latest else latest
@@ -120,21 +119,48 @@ def history(
     if until is not None:
         runs_q = runs_q.where(R.started_at < until)
     runs = runs_q.subquery()
+    # Running runs' rows summed in the database; finished runs' packed rows
+    # (``storage.runs.packed``) decoded here, one row a run.
     q = (
-        select(runs.c.slot, A.activity, func.sum(A.value), func.count(func.distinct(A.run_id)))
+        select(runs.c.slot, A.run_id, A.activity, func.sum(A.value))
         .join(A, A.run_id == runs.c.run_id)
         .where(A.unit == unit)
-        .group_by(runs.c.slot, A.activity)
-        .order_by(runs.c.slot, A.activity)
+        .group_by(runs.c.slot, A.run_id, A.activity)
     )
     if prefix is not None:
         q = q.where(A.prefix == prefix)
+    sums: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    for s, r, act, total in db.execute(q):
+        sums[(int(s), r)][act] = float(total)
+    M = m.RunMetrics
+    packed_of = {
+        r: (int(s), data)
+        for s, r, data in db.execute(
+            select(runs.c.slot, M.run_id, M.data).join(M, M.run_id == runs.c.run_id)
+        )
+    }
+    # a run with rows besides its packed ones (a late batch since): merged per metric
+    both = packed.activity(db, [r for _, r in sums if r in packed_of])
+    for r, (s, data) in packed_of.items():
+        metrics = both.get(r) or packed.unpack_activity(data)
+        own: dict[str, float] = {}
+        for (_, p, act, u), (_, value) in sorted(metrics.items()):
+            if u == unit and (prefix is None or p == prefix):
+                own[act] = own.get(act, 0.0) + value
+        sums.pop((s, r), None)
+        if own:
+            sums[(s, r)] = own
     per_slot: dict[int, dict[str, Any]] = {}
-    for s, activity, total, n in db.execute(q):
-        point = per_slot.setdefault(int(s), {"time": int(s) * width, "runs": 0, "activity": {}})
-        point["runs"] = max(point["runs"], int(n))
-        point["activity"][activity] = {"total": total}
+    runs_of: dict[tuple[int, str], set[int]] = defaultdict(set)
+    for (s, r), acts in sorted(sums.items()):
+        point = per_slot.setdefault(s, {"time": s * width, "runs": 0, "activity": {}})
+        for act, total in sorted(acts.items()):
+            v = point["activity"].setdefault(act, {"total": 0.0})
+            v["total"] += total
+            runs_of[(s, act)].add(r)
+            point["runs"] = max(point["runs"], len(runs_of[(s, act)]))
     for point in per_slot.values():
+        point["activity"] = dict(sorted(point["activity"].items()))
         for v in point["activity"].values():
             v["mean"] = v["total"] / point["runs"]
-    return list(per_slot.values())
+    return [per_slot[s] for s in sorted(per_slot)]

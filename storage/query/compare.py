@@ -13,6 +13,7 @@ from storage.analysis import sketch
 from storage.analysis.runfacts import DEFAULT_SPAN, fingerprint, makespan
 from storage.core import models as m
 from storage.query.summary import QUANTILES, merged_hists
+from storage.runs import packed
 
 
 def run_fingerprint(db: Session, run: m.Run) -> str:
@@ -170,7 +171,7 @@ def regressions(
 
 def _median_p90(db: Session, run_ids: list[int], action: str) -> dict[str, float]:
     """Per prefix, the median over ``run_ids`` of each run's p90 of ``action``."""
-    H, A = m.RunPrefixHist, m.RunPrefixAction
+    A = m.RunPrefixAction
     bounds = {
         (r, p): (lo, hi)
         for r, p, lo, hi in db.execute(
@@ -180,12 +181,9 @@ def _median_p90(db: Session, run_ids: list[int], action: str) -> dict[str, float
         )
     }
     p90s: dict[str, list[float]] = defaultdict(list)
-    for r, p, buckets in db.execute(
-        select(H.run_id, H.prefix, H.buckets).where(H.run_id.in_(run_ids), H.action == action)
-    ):
+    for (r, p, _), h in sorted(packed.hists(db, run_ids, action=action).items()):
         if (r, p) not in bounds:
             continue
-        h = {int(b): c for b, c in (buckets or {}).items()}
         q = sketch.quantiles(h, QUANTILES, *bounds[(r, p)])[1]
         if q is not None:
             p90s[p].append(q)

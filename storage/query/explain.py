@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from storage.analysis import explain as ex
@@ -19,7 +19,7 @@ from storage.analysis.runfacts import makespan
 from storage.core import models as m
 from storage.core.blobs import BlobStore
 from storage.query.compare import previous_runs
-from storage.runs import profiles, runcode
+from storage.runs import packed, profiles, runcode
 from storage.runs.context import FinishedRun
 from storage.runs.runfile import compact_prefix
 from storage.runs.runlogs import WINDOW_SLACK_S, window
@@ -37,7 +37,7 @@ def _key(db: Session, run: m.Run) -> str:
 
 def _prefix_facts(db: Session, run_ids: list[int]) -> dict[int, dict[str, dict[str, Any]]]:
     out: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
-    P, A, H = m.RunPrefix, m.RunPrefixAction, m.RunPrefixHist
+    P, A = m.RunPrefix, m.RunPrefixAction
     for r, p, count, nbytes, errors in db.execute(
         select(P.run_id, P.prefix, P.count, P.nbytes, P.errors).where(P.run_id.in_(run_ids))
     ):
@@ -48,24 +48,18 @@ def _prefix_facts(db: Session, run_ids: list[int]) -> dict[int, dict[str, dict[s
     ):
         out[r].setdefault(p, {"tasks": 0, "nbytes": 0, "errors": 0, "hist": {}})
         out[r][p]["compute"] = float(total)
-    for r, p, buckets in db.execute(
-        select(H.run_id, H.prefix, H.buckets).where(H.run_id.in_(run_ids), H.action == "compute")
-    ):
+    for (r, p, _), buckets in sorted(packed.hists(db, run_ids, action="compute").items()):
         hist = out[r].setdefault(p, {"compute": 0.0, "hist": {}})["hist"]
-        for b, c in (buckets or {}).items():
-            hist[int(b)] = hist.get(int(b), 0) + int(c)
+        packed.add_hist(hist, buckets)
     return out
 
 
 def _activity(db: Session, run_ids: list[int]) -> dict[int, dict[str, float]]:
-    A = m.RunActivity
     out: dict[int, dict[str, float]] = defaultdict(dict)
-    for r, act, total in db.execute(
-        select(A.run_id, A.activity, func.sum(A.value))
-        .where(A.run_id.in_(run_ids), A.unit == "seconds", A.context == "execute")
-        .group_by(A.run_id, A.activity)
-    ):
-        out[r][act] = float(total)
+    for r, metrics in packed.activity(db, run_ids).items():
+        for (context, _, act, unit), (_, value) in sorted(metrics.items()):
+            if unit == "seconds" and context == "execute":
+                out[r][act] = out[r].get(act, 0.0) + float(value)
     return out
 
 

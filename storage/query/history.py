@@ -13,6 +13,7 @@ from storage.analysis import sketch
 from storage.core import models as m
 from storage.query.breakdown import time_breakdown
 from storage.query.summary import QUANTILES
+from storage.runs import packed
 
 BUCKETS = {"hour": 1, "day": 24}
 
@@ -59,8 +60,8 @@ def prefix_history(
     r = runs.subquery()
     H, A = m.RunPrefixHist, m.RunPrefixAction
     hists: dict[int, dict[int, int]] = defaultdict(dict)
-    # Merge in the database: expand each run's JSON histogram into (bucket, count) rows and
-    # sum per slot, so ~10,000 runs send back a few thousand rows, not 10,000 documents.
+    # Rows of running runs (and late batches): merged in the database, each JSON histogram
+    # expanded into (bucket, count) rows summed per slot.
     pg = db.get_bind().dialect.name == "postgresql"
     kv = (func.json_each_text if pg else func.json_each)(H.buckets).table_valued("key", "value")
     count = func.sum(kv.c.value.cast(BigInteger) if pg else kv.c.value)
@@ -72,6 +73,13 @@ def prefix_history(
         .group_by(r.c.slot, kv.c.key)
     ):
         hists[int(s)][int(b)] = int(c)
+    # A finished run's histogram is packed into its action row (``storage.runs.packed``).
+    for s, data in db.execute(
+        select(r.c.slot, A.hist)
+        .join(A, A.run_id == r.c.id)
+        .where(A.prefix == prefix, A.action == action, A.hist.is_not(None))
+    ):
+        packed.add_packed(hists[int(s)], data)
     totals: dict[int, tuple[int, float, float]] = {}
     for s, c, t, hi in db.execute(
         select(r.c.slot, func.sum(A.count), func.sum(A.total), func.max(A.max))

@@ -25,6 +25,7 @@ from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, decode_stored
 from storage.core.blobs import BlobStore
 from storage.ray import read as ray_read
+from storage.runs import packed
 
 
 def makespan_column() -> Any:
@@ -511,14 +512,9 @@ def iter_run_tasks(
 ) -> Iterator[tuple[dict[str, Any], str]]:
     """The run's task records from the blob store, each with the cursor that follows it."""
     after_batch, skip = decode_cursor(cursor, (int, int)) if cursor else (0, 0)
-    rows = db.execute(
-        select(m.RunBatch.batch_id, m.Batch.blob_key)
-        .join(m.Batch, m.Batch.id == m.RunBatch.batch_id)
-        .where(
-            m.RunBatch.run_id == run.id, m.RunBatch.batch_id >= after_batch, m.RunBatch.tasks > 0
-        )
-        .order_by(m.RunBatch.batch_id)
-    ).all()
+    rows = packed.batch_keys(
+        db, [b for b, tasks in packed.run_batches(db, run.id) if b >= after_batch and tasks > 0]
+    )
     run_key = run.run_key
     for batch_id, key in rows:
         batch = decode_stored(blobs.get(key))

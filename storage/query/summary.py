@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from storage.analysis import sketch
 from storage.core import models as m
+from storage.runs import packed
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -18,15 +19,9 @@ def merged_hists(
     db: Session, run_ids: list[int], prefix: str | None = None
 ) -> dict[tuple[str, str], dict[int, int]]:
     """The runs' histograms per (prefix, action), merged."""
-    H = m.RunPrefixHist
-    q = select(H.prefix, H.action, H.buckets).where(H.run_id.in_(run_ids))
-    if prefix is not None:
-        q = q.where(H.prefix == prefix)
     out: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
-    for p, a, buckets in db.execute(q):
-        h = out[(p, a)]
-        for b, c in (buckets or {}).items():
-            h[int(b)] = h.get(int(b), 0) + c
+    for (_, p, a), h in packed.hists(db, run_ids, prefix=prefix).items():
+        packed.add_hist(out[(p, a)], h)
     return out
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, or_, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
@@ -47,7 +47,7 @@ from storage.analysis.rundata import RunData
 from storage.core import models as m
 from storage.core.batches import decode_stored
 from storage.core.blobs import BlobStore
-from storage.runs import detail, runfile
+from storage.runs import detail, packed, runfile
 from storage.runs.context import FinishedRun
 from storage.runs.runcode import run_code
 
@@ -242,10 +242,8 @@ def _worker_batches(db: Session, run: m.Run) -> list[tuple[int, str]]:
 def inputs_tag(db: Session, run: m.Run, batches: list[tuple[int, str]]) -> str:
     """The version of what a run's profile is built from: its own batches (their count
     and highest id) and the worker batches in its window."""
-    n, hi = db.execute(
-        select(func.count(), func.max(m.RunBatch.batch_id)).where(m.RunBatch.run_id == run.id)
-    ).one()
-    return f"{FORMAT}/{n}-{hi or 0}/{len(batches)}-{batches[-1][0] if batches else 0}"
+    n, hi = packed.batch_tag(db, run.id)
+    return f"{FORMAT}/{n}-{hi}/{len(batches)}-{batches[-1][0] if batches else 0}"
 
 
 def build(tasks: Any, events: Iterable[Any]) -> list[Row]:

@@ -2,12 +2,13 @@
 
 Ingest appends a row per batch to ``run_prefix_hist``, ``prefix_days`` and
 ``cluster_hours`` (``batch_id`` > 0) so that concurrent batches never read, lock or rewrite
-a shared row. Readers sum whatever rows there are, so folding changes no answer: it only
-keeps the rows few. A fold deletes the appended rows *with* ``RETURNING`` and adds what
-it deleted into the row with ``batch_id`` 0, in one transaction: a row is folded by the
-transaction that deleted it, so two folds can never count it twice, and a crash rolls the
-deletion back. Folds of one run (one cluster) are serialised on the run's (cluster's)
-row with ``FOR NO KEY UPDATE``, which ingest's foreign-key checks do not wait for.
+a shared row; a finished run's histograms are packed the same way (``storage.runs.packed``).
+Readers sum whatever rows there are, so folding changes no answer: it only keeps the rows
+few. A fold deletes the appended rows *with* ``RETURNING`` and adds what it deleted into
+the row with ``batch_id`` 0, in one transaction: a row is folded by the transaction that
+deleted it, so two folds can never count it twice, and a crash rolls the deletion back.
+Folds of one run (one cluster) are serialised on the run's (cluster's) row with
+``FOR NO KEY UPDATE``, which ingest's foreign-key checks do not wait for.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from storage.core import models as m
 from storage.core.statements import dialect_functions
+from storage.runs import packed
 from storage.runs.context import FinishedRun
 
 
@@ -33,35 +35,9 @@ def _lock(db: Session, model: Any, row_id: int) -> None:
 
 
 def fold_run(db: Session, run_id: int) -> int:
-    """Fold the run's appended histogram rows; returns how many were folded."""
-    _lock(db, m.Run, run_id)
-    H = m.RunPrefixHist.__table__
-    deleted = db.execute(
-        delete(H)
-        .where(H.c.run_id == run_id, H.c.batch_id != 0)
-        .returning(H.c.prefix, H.c.action, H.c.buckets)
-    ).all()
-    if not deleted:
-        return 0
-    merged: dict[tuple[str, str], dict[str, int]] = {}
-    for prefix, action, buckets in deleted:
-        _merge(merged.setdefault((prefix, action), {}), buckets)
-    for prefix, action, buckets in db.execute(
-        select(H.c.prefix, H.c.action, H.c.buckets).where(H.c.run_id == run_id, H.c.batch_id == 0)
-    ):
-        if (prefix, action) in merged:
-            _merge(merged[(prefix, action)], buckets)
-    _put(
-        db,
-        H,
-        ["run_id", "prefix", "action", "batch_id"],
-        [
-            {"run_id": run_id, "prefix": p, "action": a, "batch_id": 0, "buckets": b}
-            for (p, a), b in sorted(merged.items())
-        ],
-        ("buckets",),
-    )
-    return len(deleted)
+    """Fold the run's appended histogram rows, and its fine metrics, into their packed
+    catalog rows (``storage.runs.packed``); returns how many rows were folded."""
+    return packed.pack_run(db, run_id)
 
 
 def fold_cluster(db: Session, cluster_id: int) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-from sqlalchemy import func, or_, select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from hindsight.schema import GraphEvent, MetricEvent, StartStop, TaskEvent
@@ -31,6 +31,7 @@ from storage.analysis.runfacts import ACTION_COLUMNS, phases_of
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, decode_stored
 from storage.core.blobs import BlobStore, LocalBlobStore, put_file
+from storage.runs import packed
 from storage.runs.context import FinishedRun, ReadOnce
 
 logger = logging.getLogger(__name__)
@@ -137,10 +138,8 @@ def _schemas() -> tuple[Any, Any, Any]:
 
 def run_tag(db: Session, run: m.Run) -> str:
     """The version of a run's stored data: its batch count and highest batch id."""
-    n, hi = db.execute(
-        select(func.count(), func.max(m.RunBatch.batch_id)).where(m.RunBatch.run_id == run.id)
-    ).one()
-    return f"{n}-{hi or 0}"
+    n, hi = packed.batch_tag(db, run.id)
+    return f"{n}-{hi}"
 
 
 def _tag_order(tag: str) -> tuple[int, int] | None:
@@ -212,12 +211,7 @@ def batch_keys(db: Session, run: m.Run) -> list[tuple[int, str, bool]]:
     """The batches that hold the run's records (``True``) and the session's other batches
     received around the run (``False``: metrics and worker-side events carry no run), as
     (batch id, blob key, the run's own), in batch order."""
-    rows = db.execute(
-        select(m.Batch.id, m.Batch.blob_key)
-        .join(m.RunBatch, m.RunBatch.batch_id == m.Batch.id)
-        .where(m.RunBatch.run_id == run.id)
-        .order_by(m.Batch.id)
-    ).all()
+    rows = packed.batch_keys(db, [b for b, _ in packed.run_batches(db, run.id)])
     run_ids = {i for i, _ in rows}
     others = session_batches_around(db, run, METRIC_SLACK_S)
     return sorted(

@@ -111,6 +111,7 @@ def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
     from sqlalchemy import select
 
     from storage.core import models as m
+    from storage.runs import packed
 
     with sessions() as db:
         tid = db.execute(select(m.Tenant.id).where(m.Tenant.name == tenant)).scalar_one()
@@ -122,11 +123,9 @@ def rollup_snapshot(sessions: Any, tenant: str) -> dict[str, Any]:
             db.execute(select(m.Cluster.id, m.Cluster.name).where(m.Cluster.tenant_id == tid)).all()
         )
         hist = sorted(
-            (runs[h.run_id], h.prefix, h.action, int(b), c)
-            for h in db.execute(
-                select(m.RunPrefixHist).where(m.RunPrefixHist.run_id.in_(runs))
-            ).scalars()
-            for b, c in h.buckets.items()
+            (runs[r], p, a, b, c)
+            for (r, p, a), buckets in packed.hists(db, runs).items()
+            for b, c in buckets.items()
         )
         workers = sorted(
             (
