@@ -541,14 +541,16 @@ def compare_page() -> Any:
         found.sort(key=lambda f: (f[0].started_at is None, f[0].started_at or 0.0))
     (a, ca, sa), (b, cb, sb) = found  # type: ignore[misc]
     result = comparison.compare(db(), a, b)
-    tables = [runfile.load_run(db(), store().blobs, r).tasks for r in (a, b)]
-    # a big finished run's stream is fetched by the page in windows, as on its run page
+    datas = [runfile.load_run(db(), store().blobs, r, lazy=True) for r in (a, b)]
+    # a big finished run's stream is fetched by the page in windows, as on its run page,
+    # and its tasks are not read here (a 10^7-task run's are gigabytes)
     most = store().settings.page_stream_rects
     indexes = [
-        streamtiles.ensure(db(), store().blobs, r, lambda t=t: t)
-        for r, t in zip((a, b), tables, strict=True)
+        streamtiles.ensure(db(), store().blobs, r, lambda d=d: d)
+        for r, d in zip((a, b), datas, strict=True)
     ]
     big = [i is not None and i["count"] > most for i in indexes]
+    tables = [None if large else d.tasks for d, large in zip(datas, big, strict=True)]
     colours = PrefixColours(
         [
             p
