@@ -77,7 +77,7 @@ def _with_identity(table: Any, run: str, session: str, schema: Any) -> Any:
 
 
 #: Runs with more tasks than this go to the lake sorted through temporary files
-#: (:class:`storage.lake.write.SortedRows`), not as one table sorted in memory.
+#: (:class:`storage.lake.spill.SortedRows`), not as one table sorted in memory.
 SPILL_ROWS = 1 << 19
 
 
