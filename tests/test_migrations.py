@@ -47,6 +47,12 @@ def test_a_populated_index_of_the_previous_schema_migrates_and_its_detail_moves(
     finished run's rows into its detail object: nothing lost, every answer the same, and a
     second pass moves nothing. On SQLite and on a Postgres database of its own (it
     downgrades)."""
+    _on_sqlite_and_postgres(tmp_path, _migrate_and_move)
+
+
+def _on_sqlite_and_postgres(tmp_path: Any, check: Any) -> None:
+    """``check(urls, tmp_path)`` on a SQLite index and, where the server answers, on a
+    Postgres database of its own (dropped after: a migration test downgrades it)."""
     from tests.conftest import fresh_pg_database
 
     urls = [f"sqlite:///{tmp_path / 'old.db'}"]
@@ -56,7 +62,7 @@ def test_a_populated_index_of_the_previous_schema_migrates_and_its_detail_moves(
     except pytest.skip.Exception:
         pg = None
     try:
-        _migrate_and_move(urls, tmp_path)
+        check(urls, tmp_path)
     finally:
         if pg is not None:
             next(pg, None)  # the database dropped
@@ -146,19 +152,7 @@ def test_a_populated_index_of_revision_0017_migrates_and_its_rows_pack(tmp_path)
     to head and ``hindsight reindex --detail`` (``move_detail``) packs each finished run's
     rows into ``run_prefix_actions.hist`` and ``run_metrics``: none left, every answer the
     same, and a second pass packs nothing. On SQLite and on a Postgres database of its own."""
-    from tests.conftest import fresh_pg_database
-
-    urls = [f"sqlite:///{tmp_path / 'old.db'}"]
-    pg = fresh_pg_database()
-    try:
-        urls.append(next(pg))
-    except pytest.skip.Exception:
-        pg = None
-    try:
-        _migrate_and_pack(urls, tmp_path)
-    finally:
-        if pg is not None:
-            next(pg, None)  # the database dropped
+    _on_sqlite_and_postgres(tmp_path, _migrate_and_pack)
 
 
 def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:

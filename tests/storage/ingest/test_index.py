@@ -97,14 +97,6 @@ def snapshot(db: Session, tenant: str) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture
-def sessions(index_url):
-    engine = make_engine(index_url)
-    upgrade(engine)
-    yield make_sessionmaker(engine)
-    engine.dispose()
-
-
 def test_index_does_not_depend_on_order_or_retries(sessions):
     batches = synthetic_batches()
     t1, t2 = new_tenant(), new_tenant()

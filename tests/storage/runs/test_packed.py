@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import pytest
 from sqlalchemy import func, select
 
 from hindsight.schema import ActivityEvent, ActivityMetric, Batch
@@ -109,16 +108,6 @@ def pack_all(sessions: Any, tenant: str) -> int:
     with sessions.begin() as db:
         runs = db.execute(select(m.Run.id).join(m.Tenant).where(m.Tenant.name == tenant))
         return sum(packed.pack_run(db, r) for r in runs.scalars().all())
-
-
-@pytest.fixture
-def sessions(index_url):
-    from storage.core.db import make_engine, make_sessionmaker, upgrade
-
-    engine = make_engine(index_url)
-    upgrade(engine)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 def test_packing_changes_no_answer_and_late_batches_count_once(sessions):
