@@ -77,6 +77,19 @@ def answers(query: Any, token: str, run_id: str) -> dict[str, Any]:
     }
 
 
+def finished_run(apps: Any, make_token: Any) -> tuple[Any, ...]:  # noqa: F811
+    """The first batch's run, finished: the apps, the store, a token, the run and the name
+    of its one detail object."""
+    collector, query, app = apps
+    token = make_token()
+    st = store_of(app)
+    assert post(collector, first_batch(), token=token).status_code == 202
+    finish.drain(st.sessions, st.blobs)
+    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
+    (first,) = objects(app, run["id"])
+    return collector, query, app, st, token, run, first
+
+
 def test_a_finished_runs_detail_moves_into_one_object_and_reads_the_same(apps, make_token):  # noqa: F811
     collector, query, app = apps
     token = make_token()
@@ -100,13 +113,7 @@ def test_a_late_batch_writes_a_new_version_in_place_of_the_old(
     apps,  # noqa: F811
     make_token,
 ):
-    collector, query, app = apps
-    token = make_token()
-    st = store_of(app)
-    assert post(collector, first_batch(), token=token).status_code == 202
-    finish.drain(st.sessions, st.blobs)
-    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
-    (first,) = objects(app, run["id"])
+    collector, query, app, st, token, run, first = finished_run(apps, make_token)
     # a reader that read the run (and its digest) before the new version
     with st.sessions() as db:
         stale = db.execute(select(m.Run).where(m.Run.public_id == run["id"])).scalar_one()
@@ -138,13 +145,7 @@ def test_a_profile_gone_stale_after_the_move_gets_a_new_object_not_index_rows(
     """A later worker batch in the run's window makes its stored profile stale; the read
     that rebuilds it writes a new version of the object (keeping the one it replaced for
     readers that named it), and no profile row comes back into the index."""
-    collector, query, app = apps
-    token = make_token()
-    st = store_of(app)
-    assert post(collector, first_batch(), token=token).status_code == 202
-    finish.drain(st.sessions, st.blobs)
-    (run,) = query.get("/v1/runs", headers=auth(token)).json["runs"]
-    (first,) = objects(app, run["id"])
+    collector, query, app, st, token, run, first = finished_run(apps, make_token)
     metric = {"kind": "metric", "worker": "tcp://w:1", "time": T0 + 2, "values": {"cpu": 1.0}}
     body = example(cluster="c", session="s", agent="worker-1", seq=0, events=[metric])
     assert post(collector, body, token=token).status_code == 202
