@@ -103,14 +103,9 @@ class FinishedRun:
         it though each reads what it needs again, a column at a time where it can. Arrow's
         allocator keeps freed pages for reuse: handed back here, so the service's memory
         falls back between finishers instead of staying at the largest one's peak."""
-        import gc
-
         import pyarrow as pa
 
         self._data = None
-        # what a finisher's reference cycles hold (frames, closures over its arrays) goes
-        # now, not at the next collection some later finisher's allocations trigger
-        gc.collect()
         pa.default_memory_pool().release_unused()
         trim_heap()
 
