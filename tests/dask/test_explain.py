@@ -21,7 +21,12 @@ import pytest
 from tests.dask.conftest import EmbeddedServer, wait_until
 
 JOB = "nightly"
-TASKS = 24
+# Few tasks of long sleeps: a usual run reads normal within ~10% of its job's median
+# (explain's spread floor), so the scheduler's per-task cost on a busy host, which a run
+# of many short tasks multiplies, must stay a small share of the run.
+TASKS = 8
+WAIT = 0.25
+CPU = 0.2
 USUAL_RUNS = 5
 
 
@@ -31,7 +36,7 @@ def crunch(seconds: float) -> None:
         pass
 
 
-def step(x: int, cpu: float = 0.0, wait: float = 0.05) -> int:
+def step(x: int, cpu: float = 0.0, wait: float = WAIT) -> int:
     time.sleep(wait)
     if cpu:
         crunch(cpu)
@@ -76,11 +81,11 @@ def runs(hindsight_server: EmbeddedServer) -> Iterator[dict[str, Any]]:
             for _ in range(USUAL_RUNS):
                 _job(client)
                 kinds.append("usual")
-            _job(client, cpu=0.1)
+            _job(client, cpu=CPU)
             kinds.append("cpu")
             _job(client)
             kinds.append("after")
-            _job(client, wait=0.2)
+            _job(client, wait=2 * WAIT)
             kinds.append("wait")
         with _cluster(hindsight_server, name, 1) as lc, Client(lc) as client:
             _job(client)
@@ -143,16 +148,18 @@ def test_usual_runs_read_normal_and_the_first_no_history(hindsight_server, runs)
 def test_new_cpu_work_in_a_new_function(hindsight_server, runs):
     out = explain(hindsight_server, runs["ids"]["cpu"])
     assert out["verdict"] == "slower", out["text"]
-    assert out["baseline"]["n"] == USUAL_RUNS and out["change"] > 0.5
+    # judged by the usual runs (one slowed by the host may be left out as unusual)
+    assert set(out["baseline"]["runs"]) <= set(runs["order"][:USUAL_RUNS])
+    assert out["baseline"]["n"] >= USUAL_RUNS - 1 and out["change"] > 0.3
     kinds = [f["kind"] for f in out["findings"]]
     assert kinds[0] in ("step", "activity", "profile"), out["findings"]
     steps = [f for f in out["findings"] if f["kind"] == "step"]
     assert steps and steps[0]["prefix"] == "step"
     acts = {f["activity"]: f for f in out["findings"] if f["kind"] == "activity"}
-    # crunch burns 0.1 s of its thread's CPU time per task, 24 tasks; the wait for a core
+    # crunch burns CPU seconds of its thread's CPU time per task; the wait for a core
     # on a busy host shows as thread-noncpu beside it (and may rank first)
     cpu = acts["thread-cpu"]
-    assert cpu["after"] - cpu["before"] == pytest.approx(TASKS * 0.1, abs=0.3), acts
+    assert cpu["after"] - cpu["before"] == pytest.approx(TASKS * CPU, abs=0.3), acts
     assert cpu["seconds"] > 0
     prof = [f for f in out["findings"] if f["kind"] == "profile"]
     assert prof and prof[0]["frames"][0]["function"] == "crunch", prof
