@@ -841,7 +841,8 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
             i: (*clusters[c], n) for i, c, n in q("SELECT id, cluster_id, name FROM sessions")
         }
         agents = {i: (*sessions[s], n) for i, s, n in q("SELECT id, session_id, name FROM agents")}
-        batches = dict(q("SELECT id, blob_key FROM batches")) | {0: 0}
+        batches = {i: (*agents[a], n) for i, a, n in q("SELECT id, agent_id, seq FROM batches")}
+        batches[0] = 0
         runs = dict(q("SELECT id, public_id FROM runs"))
         parts = {
             i: (*clusters[c], d) for i, c, d in q("SELECT id, cluster_id, day FROM lake_partitions")

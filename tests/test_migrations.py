@@ -148,11 +148,20 @@ def _downgrade(engine: Any, revision: str) -> None:
 
 
 def test_a_populated_index_of_revision_0017_migrates_and_its_rows_pack(tmp_path):
-    """An index of revision 0017 (every run's histograms and fine metrics as rows) upgrades
-    to head and ``hindsight reindex --detail`` (``move_detail``) packs each finished run's
-    rows into ``run_prefix_actions.hist`` and ``run_metrics``: none left, every answer the
-    same, and a second pass packs nothing. On SQLite and on a Postgres database of its own."""
+    """An index of revision 0017 (every run's histograms and fine metrics as rows, every
+    batch's blob key stored) upgrades to head: the keys the names give are cleared and
+    read the same, and ``hindsight reindex --detail`` (``move_detail``) packs each finished
+    run's rows into ``run_prefix_actions.hist`` and ``run_metrics``: none left, every
+    answer the same, and a second pass packs nothing. On SQLite and on a Postgres database
+    of its own."""
     _on_sqlite_and_postgres(tmp_path, _migrate_and_pack)
+
+
+def _batch_keys(sessions: Any) -> dict[int, str]:
+    from storage.runs import packed
+
+    with sessions() as db:
+        return dict(packed.keyed(db))
 
 
 def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
@@ -169,16 +178,22 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
         upgrade(engine)
         sessions = make_sessionmaker(engine)
         tenant = new_tenant()
-        _downgrade(engine, "0017")
-        with engine.connect() as conn:  # the previous schema
-            assert "run_metrics" not in inspect(conn).get_table_names()
         apply(sessions, tenant, with_activity(synthetic_batches(seed=2)))
-        with engine.connect() as conn:  # populated
+        keys = _batch_keys(sessions)
+        _downgrade(engine, "0017")
+        with engine.connect() as conn:  # the previous schema, populated
+            assert "run_metrics" not in inspect(conn).get_table_names()
             for table in ("run_activity", "run_prefix_hist", "run_batches"):
                 assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() > 0
+            stored = dict(conn.execute(text("SELECT id, blob_key FROM batches")).all())
+        assert stored == keys and len(keys) > 2  # every key written back
 
         upgrade(engine)
         assert current_revision(engine) == head_revisions()[0]
+        with engine.connect() as conn:  # the keys the names give are no longer stored
+            n = "SELECT count(*) FROM batches WHERE blob_key <> ''"
+            assert conn.execute(text(n)).scalar_one() == 0
+        assert _batch_keys(sessions) == keys
         before = answers(sessions, tenant)
         counts = move_detail(blobs, sessions)
         assert counts["runs"] == 2 and counts["packed_rows"] > 0

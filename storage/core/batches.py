@@ -37,7 +37,12 @@ class BatchKey:
 
 def blob_key(tenant: str, batch: Batch) -> str:
     """Where a batch lives: listing a prefix finds a tenant's, cluster's or session's batches."""
-    return f"v1/{tenant}/{batch.cluster}/{batch.session}/{batch.agent}/{batch.seq:012d}.json.zst"
+    return key_of(tenant, batch.cluster, batch.session, batch.agent, batch.seq)
+
+
+def key_of(tenant: str, cluster: str, session: str, agent: str, seq: int) -> str:
+    """The blob key of a batch identity (the manifest stores only keys that differ)."""
+    return f"v1/{tenant}/{cluster}/{session}/{agent}/{seq:012d}.json.zst"
 
 
 def parse_blob_key(key: str) -> BatchKey | None:

@@ -114,6 +114,8 @@ class Batch(Base):
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     agent_id: Mapped[int] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(BigInteger)
+    # "": the key the names give (storage.core.batches.blob_key; migration 0019); read
+    # through storage.runs.packed.keyed
     blob_key: Mapped[str] = mapped_column(String(1024))
     events: Mapped[int] = mapped_column(Integer)
     bytes: Mapped[int] = mapped_column(BigInteger)

@@ -33,6 +33,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from storage.core import models as m
+from storage.core.batches import key_of
 from storage.core.statements import dialect_functions
 
 ZSTD_LEVEL = 6
@@ -270,12 +271,28 @@ def run_batches(db: Session, run_id: int) -> list[tuple[int, int]]:
 
 def batch_keys(db: Session, batch_ids: list[int]) -> list[tuple[int, str]]:
     """(batch id, blob key) of the batches of ``batch_ids`` that exist, by id."""
-    B = m.Batch
     out: list[tuple[int, str]] = []
     ids = sorted(set(batch_ids))
     for i in range(0, len(ids), 5000):
-        out += db.execute(select(B.id, B.blob_key).where(B.id.in_(ids[i : i + 5000]))).all()
-    return sorted((int(b), k) for b, k in out)
+        out += keyed(db, m.Batch.id.in_(ids[i : i + 5000]))
+    return sorted(out)
+
+
+def keyed(db: Session, *where: Any, order: Any = None) -> list[tuple[int, str]]:
+    """(batch id, blob key) of the batches ``where`` selects (on ``Batch`` and ``Agent``):
+    the stored key, or the one the batch's names give where none is stored."""
+    B, A, S, C, T = m.Batch, m.Agent, m.Session, m.Cluster, m.Tenant
+    q = (
+        select(B.id, B.blob_key, T.name, C.name, S.name, A.name, B.seq)
+        .join(A, A.id == B.agent_id)
+        .join(S, S.id == A.session_id)
+        .join(C, C.id == S.cluster_id)
+        .join(T, T.id == C.tenant_id)
+        .where(*where)
+    )
+    if order is not None:
+        q = q.order_by(order)
+    return [(int(i), k or key_of(t, c, s, a, int(seq))) for i, k, t, c, s, a, seq in db.execute(q)]
 
 
 def batch_tag(db: Session, run_id: int) -> tuple[int, int]:

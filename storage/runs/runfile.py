@@ -196,15 +196,10 @@ def session_batches_around(
     by_arrival = B.t_min.is_(None) & B.received_at.between(
         run.first_seen - slack, run.last_seen + slack
     )
-    q = (
-        select(B.id, B.blob_key)
-        .join(m.Agent, m.Agent.id == B.agent_id)
-        .where(m.Agent.session_id == run.session_id, or_(by_time, by_arrival))
-        .order_by(B.id)
-    )
+    where = [m.Agent.session_id == run.session_id, or_(by_time, by_arrival)]
     if agents is not None:
-        q = q.where(agents)
-    return [(i, k) for i, k in db.execute(q)]
+        where.append(agents)
+    return packed.keyed(db, *where, order=B.id)
 
 
 def batch_keys(db: Session, run: m.Run) -> list[tuple[int, str, bool]]:
