@@ -731,9 +731,9 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
               LEFT JOIN _pdata p ON p.tenant_id = _u.tenant_id AND p.run_id = x.run_id
                 AND p.prefix = x.prefix AND p.worker = x.worker""",
         f"""INSERT INTO prefix_days (cluster_id, prefix, action, day, batch_id, count, total,
-              max, buckets)
+              max, buckets, hist)
             SELECT _c.new, x.prefix, x.action, x.day + _u.d, {bid("x.batch_id")}, x.count,
-              x.total, x.max, x.buckets
+              x.total, x.max, x.buckets, x.hist
             FROM prefix_days x JOIN _c ON _c.old = x.cluster_id JOIN _u ON _u.unit = _c.unit
             WHERE x.day = {T0 // DAY}""",
         f"""INSERT INTO cluster_hours (cluster_id, hour, batch_id, tasks, errors, compute,

@@ -135,7 +135,7 @@ def generate_history(
             hists.append((rid, p, "compute", json.dumps(buckets)))
             day = days.setdefault((c + 1, p, int(t // 86400)), [{}, 0, 0.0, 0.0])
             for b, n in buckets.items():
-                day[0][b] = day[0].get(b, 0) + n
+                day[0][int(b)] = day[0].get(int(b), 0) + n
             day[1] += count
             day[2] += total
             day[3] = max(day[3], mean * 5)
@@ -255,9 +255,9 @@ def generate_history(
         copy(
             conn,
             "prefix_days",
-            ["cluster_id", "prefix", "action", "day", "count", "total", "max", "buckets"],
-            [
-                (c, p, "compute", d, n, t, mx, json.dumps(h))
+            ["cluster_id", "prefix", "action", "day", "count", "total", "max", "buckets", "hist"],
+            [  # hist as COPY's text form of bytea: \\x and hex
+                (c, p, "compute", d, n, t, mx, "{}", "\\\\x" + sketch.pack_hist(h).hex())
                 for (c, p, d), (h, n, t, mx) in days.items()
             ],
         )

@@ -149,8 +149,9 @@ def _downgrade(engine: Any, revision: str) -> None:
 
 def test_a_populated_index_of_revision_0017_migrates_and_its_rows_pack(tmp_path):
     """An index of revision 0017 (every run's histograms and fine metrics as rows, every
-    batch's blob key stored) upgrades to head: the keys the names give are cleared and
-    read the same, and ``hindsight reindex --detail`` (``move_detail``) packs each finished
+    batch's blob key stored, prefix_days' histograms as JSON) upgrades to head: the keys
+    the names give are cleared and read the same, the JSON histograms read as the packed
+    ones did, and ``hindsight reindex --detail`` (``move_detail``) packs each finished
     run's rows into ``run_prefix_actions.hist`` and ``run_metrics``: none left, every
     answer the same, and a second pass packs nothing. On SQLite and on a Postgres database
     of its own."""
@@ -179,7 +180,7 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
         sessions = make_sessionmaker(engine)
         tenant = new_tenant()
         apply(sessions, tenant, with_activity(synthetic_batches(seed=2)))
-        keys = _batch_keys(sessions)
+        keys, at_head = _batch_keys(sessions), answers(sessions, tenant)
         _downgrade(engine, "0017")
         with engine.connect() as conn:  # the previous schema, populated
             assert "run_metrics" not in inspect(conn).get_table_names()
@@ -195,6 +196,7 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
             assert conn.execute(text(n)).scalar_one() == 0
         assert _batch_keys(sessions) == keys
         before = answers(sessions, tenant)
+        assert before == at_head  # prefix_days' histograms as JSON again (0020's downgrade)
         counts = move_detail(blobs, sessions)
         assert counts["runs"] == 2 and counts["packed_rows"] > 0
         with engine.connect() as conn:

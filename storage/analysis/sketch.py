@@ -14,9 +14,12 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import msgspec
+
 SUBDIV = 8
 ZERO = -(2**20)  # below every real bucket (2**(-2**17) s)
 _LOG2 = math.log2
+_msgpack = msgspec.msgpack.Encoder()
 
 
 def bucket(d: float) -> int:
@@ -78,3 +81,45 @@ def quantiles(
                 out.append(v)
                 break
     return out
+
+
+# ------------------------------------------------------------------ packed
+def pack_hist(buckets: dict[int, int]) -> bytes:
+    """A histogram as msgpack integers: the first bucket, its count, then per further
+    bucket the step from the previous one and its count. Durations fill neighbouring
+    buckets, so steps and most counts are one byte each: ~2 bytes a bucket."""
+    out: list[int] = []
+    prev = None
+    for b in sorted(buckets):
+        c = int(buckets[b])
+        if not c:
+            continue
+        out += (b if prev is None else b - prev, c)
+        prev = b
+    return _msgpack.encode(out)
+
+
+def unpack_hist(data: bytes | None) -> dict[int, int]:
+    if not data:
+        return {}
+    out: dict[int, int] = {}
+    add_packed(out, data)
+    return out
+
+
+def add_packed(into: dict[int, int], data: bytes | None) -> None:
+    """Add a packed histogram into ``into`` (no dictionary of its own: a prefix history
+    adds thousands)."""
+    if not data:
+        return
+    seq = msgspec.msgpack.decode(data)
+    b = 0
+    get = into.get
+    for i in range(0, len(seq), 2):
+        b += seq[i]
+        into[b] = get(b, 0) + seq[i + 1]
+
+
+def add_hist(into: dict[int, int], buckets: dict[Any, int] | None) -> None:
+    for b, c in (buckets or {}).items():
+        into[int(b)] = into.get(int(b), 0) + int(c)

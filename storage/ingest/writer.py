@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from hindsight.schema import Batch
 from storage.analysis.runfacts import ACTION_COLUMNS
+from storage.analysis.sketch import pack_hist
 from storage.core.batches import blob_key as canonical_key
 from storage.core.batches import run_public_id
 from storage.core.idcache import IdCache
@@ -298,7 +299,8 @@ def _append_rollups(out: Pipeline, ids: _Ids, run_ids: dict[str, int], agg: Batc
                     "count": v.count,
                     "total": v.total,
                     "max": v.max,
-                    "buckets": v.buckets,
+                    "buckets": {},
+                    "hist": pack_hist(v.buckets),
                 }
                 for (p, a, d), v in agg.days.items()
             ],

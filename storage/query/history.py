@@ -116,7 +116,7 @@ def _prefix_days(
 ) -> list[dict[str, Any]]:
     """Day buckets from the ``prefix_days`` rollup: one row per cluster and day, merged."""
     D = m.PrefixDay
-    q = select(D.day, D.count, D.total, D.max, D.buckets).where(
+    q = select(D.day, D.count, D.total, D.max, D.buckets, D.hist).where(
         D.cluster_id.in_(cluster_ids), D.prefix == prefix, D.action == action
     )
     if since is not None:
@@ -124,11 +124,10 @@ def _prefix_days(
     if until is not None:
         q = q.where(D.day < math.ceil(until / 86400))
     per: dict[int, list[Any]] = {}
-    for day, count, total, hi, buckets in db.execute(q):
+    for day, count, total, hi, buckets, hist in db.execute(q):
         e = per.setdefault(int(day), [{}, 0, 0.0, hi])
-        h = e[0]
-        for b, c in (buckets or {}).items():
-            h[int(b)] = h.get(int(b), 0) + c
+        packed.add_hist(e[0], buckets)  # a row written before migration 0020
+        packed.add_packed(e[0], hist)
         e[1] += count
         e[2] += total
         e[3] = max(e[3], hi)

@@ -6,8 +6,9 @@ so that concurrent batches never read or rewrite a shared value (decision 0003).
 run has finished, those rows are read one run or one prefix at a time and their per-row
 cost dominated the catalog (decision 0034): the finisher (``storage.runs.rollups``) packs
 
-- each (prefix, action)'s histogram into ``run_prefix_actions.hist`` (:func:`pack_hist`),
-  the row the run page and prefix history already read for count, total, min and max;
+- each (prefix, action)'s histogram into ``run_prefix_actions.hist``
+  (``storage.analysis.sketch.pack_hist``), the row the run page and prefix history
+  already read for count, total, min and max;
 - all the run's fine metrics into one ``run_metrics`` row (:func:`pack_activity`);
 - the list of the batches that hold its records (``run_batches``: one row per batch) into
   one ``run_batch_lists`` row (:func:`pack_batch_list`), which the finished-run work reads
@@ -32,6 +33,7 @@ import zstandard
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
+from storage.analysis.sketch import add_hist, add_packed, pack_hist, unpack_hist
 from storage.core import models as m
 from storage.core.batches import key_of
 from storage.core.statements import dialect_functions
@@ -46,47 +48,6 @@ Metrics = dict[MetricKey, tuple[float, float]]
 
 
 # ------------------------------------------------------------------ histograms
-def pack_hist(buckets: dict[int, int]) -> bytes:
-    """A histogram as msgpack integers: the first bucket, its count, then per further
-    bucket the step from the previous one and its count. Durations fill neighbouring
-    buckets, so steps and most counts are one byte each: ~2 bytes a bucket."""
-    out: list[int] = []
-    prev = None
-    for b in sorted(buckets):
-        c = int(buckets[b])
-        if not c:
-            continue
-        out += (b if prev is None else b - prev, c)
-        prev = b
-    return _encoder.encode(out)
-
-
-def unpack_hist(data: bytes | None) -> dict[int, int]:
-    if not data:
-        return {}
-    out: dict[int, int] = {}
-    add_packed(out, data)
-    return out
-
-
-def add_packed(into: dict[int, int], data: bytes | None) -> None:
-    """Add a packed histogram into ``into`` (no dictionary of its own: a prefix history
-    adds thousands)."""
-    if not data:
-        return
-    seq = msgspec.msgpack.decode(data)
-    b = 0
-    get = into.get
-    for i in range(0, len(seq), 2):
-        b += seq[i]
-        into[b] = get(b, 0) + seq[i + 1]
-
-
-def add_hist(into: dict[int, int], buckets: dict[Any, int] | None) -> None:
-    for b, c in (buckets or {}).items():
-        into[int(b)] = into.get(int(b), 0) + int(c)
-
-
 def hists(
     db: Session,
     run_ids: Iterable[int],

@@ -25,11 +25,6 @@ from storage.runs import packed
 from storage.runs.context import FinishedRun
 
 
-def _merge(into: dict[str, int], buckets: dict[str, int] | None) -> None:
-    for b, n in (buckets or {}).items():
-        into[b] = into.get(b, 0) + n
-
-
 def _lock(db: Session, model: Any, row_id: int) -> None:
     db.execute(select(model.id).where(model.id == row_id).with_for_update(key_share=True))
 
@@ -45,25 +40,15 @@ def fold_cluster(db: Session, cluster_id: int) -> int:
     _lock(db, m.Cluster, cluster_id)
     D = m.PrefixDay.__table__
     days = db.execute(
-        delete(D)
-        .where(D.c.cluster_id == cluster_id, D.c.batch_id != 0)
-        .returning(D.c.prefix, D.c.action, D.c.day, D.c.count, D.c.total, D.c.max, D.c.buckets)
+        delete(D).where(D.c.cluster_id == cluster_id, D.c.batch_id != 0).returning(*_DAY_VALUES(D))
     ).all()
     merged_days: dict[tuple[str, str, int], list[Any]] = {}
-    for prefix, action, day, count, total, hi, buckets in days:
-        _add_day(
-            merged_days.setdefault((prefix, action, day), [0, 0.0, None, {}]),
-            count,
-            total,
-            hi,
-            buckets,
-        )
+    for prefix, action, day, *values in days:
+        _add_day(merged_days.setdefault((prefix, action, day), [0, 0.0, None, {}]), *values)
     if merged_days:
         keys = sorted(merged_days)
-        for prefix, action, day, count, total, hi, buckets in db.execute(
-            select(
-                D.c.prefix, D.c.action, D.c.day, D.c.count, D.c.total, D.c.max, D.c.buckets
-            ).where(
+        for prefix, action, day, *values in db.execute(
+            select(*_DAY_VALUES(D)).where(
                 D.c.cluster_id == cluster_id,
                 D.c.batch_id == 0,
                 D.c.prefix.in_(sorted({k[0] for k in keys})),
@@ -71,7 +56,7 @@ def fold_cluster(db: Session, cluster_id: int) -> int:
             )
         ):
             if (prefix, action, day) in merged_days:
-                _add_day(merged_days[(prefix, action, day)], count, total, hi, buckets)
+                _add_day(merged_days[(prefix, action, day)], *values)
         _put(
             db,
             D,
@@ -86,20 +71,28 @@ def fold_cluster(db: Session, cluster_id: int) -> int:
                     "count": v[0],
                     "total": v[1],
                     "max": v[2],
-                    "buckets": v[3],
+                    "buckets": {},
+                    "hist": packed.pack_hist(v[3]),
                 }
                 for (p, a, d), v in ((k, merged_days[k]) for k in keys)
             ],
-            ("count", "total", "max", "buckets"),
+            ("count", "total", "max", "buckets", "hist"),
         )
     return len(days) + _fold_hours(db, cluster_id)
 
 
-def _add_day(into: list[Any], count: int, total: float, hi: float, buckets: Any) -> None:
+def _DAY_VALUES(D: Table) -> tuple[Any, ...]:  # noqa: N802 (columns, as a constant reads)
+    return (D.c.prefix, D.c.action, D.c.day, D.c.count, D.c.total, D.c.max, D.c.buckets, D.c.hist)
+
+
+def _add_day(
+    into: list[Any], count: int, total: float, hi: float, buckets: Any, hist: bytes | None
+) -> None:
     into[0] += count
     into[1] += total
     into[2] = hi if into[2] is None else max(into[2], hi)
-    _merge(into[3], buckets)
+    packed.add_hist(into[3], buckets)
+    packed.add_packed(into[3], hist)
 
 
 def _fold_hours(db: Session, cluster_id: int) -> int:

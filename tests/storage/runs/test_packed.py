@@ -79,9 +79,10 @@ def answers(sessions: Any, tenant: str) -> dict[str, Any]:
                     for p in (None, "inc")
                     for u in ("seconds", "bytes")
                 ],
-                "prefix_history": [
-                    prefix_history(db, tid, p, "compute", "hour", None, None)
+                "prefix_history": [  # by hour from the runs' rows, by day from prefix_days
+                    prefix_history(db, tid, p, "compute", bucket, None, None)
                     for p in ("inc", "add", "sum-aggregate")
+                    for bucket in ("hour", "day")
                 ],
             }
         )
