@@ -422,8 +422,15 @@ def replace_nul(body: bytes) -> bytes:
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of a batch, generated from these classes, as plain JSON values (a
-    tuple field's default ``()`` is the JSON array ``[]``)."""
-    return msgspec.json.decode(msgspec.json.encode(msgspec.json.schema(Batch)))
+    tuple field's default ``()`` is the JSON array ``[]``), descriptions dedented (msgspec
+    0.23 dedents docstrings, earlier versions kept their indentation: the same either way)."""
+    import inspect
+
+    out = msgspec.json.decode(msgspec.json.encode(msgspec.json.schema(Batch)))
+    for d in (out, *out.get("$defs", {}).values()):
+        if isinstance(d.get("description"), str):
+            d["description"] = inspect.cleandoc(d["description"])
+    return out
 
 
 def agent_name_prefix(prefix: str) -> str:
