@@ -133,9 +133,13 @@ def rest_rows(h: dict[str, Any], **params: Any) -> pd.DataFrame:
     return pa.ipc.open_stream(resp.content).read_all().to_pandas()
 
 
-def canonical(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows by key, values as Python objects (Dask turns strings into its own string
-    dtype; the values are what must agree)."""
+def canonical(df: pd.DataFrame, h: dict[str, Any]) -> pd.DataFrame:
+    """The rows of ``h``'s two runs by key, values as Python objects (Dask turns strings
+    into its own string dtype; the values are what must agree). Only those runs': the
+    tests' reads of the lake compute on the cluster too, and their runs reach the lake a
+    few seconds later, between one read and the next."""
+    keys = {t["key"] for r in h["runs"].values() for t in h["server"].tasks(r["id"])}
+    df = df[df["key"].isin(keys)]
     df = df.sort_values("key").reset_index(drop=True).astype(object)
     return df.where(df.notna(), None)
 
@@ -151,22 +155,25 @@ def test_client_lake_computed_on_the_cluster_is_the_rest_answer(lake_history, di
     # the reads ran on the cluster's workers, one task per file
     workers = set(client.scheduler_info()["workers"])
     assert len(ts.data) >= ddf.npartitions and {t["worker"] for t in ts.data} <= workers
-    pd.testing.assert_frame_equal(canonical(got), canonical(rest_rows(h)))
+    mine = canonical(got, h)
+    assert len(mine) == sum(r["task_count"] for r in h["runs"].values())
+    pd.testing.assert_frame_equal(mine, canonical(rest_rows(h), h))
     grouped = h["hs"].lake("tasks", cluster=h["cluster"], direct=direct, files_per_partition=2)
     assert grouped.npartitions == (len(plan) + 1) // 2
-    pd.testing.assert_frame_equal(canonical(grouped.compute()), canonical(got))
+    pd.testing.assert_frame_equal(canonical(grouped.compute(), h), mine)
     # filters and columns travel with the partitions
     slow = h["hs"].lake("tasks", cluster=h["cluster"], prefix="load", min_duration=0.004,
                         columns=["key", "duration", "cluster"], direct=direct).compute()  # fmt: skip
     want = rest_rows(h, prefix="load", min_duration=0.004, columns="key,duration,cluster")
     assert len(want) > 0 and list(slow.columns) == ["key", "duration", "cluster"]
-    pd.testing.assert_frame_equal(canonical(slow), canonical(want))
+    pd.testing.assert_frame_equal(canonical(slow, h), canonical(want, h))
 
 
 def test_lake_rows_sorts_and_limits_on_the_server(lake_history):
     h = lake_history
-    top = h["hs"].lake_rows("tasks", cluster=h["cluster"], sort="-duration", limit=5)
-    everything = rest_rows(h)
+    ids = [r["id"] for r in h["runs"].values()]  # (see canonical)
+    top = h["hs"].lake_rows("tasks", cluster=h["cluster"], run=ids, sort="-duration", limit=5)
+    everything = rest_rows(h, run=ids)
     assert list(top["key"]) == list(everything.sort_values("duration", ascending=False)["key"][:5])
 
 
@@ -191,12 +198,21 @@ def test_the_docs_analysis_and_recipes_run(lake_history, capsys):
     assert weekly.loc["load"]["count"].sum() >= load_tasks
     assert list(throughput.index.get_level_values("cluster")).count(h["cluster"]) >= 1
     assert (throughput > 0).all()
+    # every run of the cluster so far in the lake: the tests before computed on the
+    # cluster too (reading the lake), and those runs are recorded like any other
+    server = h["server"]
+
+    def ended() -> list[dict[str, Any]] | None:
+        found = server.runs(h["cluster"])
+        return found if all(r["status"] == "finished" for r in found) else None
+
+    ran = wait_until(ended, 120, "the cluster's runs ended")
+    assert {r["id"] for r in h["runs"].values()} <= {r["id"] for r in ran}
+    in_lake(server, [r["id"] for r in ran])
     ns = {"props": dict(props), "tenant": "default"}
     exec(doc_block("pyiceberg"), ns)
     df = ns["df"]
-    assert len(df[df["cluster"] == h["cluster"]]) == sum(
-        r["task_count"] for r in h["runs"].values()
-    )
+    assert len(df[df["cluster"] == h["cluster"]]) == sum(r["task_count"] for r in ran)
     ns = {"props": dict(props), "tenant": "default"}
     exec(doc_block("duckdb"), ns)
     assert ns["counted"] == len(df)
