@@ -443,10 +443,17 @@ def ingest_units(
     log: Any = print,
 ) -> None:
     """Units through the real path: each batch compressed and stored in the blob store,
-    indexed by ``storage.ingest.writer.index_batch`` at its receive time, then every finished
-    run's finished-run work (``storage.jobs.finish``: fold, compacted copy, profile, lake)."""
+    indexed by ``storage.ingest.writer.index_batch`` at its receive time, the runs that
+    never finished closed ``lost`` once their session has been silent for the default
+    ``HINDSIGHT_SILENT_CLOSE_SECONDS`` (as the collectors' finish workers do; a history is
+    days old), then every ended run's finished-run work (``storage.jobs.finish``: fold,
+    compacted copy, profile, lake)."""
+    from storage.core.config import ENVIRONMENT
     from storage.ingest.writer import index_batch
     from storage.jobs.finish import drain
+    from storage.jobs.silent import close_silent
+
+    silence = ENVIRONMENT["HINDSIGHT_SILENT_CLOSE_SECONDS"][2]  # the default
 
     cctx = zstandard.ZstdCompressor(level=9)
     for unit in units:
@@ -466,7 +473,8 @@ def ingest_units(
                 )
             if (n + 1) % 1000 == 0:
                 log(f"  unit {unit}: {n + 1} batches indexed")
-        log(f"  unit {unit}: finished-run work ...")
+        lost = close_silent(sessions, silence=silence, now=now + silence + 1)
+        log(f"  unit {unit}: {lost} runs closed lost; finished-run work ...")
         drain(sessions, blobs)
 
 
