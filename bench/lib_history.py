@@ -29,6 +29,7 @@ a long-lived idle cluster adds a manifest row per second to its session, not to 
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Iterator
@@ -443,10 +444,17 @@ def ingest_units(
     log: Any = print,
 ) -> None:
     """Units through the real path: each batch compressed and stored in the blob store,
-    indexed by ``storage.ingest.writer.index_batch`` at its receive time, then every finished
-    run's finished-run work (``storage.jobs.finish``: fold, compacted copy, profile, lake)."""
+    indexed by ``storage.ingest.writer.index_batch`` at its receive time, the runs that
+    never finished closed ``lost`` once their session has been silent for the default
+    ``HINDSIGHT_SILENT_CLOSE_SECONDS`` (as the collectors' finish workers do; a history is
+    days old), then every ended run's finished-run work (``storage.jobs.finish``: fold,
+    compacted copy, profile, lake)."""
+    from storage.core.config import ENVIRONMENT
     from storage.ingest.writer import index_batch
     from storage.jobs.finish import drain
+    from storage.jobs.silent import close_silent
+
+    silence = ENVIRONMENT["HINDSIGHT_SILENT_CLOSE_SECONDS"][2]  # the default
 
     cctx = zstandard.ZstdCompressor(level=9)
     for unit in units:
@@ -466,7 +474,8 @@ def ingest_units(
                 )
             if (n + 1) % 1000 == 0:
                 log(f"  unit {unit}: {n + 1} batches indexed")
-        log(f"  unit {unit}: finished-run work ...")
+        lost = close_silent(sessions, silence=silence, now=now + silence + 1)
+        log(f"  unit {unit}: {lost} runs closed lost; finished-run work ...")
         drain(sessions, blobs)
 
 
@@ -489,6 +498,7 @@ COPIED = {
     "run_activity",
     "run_metrics",
     "run_batch_lists",
+    "run_worker_lists",
     "run_code",
     "run_profiles",
     "lake_runs",
@@ -515,6 +525,8 @@ class Template:
     metrics: dict[int, Any] | None = None
     #: the template runs' packed batch lists, decoded
     batch_lists: dict[int, list[tuple[int, int]]] | None = None
+    #: the template runs' packed workers, decoded
+    workers: dict[int, list[Any]] | None = None
 
     @classmethod
     def read(cls, conn: Any, tenant_id: int) -> Template:
@@ -771,8 +783,10 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
     from storage.runs.packed import (
         pack_activity,
         pack_batch_list,
+        pack_worker_list,
         unpack_activity,
         unpack_batch_list,
+        unpack_worker_list,
     )
 
     if tm.metrics is None:
@@ -788,6 +802,24 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         if old in tm.metrics
     ]
     execute_values(cur, "INSERT INTO run_metrics (run_id, data) VALUES %s", packed)
+    # a finished run's packed workers: their first start and last stop shifted the same way
+    if tm.workers is None:
+        lo_r, hi_r = tm.ranges["runs"]
+        cur.execute(
+            "SELECT run_id, data FROM run_worker_lists WHERE run_id BETWEEN %s AND %s",
+            (lo_r, hi_r),
+        )
+        tm.workers = {r: unpack_worker_list(bytes(d)) for r, d in cur.fetchall()}
+    cur.execute("SELECT _r.new, _r.old, _u.shift FROM _r JOIN _u ON _u.unit = _r.unit")
+    packed = []
+    for new, old, shift in cur.fetchall():
+        if old in tm.workers:
+            moved = [copy.copy(w) for w in tm.workers[old]]
+            for w in moved:
+                w.first_start = None if w.first_start is None else w.first_start + shift
+                w.last_stop = None if w.last_stop is None else w.last_stop + shift
+            packed.append((new, pack_worker_list(moved)))
+    execute_values(cur, "INSERT INTO run_worker_lists (run_id, data) VALUES %s", packed)
     # a finished run's packed batch list: batch ids inside the bytes, renumbered here as
     # ``nid`` renumbers them (one offset a unit)
     if tm.batch_lists is None:

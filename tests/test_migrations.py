@@ -200,11 +200,17 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
         counts = move_detail(blobs, sessions)
         assert counts["runs"] == 2 and counts["packed_rows"] > 0
         with engine.connect() as conn:
-            for table in ("run_activity", "run_prefix_hist", "run_batches"):
+            for table in ("run_activity", "run_prefix_hist", "run_batches", "run_workers"):
                 assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() == 0
-            for table in ("run_metrics", "run_batch_lists"):
+            for table in ("run_metrics", "run_batch_lists", "run_worker_lists"):
                 assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() == 2
         assert answers(sessions, tenant) == before
         assert before["activity"]["run-1"]["activity"] and before["hists"]["run-1"]
         assert move_detail(blobs, sessions)["runs"] == 0
+        # the packed workers go back to rows on a downgrade, and read the same after
+        _downgrade(engine, "0020")
+        upgrade(engine)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM run_workers")).scalar_one() > 0
+        assert answers(sessions, tenant) == before
         engine.dispose()

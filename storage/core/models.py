@@ -206,6 +206,15 @@ class RunBatchList(Base):
     data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+class RunWorkerList(Base):
+    """A finished run's ``run_workers`` rows packed into one (``storage.runs.packed``).
+    Readers merge it with any ``run_workers`` rows a late batch wrote since."""
+
+    __tablename__ = "run_worker_lists"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class RunPrefix(Base):
     """Per-run per-prefix rollup of task records."""
 

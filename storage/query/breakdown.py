@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import and_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from storage.core import models as m
+from storage.runs import packed
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:
@@ -18,6 +19,37 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
             total += hi - max(lo, end)
             end = hi
     return total
+
+
+def _run_workers(db: Session, run_ids: list[int]) -> list[tuple[Any, ...]]:
+    """(worker's seconds, run's task start and stop, worker's threads, joined and left)
+    for every worker of every run."""
+    R, W = m.Run, m.Worker
+    runs = {
+        r: (s, start, stop)
+        for r, s, start, stop in db.execute(
+            select(R.id, R.session_id, R.task_start, R.task_stop).where(R.id.in_(run_ids))
+        )
+    }
+    used = {r: ws for r, ws in packed.run_workers(db, run_ids).items() if r in runs}
+    known: dict[tuple[int, str], tuple[Any, ...]] = {}
+    for session_id in sorted({runs[r][0] for r in used}):
+        addresses = sorted(
+            {w.worker for r, ws in used.items() if runs[r][0] == session_id for w in ws}
+        )
+        for i in range(0, len(addresses), 5000):
+            for address, *info in db.execute(
+                select(W.address, W.nthreads, W.joined_at, W.left_at).where(
+                    W.session_id == session_id, W.address.in_(addresses[i : i + 5000])
+                )
+            ):
+                known[(session_id, address)] = tuple(info)
+    return [
+        (w, start, stop, *known.get((session_id, w.worker), (None, None, None)))
+        for r, ws in used.items()
+        for session_id, start, stop in [runs[r]]
+        for w in ws
+    ]
 
 
 def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
@@ -41,22 +73,7 @@ def time_breakdown(db: Session, run_ids: list[int]) -> dict[str, Any]:
             "idle": 0.0,
             "workers": [],
         }
-    rows = db.execute(
-        select(
-            m.RunWorker,
-            m.Run.task_start,
-            m.Run.task_stop,
-            m.Worker.nthreads,
-            m.Worker.joined_at,
-            m.Worker.left_at,
-        )
-        .join(m.Run, m.Run.id == m.RunWorker.run_id)
-        .outerjoin(
-            m.Worker,
-            and_(m.Worker.session_id == m.Run.session_id, m.Worker.address == m.RunWorker.worker),
-        )
-        .where(m.RunWorker.run_id.in_(run_ids))
-    ).all()
+    rows = _run_workers(db, run_ids)
     per_worker: dict[str, dict[str, float]] = {}
     tot = {"capacity": 0.0, "compute": 0.0, "transfer": 0.0, "spill": 0.0, "other": 0.0}
     # Each worker's spans (per thread count), so runs that overlapped on it count its

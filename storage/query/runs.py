@@ -342,11 +342,12 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
     unclosed = [a["agent"] for a in agents if not a["final"] and a["agent"].startswith("worker-")]
     if not unclosed:
         return []
-    W, RW = m.Worker, m.RunWorker
+    W = m.Worker
+    used = [w.worker for w in packed.run_workers(db, [run.id]).get(run.id, [])]
     names = db.scalars(
-        select(W.name)
-        .join(RW, and_(RW.worker == W.address, RW.run_id == run.id))
-        .where(W.session_id == run.session_id, W.name.is_not(None))
+        select(W.name).where(
+            W.session_id == run.session_id, W.address.in_(used), W.name.is_not(None)
+        )
     ).all()
     prefixes = tuple(_worker_agent_prefix(n) for n in names)
     mine = [a for a in unclosed if prefixes and a.startswith(prefixes)]
@@ -480,9 +481,7 @@ def run_detail(
             "first_start": w.first_start,
             "last_stop": w.last_stop,
         }
-        for w in db.execute(
-            select(m.RunWorker).where(m.RunWorker.run_id == run.id).order_by(m.RunWorker.worker)
-        ).scalars()
+        for w in packed.run_workers(db, [run.id]).get(run.id, [])
     ]
     detail.update(
         tasks_by_status={s: c for s, c in sorted(statuses)},

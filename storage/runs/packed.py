@@ -12,7 +12,9 @@ cost dominated the catalog (decision 0034): the finisher (``storage.runs.rollups
 - all the run's fine metrics into one ``run_metrics`` row (:func:`pack_activity`);
 - the list of the batches that hold its records (``run_batches``: one row per batch) into
   one ``run_batch_lists`` row (:func:`pack_batch_list`), which the finished-run work reads
-  to version and rebuild its copies (:func:`run_batches`).
+  to version and rebuild its copies (:func:`run_batches`);
+- its per-worker seconds (``run_workers``: one row per worker) into one
+  ``run_worker_lists`` row (:func:`pack_worker_list`; read by :func:`run_workers`).
 
 Packing deletes the rows it packs (``DELETE ... RETURNING``) and merges them with what
 was packed before, in one transaction serialised on the run's row, exactly like a fold:
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -288,8 +291,117 @@ def pack_batches(db: Session, run_id: int) -> int:
     return len(deleted)
 
 
+# ------------------------------------------------------------------ the run's workers
+@dataclass(slots=True)
+class WorkerSeconds:
+    """A run's tasks and seconds on one worker (the columns of ``run_workers``)."""
+
+    worker: str
+    tasks: int = 0
+    errors: int = 0
+    compute: float = 0.0
+    transfer: float = 0.0
+    disk_read: float = 0.0
+    disk_write: float = 0.0
+    other: float = 0.0
+    first_start: float | None = None
+    last_stop: float | None = None
+
+    def add(self, row: Any) -> None:
+        """Add a row (or another WorkerSeconds) as ingest's upsert does."""
+        for c in _WORKER_SUMS:
+            setattr(self, c, getattr(self, c) + getattr(row, c))
+        if row.first_start is not None:
+            fs = self.first_start
+            self.first_start = row.first_start if fs is None else min(fs, row.first_start)
+        if row.last_stop is not None:
+            ls = self.last_stop
+            self.last_stop = row.last_stop if ls is None else max(ls, row.last_stop)
+
+
+_WORKER_SUMS = ("tasks", "errors", "compute", "transfer", "disk_read", "disk_write", "other")
+_WORKER_SECONDS = _WORKER_SUMS[2:]
+_WORKER_COLUMNS = (*_WORKER_SUMS, "first_start", "last_stop")
+
+
+def _small(v: float | None) -> float | int | None:
+    return 0 if v == 0 else v  # msgpack: 1 byte, not 9 (a worker that never spilled)
+
+
+def pack_worker_list(workers: Iterable[WorkerSeconds]) -> bytes:
+    """Per-worker rows as zstd-compressed msgpack (addresses repeat their host part)."""
+    rows = [
+        [w.worker, *(_small(getattr(w, c)) for c in _WORKER_COLUMNS)]
+        for w in sorted(workers, key=lambda w: w.worker)
+    ]
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(_encoder.encode(rows))
+
+
+def unpack_worker_list(data: bytes | None) -> list[WorkerSeconds]:
+    if not data:
+        return []
+    out = []
+    for worker, tasks, errors, *seconds, first, last in msgspec.msgpack.decode(
+        zstandard.ZstdDecompressor().decompress(data)
+    ):
+        w = WorkerSeconds(worker, int(tasks), int(errors), first_start=first, last_stop=last)
+        for c, v in zip(_WORKER_SECONDS, seconds, strict=True):
+            setattr(w, c, float(v))
+        out.append(w)
+    return out
+
+
+def run_workers(db: Session, run_ids: Iterable[int]) -> dict[int, list[WorkerSeconds]]:
+    """Per run: its workers' tasks and seconds by worker address, packed and rows merged."""
+    ids = sorted(set(run_ids))
+    found: dict[int, dict[str, WorkerSeconds]] = defaultdict(dict)
+    L, RW = m.RunWorkerList, m.RunWorker
+    for i in range(0, len(ids), 5000):
+        chunk = ids[i : i + 5000]
+        for r, data in db.execute(select(L.run_id, L.data).where(L.run_id.in_(chunk))):
+            for w in unpack_worker_list(data):
+                found[r][w.worker] = w
+        for row in db.execute(select(RW).where(RW.run_id.in_(chunk))).scalars():
+            found[row.run_id].setdefault(row.worker, WorkerSeconds(row.worker)).add(row)
+    return {r: sorted(ws.values(), key=lambda w: w.worker) for r, ws in sorted(found.items())}
+
+
+def pack_workers(db: Session, run_id: int) -> int:
+    """Move the run's ``run_workers`` rows into its ``run_worker_lists`` row (the caller
+    holds the run's row lock); returns how many rows went."""
+    RW = m.RunWorker.__table__
+    L = m.RunWorkerList.__table__
+    deleted = db.execute(
+        delete(RW)
+        .where(RW.c.run_id == run_id)
+        .returning(RW.c.worker, *(RW.c[c] for c in _WORKER_COLUMNS))
+    ).all()
+    if not deleted:
+        return 0
+    have = {
+        w.worker: w
+        for w in unpack_worker_list(
+            db.execute(select(L.c.data).where(L.c.run_id == run_id)).scalar_one_or_none()
+        )
+    }
+    for row in deleted:
+        have.setdefault(row.worker, WorkerSeconds(row.worker)).add(row)
+    insert, _, _ = dialect_functions(db.get_bind().dialect.name)
+    ins = insert(L)
+    db.execute(
+        ins.on_conflict_do_update(index_elements=["run_id"], set_={"data": ins.excluded.data}),
+        [{"run_id": run_id, "data": pack_worker_list(have.values())}],
+    )
+    return len(deleted)
+
+
 def pack_run(db: Session, run_id: int) -> int:
-    """Pack the run's histogram, fine-metric and batch rows (after taking its row lock,
-    in the order ingest takes it); returns how many rows went."""
+    """Pack the run's histogram, fine-metric, batch and worker rows (after taking its row
+    lock, in the order ingest takes it); returns how many rows went."""
     db.execute(select(m.Run.id).where(m.Run.id == run_id).with_for_update(key_share=True))
-    return pack_hists(db, run_id) + pack_metrics(db, run_id) + pack_batches(db, run_id)
+    return (
+        pack_hists(db, run_id)
+        + pack_metrics(db, run_id)
+        + pack_batches(db, run_id)
+        + pack_workers(db, run_id)
+    )

@@ -47,6 +47,7 @@ def with_activity(batches: list[Batch]) -> list[Batch]:
 def answers(sessions: Any, tenant: str) -> dict[str, Any]:
     from storage.query.activity import history as activity_history
     from storage.query.activity import run_activity
+    from storage.query.breakdown import time_breakdown
     from storage.query.explain import _activity, _prefix_facts
     from storage.query.history import prefix_history
     from storage.query.summary import merged_hists
@@ -79,6 +80,8 @@ def answers(sessions: Any, tenant: str) -> dict[str, Any]:
                     for p in (None, "inc")
                     for u in ("seconds", "bytes")
                 ],
+                "workers": {k: _workers(db, r) for k, r in sorted(runs.items())},
+                "breakdown": time_breakdown(db, ids),
                 "prefix_history": [  # by hour from the runs' rows, by day from prefix_days
                     prefix_history(db, tid, p, "compute", bucket, None, None)
                     for p in ("inc", "add", "sum-aggregate")
@@ -86,6 +89,13 @@ def answers(sessions: Any, tenant: str) -> dict[str, Any]:
                 ],
             }
         )
+
+
+def _workers(db: Any, run_id: int) -> list[dict[str, Any]]:
+    """The run page's workers (``GET /v1/runs/{id}``'s ``workers``)."""
+    from storage.query.runs import run_detail
+
+    return run_detail(db, db.get(m.Run, run_id), "cluster", "session")["workers"]
 
 
 def batches_of(db: Any, run_id: int) -> list[tuple[str, int]]:
@@ -101,7 +111,7 @@ def rows_left(sessions: Any, tenant: str) -> int:
         runs = select(m.Run.id).join(m.Tenant).where(m.Tenant.name == tenant)
         return sum(
             db.execute(select(func.count()).select_from(t).where(t.run_id.in_(runs))).scalar_one()
-            for t in (m.RunActivity, m.RunPrefixHist, m.RunBatch)
+            for t in (m.RunActivity, m.RunPrefixHist, m.RunBatch, m.RunWorker)
         )
 
 
@@ -139,8 +149,26 @@ def test_packing_changes_no_answer_and_late_batches_count_once(sessions):
         runs = select(m.Run.id).join(m.Tenant).where(m.Tenant.name == packs)
         n = db.execute(select(func.count()).where(m.RunMetrics.run_id.in_(runs))).scalar_one()
     assert n == 2  # one row a run
+    assert want["workers"]["run-1"] and want["breakdown"]["workers"]
     assert sum(len(v) for v in want["batches"].values()) == 12 + 12  # each batch has both runs
     assert sum(t for v in want["batches"].values() for _, t in v) == 12 * 25
+
+
+def test_a_worker_list_packs_and_unpacks_to_itself():
+    rng = random.Random(5)
+    for _ in range(20):
+        workers = [
+            packed.WorkerSeconds(
+                f"tcp://10.0.0.{i}:{rng.randrange(1, 65536)}",
+                rng.randrange(10**6),
+                rng.randrange(10),
+                *(rng.choice([0.0, rng.random() * 100]) for _ in range(5)),
+                *rng.choice([(None, None), (1.8e9 + rng.random(), 1.8e9 + 10 + rng.random())]),
+            )
+            for i in range(rng.randrange(6))
+        ]
+        want = sorted(workers, key=lambda w: w.worker)
+        assert packed.unpack_worker_list(packed.pack_worker_list(workers)) == want
 
 
 def test_a_batch_list_packs_and_unpacks_to_itself():
