@@ -311,7 +311,7 @@ class PrefixDay(Base):
     count: Mapped[int] = mapped_column(BigInteger)
     total: Mapped[float] = mapped_column(Float)
     max: Mapped[float] = mapped_column(Float)
-    # The histogram packed (storage.runs.packed.pack_hist; migration 0020): ~2 bytes a
+    # The histogram packed (storage.analysis.sketch.pack_hist; migration 0020): ~2 bytes a
     # bucket where its JSON ``buckets`` took ~10 (those of earlier rows; {} since)
     buckets: Mapped[dict[str, Any]] = mapped_column(JSON(none_as_null=True))
     hist: Mapped[bytes | None] = mapped_column(LargeBinary)
