@@ -458,7 +458,9 @@ def ingest_units(
 
     cctx = zstandard.ZstdCompressor(level=9)
     for unit in units:
+        last = 0.0  # the unit's latest receive time (its batches go by agent, not by time)
         for n, (sent, now) in enumerate(unit_batches(unit, tmpl)):
+            last = max(last, now)
             raw = sent.raw()
             body = cctx.compress(raw)
             blobs.put(sent.key, body, if_absent=True)
@@ -474,7 +476,7 @@ def ingest_units(
                 )
             if (n + 1) % 1000 == 0:
                 log(f"  unit {unit}: {n + 1} batches indexed")
-        lost = close_silent(sessions, silence=silence, now=now + silence + 1)
+        lost = close_silent(sessions, silence=silence, now=last + silence + 1)
         log(f"  unit {unit}: {lost} runs closed lost; finished-run work ...")
         drain(sessions, blobs)
 
