@@ -152,9 +152,10 @@ def test_a_populated_index_of_revision_0017_migrates_and_its_rows_pack(tmp_path)
     batch's blob key stored, prefix_days' histograms as JSON) upgrades to head: the keys
     the names give are cleared and read the same, the JSON histograms read as the packed
     ones did, and ``hindsight reindex --detail`` (``move_detail``) packs each finished
-    run's rows into ``run_prefix_actions.hist`` and ``run_metrics``: none left, every
-    answer the same, and a second pass packs nothing. On SQLite and on a Postgres database
-    of its own."""
+    run's rows into ``run_prefix_actions.hist``, ``run_metrics``, ``run_batch_lists`` and
+    ``run_worker_lists``: none left, every answer the same, a second pass packs nothing,
+    and after 0021's downgrade (worker rows written back) and the upgrade, the answers are
+    the same again. On SQLite and on a Postgres database of its own."""
     _on_sqlite_and_postgres(tmp_path, _migrate_and_pack)
 
 
