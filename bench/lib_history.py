@@ -29,11 +29,10 @@ a long-lived idle cluster adds a manifest row per second to its session, not to 
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -781,7 +780,6 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         cur.execute(
             f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"
         )
-    # a finished run's packed fine metrics: times inside the bytes, shifted here
     from storage.runs.packed import (
         pack_activity,
         pack_batch_list,
@@ -791,55 +789,51 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
         unpack_worker_list,
     )
 
-    if tm.metrics is None:
-        lo_r, hi_r = tm.ranges["runs"]
-        cur.execute(
-            "SELECT run_id, data FROM run_metrics WHERE run_id BETWEEN %s AND %s", (lo_r, hi_r)
-        )
-        tm.metrics = {r: unpack_activity(bytes(d)) for r, d in cur.fetchall()}
-    cur.execute("SELECT _r.new, _r.old, _u.shift FROM _r JOIN _u ON _u.unit = _r.unit")
-    packed = [
-        (new, pack_activity({k: (t + shift, v) for k, (t, v) in tm.metrics[old].items()}))
-        for new, old, shift in cur.fetchall()
-        if old in tm.metrics
-    ]
-    execute_values(cur, "INSERT INTO run_metrics (run_id, data) VALUES %s", packed)
-    # a finished run's packed workers: their first start and last stop shifted the same way
-    if tm.workers is None:
-        lo_r, hi_r = tm.ranges["runs"]
-        cur.execute(
-            "SELECT run_id, data FROM run_worker_lists WHERE run_id BETWEEN %s AND %s",
-            (lo_r, hi_r),
-        )
-        tm.workers = {r: unpack_worker_list(bytes(d)) for r, d in cur.fetchall()}
-    cur.execute("SELECT _r.new, _r.old, _u.shift FROM _r JOIN _u ON _u.unit = _r.unit")
-    packed = []
-    for new, old, shift in cur.fetchall():
-        if old in tm.workers:
-            moved = [copy.copy(w) for w in tm.workers[old]]
-            for w in moved:
-                w.first_start = None if w.first_start is None else w.first_start + shift
-                w.last_stop = None if w.last_stop is None else w.last_stop + shift
-            packed.append((new, pack_worker_list(moved)))
-    execute_values(cur, "INSERT INTO run_worker_lists (run_id, data) VALUES %s", packed)
-    # a finished run's packed batch list: batch ids inside the bytes, renumbered here as
-    # ``nid`` renumbers them (one offset a unit)
-    if tm.batch_lists is None:
-        lo_r, hi_r = tm.ranges["runs"]
-        cur.execute(
-            "SELECT run_id, data FROM run_batch_lists WHERE run_id BETWEEN %s AND %s",
-            (lo_r, hi_r),
-        )
-        tm.batch_lists = {r: unpack_batch_list(bytes(d)) for r, d in cur.fetchall()}
-    cur.execute("SELECT _r.new, _r.old, _u.rank FROM _r JOIN _u ON _u.unit = _r.unit")
-    lists = []
-    for new, old, rank in cur.fetchall():
-        if old in tm.batch_lists:
-            off = base["batches"] + rank * span["batches"] - lo["batches"] + 1
-            lists.append((new, pack_batch_list([(b + off, t) for b, t in tm.batch_lists[old]])))
-    execute_values(cur, "INSERT INTO run_batch_lists (run_id, data) VALUES %s", lists)
+    # a finished run's packed values hold times (fine metrics, workers: shifted per unit)
+    # and batch ids (its batch list: renumbered as ``nid`` renumbers them, one offset a unit)
+    _copy_packed(
+        cur, tm, "metrics", "run_metrics", unpack_activity, "shift",
+        lambda m, shift: pack_activity({k: (t + shift, v) for k, (t, v) in m.items()}),
+    )  # fmt: skip
+    _copy_packed(
+        cur, tm, "workers", "run_worker_lists", unpack_worker_list, "shift",
+        lambda ws, shift: pack_worker_list([_shifted(w, shift) for w in ws]),
+    )  # fmt: skip
+
+    def renumbered(batches: list[tuple[int, int]], rank: int) -> bytes:
+        off = base["batches"] + rank * span["batches"] - lo["batches"] + 1
+        return pack_batch_list([(b + off, t) for b, t in batches])
+
+    _copy_packed(cur, tm, "batch_lists", "run_batch_lists", unpack_batch_list, "rank", renumbered)
     cur.execute("DROP TABLE _u, _c, _r, _pdata")
     conn.commit()
+
+
+def _copy_packed(
+    cur: Any, tm: Template, attr: str, table: str, unpack: Any, column: str, repack: Any
+) -> None:
+    """Copy the template runs' packed ``table`` rows to the new runs: each value decoded
+    once (kept as ``tm.<attr>``) and packed again by ``repack(value, x)``, ``x`` the new
+    run's unit's ``column`` (its time shift or its rank)."""
+    if getattr(tm, attr) is None:
+        lo_r, hi_r = tm.ranges["runs"]
+        cur.execute(
+            f"SELECT run_id, data FROM {table} WHERE run_id BETWEEN %s AND %s", (lo_r, hi_r)
+        )
+        setattr(tm, attr, {r: unpack(bytes(d)) for r, d in cur.fetchall()})
+    have = getattr(tm, attr)
+    cur.execute(f"SELECT _r.new, _r.old, _u.{column} FROM _r JOIN _u ON _u.unit = _r.unit")
+    rows = [(new, repack(have[old], x)) for new, old, x in cur.fetchall() if old in have]
+    execute_values(cur, f"INSERT INTO {table} (run_id, data) VALUES %s", rows)
+
+
+def _shifted(w: Any, shift: float) -> Any:
+    """A packed worker row with its times moved by ``shift``."""
+    return replace(
+        w,
+        first_start=None if w.first_start is None else w.first_start + shift,
+        last_stop=None if w.last_stop is None else w.last_stop + shift,
+    )
 
 
 # ------------------------------------------------------------------ real = bulk?
