@@ -33,6 +33,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -447,13 +448,16 @@ def ingest_units(
     never finished closed ``lost`` once their session has been silent for the default
     ``HINDSIGHT_SILENT_CLOSE_SECONDS`` (as the collectors' finish workers do; a history is
     days old), then every ended run's finished-run work (``storage.jobs.finish``: fold,
-    compacted copy, profile, lake)."""
+    compacted copy, profile, lake), and last the manifest rows collapsed once they are
+    ``HINDSIGHT_MANIFEST_COLLAPSE_SECONDS`` old (as the finish workers do)."""
     from storage.core.config import ENVIRONMENT
+    from storage.core.manifest import collapse_due
     from storage.ingest.writer import index_batch
     from storage.jobs.finish import drain
     from storage.jobs.silent import close_silent
 
-    silence = ENVIRONMENT["HINDSIGHT_SILENT_CLOSE_SECONDS"][2]  # the default
+    silence = ENVIRONMENT["HINDSIGHT_SILENT_CLOSE_SECONDS"][2]  # the defaults
+    collapse = ENVIRONMENT["HINDSIGHT_MANIFEST_COLLAPSE_SECONDS"][2]
 
     cctx = zstandard.ZstdCompressor(level=9)
     for unit in units:
@@ -478,6 +482,8 @@ def ingest_units(
         lost = close_silent(sessions, silence=silence, now=last + silence + 1)
         log(f"  unit {unit}: {lost} runs closed lost; finished-run work ...")
         drain(sessions, blobs)
+        moved = collapse_due(sessions, age=collapse, now=last + collapse + 1)
+        log(f"  unit {unit}: {moved} manifest rows collapsed")
 
 
 # ------------------------------------------------------------------ the bulk path
@@ -505,6 +511,7 @@ COPIED = {
     "lake_runs",
     "finish_jobs",
     "run_states",
+    "manifest_chunks",
 }
 #: The lake's Iceberg catalog (pyiceberg's tables in the index database): one row per lake
 #: table, naming its newest metadata file, not rows per unit.
@@ -668,9 +675,10 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
             FROM sessions s JOIN _c ON _c.old = s.cluster_id JOIN _u ON _u.unit = _c.unit
             WHERE {rng("sessions", "s.id")}""",
         f"""INSERT INTO agents (id, session_id, name, batches, events, max_seq, final_seq,
-              dropped, dropped_seq)
+              dropped, dropped_seq, collapsed_lo, collapsed_hi)
             SELECT {nid("agents", "a.id")}, {nid("sessions", "a.session_id")}, a.name,
-              a.batches, a.events, a.max_seq, a.final_seq, a.dropped, a.dropped_seq
+              a.batches, a.events, a.max_seq, a.final_seq, a.dropped, a.dropped_seq,
+              a.collapsed_lo, a.collapsed_hi
             FROM agents a CROSS JOIN _u WHERE {rng("agents", "a.id")}""",
         f"""INSERT INTO batches (id, agent_id, seq, blob_key, events, bytes, received_at,
               t_min, t_max)
@@ -678,6 +686,13 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
               {marks("b.blob_key")}, b.events, b.bytes, b.received_at + {S}, b.t_min + {S},
               b.t_max + {S}
             FROM batches b CROSS JOIN _u WHERE {rng("batches", "b.id")}""",
+        # a chunk's batch ids and times are steps from its columns: those shift
+        f"""INSERT INTO manifest_chunks (agent_id, seq_lo, seq_hi, id_lo, id_hi, batches,
+              events, bytes, received_lo, received_hi, t_min, t_max, data)
+            SELECT {nid("agents", "x.agent_id")}, x.seq_lo, x.seq_hi, {nid("batches", "x.id_lo")},
+              {nid("batches", "x.id_hi")}, x.batches, x.events, x.bytes, x.received_lo + {S},
+              x.received_hi + {S}, x.t_min + {S}, x.t_max + {S}, x.data
+            FROM manifest_chunks x CROSS JOIN _u WHERE {rng("agents", "x.agent_id")}""",
         "DROP TABLE IF EXISTS _r",
         f"""CREATE TEMP TABLE _r AS SELECT _u.unit, r.id AS old, {nid("runs", "r.id")} AS new,
               r.public_id AS old_pub, uuid_generate_v5('{RUN_NS}', _u.tenant || '/'
@@ -846,10 +861,12 @@ UNCOMPARED = {
     "runs.detail_digest": "a hash over the run's detail object, whose times shift per unit "
     "(the bulk path writes no objects: the bench measures the index)",
     "tenants.created_at": "wall clock",
+    "manifest_chunks.id_lo": "batch ids (the chunk's batches are compared by what they name)",
+    "manifest_chunks.id_hi": "as id_lo",
 }
 #: Compared as table totals within 2%: compressed sizes of bodies and files that differ
 #: only in names (the bulk path cannot recompress).
-APPROX = {"batches.bytes", "lake_files.bytes"}
+APPROX = {"batches.bytes", "manifest_chunks.bytes", "lake_files.bytes"}
 
 
 def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
@@ -858,6 +875,7 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
     different ids compare equal when they hold the same facts. Lake file keys lose their
     content hash; profile trees are compared decoded, frames by digest."""
     from storage.analysis.profile import _arrays
+    from storage.core.manifest import unpack as unpack_chunk
     from storage.runs.packed import unpack_batch_list
 
     out: dict[str, list[tuple[Any, ...]]] = {}
@@ -870,6 +888,9 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
         }
         agents = {i: (*sessions[s], n) for i, s, n in q("SELECT id, session_id, name FROM agents")}
         batches = {i: (*agents[a], n) for i, a, n in q("SELECT id, agent_id, seq FROM batches")}
+        chunks = conn.execute(text("SELECT * FROM manifest_chunks")).all()
+        for chunk in chunks:
+            batches.update((e.id, (*agents[e.agent_id], e.seq)) for e in unpack_chunk(chunk))
         batches[0] = 0
         runs = dict(q("SELECT id, public_id FROM runs"))
         parts = {
@@ -910,6 +931,11 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
                             tuple(parents.tolist()),
                             tuple(frames[int(f)] for f in fids),
                             tuple(counts.tolist()),
+                        )
+                    elif table == "manifest_chunks" and col == "data":
+                        # the bytes of each batch as batches.bytes: approximately
+                        v = tuple(
+                            e._replace(id=0, bytes=0) for e in unpack_chunk(SimpleNamespace(**row))
                         )
                     elif table == "run_batch_lists" and col == "data":
                         v = tuple((batches[b], t) for b, t in unpack_batch_list(bytes(v)))

@@ -154,8 +154,9 @@ def test_a_populated_index_of_revision_0017_migrates_and_its_rows_pack(tmp_path)
     ones did, and ``hindsight reindex --detail`` (``move_detail``) packs each finished
     run's rows into ``run_prefix_actions.hist``, ``run_metrics``, ``run_batch_lists`` and
     ``run_worker_lists``: none left, every answer the same, a second pass packs nothing,
-    and after 0021's downgrade (worker rows written back) and the upgrade, the answers are
-    the same again. On SQLite and on a Postgres database of its own."""
+    its manifest collapsed into chunks and written back as rows by 0022's downgrade reads
+    the same, and after 0021's downgrade (worker rows written back) and the upgrade, the
+    answers are the same again. On SQLite and on a Postgres database of its own."""
     _on_sqlite_and_postgres(tmp_path, _migrate_and_pack)
 
 
@@ -169,9 +170,10 @@ def _batch_keys(sessions: Any) -> dict[int, str]:
 def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
     from storage.core.blobs import open_blob_store
     from storage.core.db import make_sessionmaker
+    from storage.core.manifest import collapse_due
     from storage.jobs.reindex import move_detail
     from tests.conftest import new_tenant
-    from tests.storage.ingest.test_index import apply, synthetic_batches
+    from tests.storage.ingest.test_index import NOW, apply, synthetic_batches
     from tests.storage.runs.test_packed import answers, with_activity
 
     blobs = open_blob_store((tmp_path / "blobs").as_uri())
@@ -208,6 +210,17 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
         assert answers(sessions, tenant) == before
         assert before["activity"]["run-1"]["activity"] and before["hists"]["run-1"]
         assert move_detail(blobs, sessions)["runs"] == 0
+        # a collapsed manifest (0022) goes back to rows on a downgrade, and reads the same
+        collapsed = collapse_due(sessions, age=60.0, now=NOW + 61)
+        # all of them; on SQLite the newest row stays (its ids are never handed out twice)
+        assert collapsed == len(keys) - (engine.dialect.name == "sqlite")
+        assert answers(sessions, tenant) == before
+        _downgrade(engine, "0021")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM batches")).scalar_one() == len(keys)
+        assert _batch_keys(sessions) == keys
+        upgrade(engine)
+        assert answers(sessions, tenant) == before
         # the packed workers go back to rows on a downgrade, and read the same after
         _downgrade(engine, "0020")
         upgrade(engine)

@@ -43,6 +43,7 @@ ENVIRONMENT: dict[str, tuple[str, type, Any]] = {
     "HINDSIGHT_FINISH_SETTLE_SECONDS": ("finish_settle_seconds", float, 5.0),
     "HINDSIGHT_SILENT_CLOSE_SECONDS": ("silent_close_seconds", float, 1800.0),
     "HINDSIGHT_SILENT_AGENTS_SECONDS": ("silent_agents_seconds", float, 60.0),
+    "HINDSIGHT_MANIFEST_COLLAPSE_SECONDS": ("manifest_collapse_seconds", float, 3600.0),
     "HINDSIGHT_ALERTS_ALLOW_PRIVATE": ("alerts_allow_private", bool, False),
     "HINDSIGHT_ALERTS_RETRY_SECONDS": ("alerts_retry_seconds", float, 2.0),
     "HINDSIGHT_PAGE_STREAM_RECTS": ("page_stream_rects", int, 50_000),
@@ -83,6 +84,8 @@ class Settings:
     finish_settle_seconds: float
     silent_close_seconds: float
     silent_agents_seconds: float
+    #: Manifest rows older than this are packed into their agent's chunk (0: never).
+    manifest_collapse_seconds: float
     alerts_allow_private: bool
     alerts_retry_seconds: float
     #: A finished run's page embeds its task stream up to this many start/stops; past it
@@ -156,6 +159,8 @@ def load_settings(
         raise ConfigError("HINDSIGHT_FINISH_SETTLE_SECONDS must not be negative")
     if not values["silent_close_seconds"] >= 0:  # NaN fails too
         raise ConfigError("HINDSIGHT_SILENT_CLOSE_SECONDS must not be negative (0: never)")
+    if not values["manifest_collapse_seconds"] >= 0:  # NaN fails too
+        raise ConfigError("HINDSIGHT_MANIFEST_COLLAPSE_SECONDS must not be negative (0: never)")
     if not 0 < values["alerts_retry_seconds"] < 1e6:
         raise ConfigError("HINDSIGHT_ALERTS_RETRY_SECONDS must be a positive number of seconds")
     if not values["silent_agents_seconds"] > 0:

@@ -104,6 +104,10 @@ class Agent(Base):
     # Cumulative drop counters reported by the agent, as of batch ``dropped_seq``.
     dropped: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     dropped_seq: Mapped[int] = mapped_column(BigInteger, default=-1)
+    # The span of sequence numbers moved into ``manifest_chunks`` (None: none): a batch in
+    # it may be a duplicate though no ``batches`` row says so (storage.core.manifest).
+    collapsed_lo: Mapped[int | None] = mapped_column(BigInteger)
+    collapsed_hi: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Batch(Base):
@@ -125,6 +129,29 @@ class Batch(Base):
     # arrived (a reindex receives everything again).
     t_min: Mapped[float | None] = mapped_column(Float)
     t_max: Mapped[float | None] = mapped_column(Float)
+
+
+class ManifestChunk(Base):
+    """An agent's older ``batches`` rows packed into one (``storage.core.manifest``): the
+    batches' ids, sequence numbers, sizes and times, ~20 bytes a batch; the columns bound
+    them so that readers decode only the chunks a window or an id range reaches."""
+
+    __tablename__ = "manifest_chunks"
+    agent_id: Mapped[int] = mapped_column(
+        ForeignKey("agents.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq_lo: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    seq_hi: Mapped[int] = mapped_column(BigInteger)
+    id_lo: Mapped[int] = mapped_column(BigInteger)
+    id_hi: Mapped[int] = mapped_column(BigInteger)
+    batches: Mapped[int] = mapped_column(Integer)
+    events: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    received_lo: Mapped[float] = mapped_column(Float)
+    received_hi: Mapped[float] = mapped_column(Float)
+    t_min: Mapped[float | None] = mapped_column(Float)
+    t_max: Mapped[float | None] = mapped_column(Float)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Run(Base):
@@ -189,6 +216,8 @@ class RunBatch(Base):
     run has finished, packed into its ``run_batch_lists`` row."""
 
     __tablename__ = "run_batches"
+    # by batch: a collapse of the manifest asks whether a batch is a run's still
+    __table_args__ = (Index("ix_run_batches_batch_id", "batch_id"),)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     batch_id: Mapped[int] = mapped_column(
         ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True

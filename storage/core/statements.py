@@ -18,7 +18,7 @@ from operator import itemgetter
 from typing import Any
 
 import msgspec
-from sqlalchemy import Boolean, and_, bindparam, case, func, select, update
+from sqlalchemy import Boolean, and_, bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from storage.core import models as m
@@ -120,7 +120,16 @@ def statements(dialect: str) -> Statements:
             C.c.id == bindparam("p_cluster_id"),
             C.c.name == bindparam("p_cluster"),
             C.c.tenant_id == bindparam("p_tenant_id"),
+            # a sequence number in the collapsed span may be a duplicate: the slow path
+            # looks (storage.core.manifest); the lock makes a collapse wait for this insert,
+            # or this insert read the span a collapse left
+            or_(
+                A.c.collapsed_hi.is_(None),
+                bindparam("seq", type_=B.c.seq.type) > A.c.collapsed_hi,
+                bindparam("seq", type_=B.c.seq.type) < A.c.collapsed_lo,
+            ),
         )
+        .with_for_update(of=A, key_share=True)
     )
 
     def touch(t: Any) -> Statement:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hindsight.schema import Batch
 from storage.analysis.runfacts import ACTION_COLUMNS
 from storage.analysis.sketch import pack_hist
+from storage.core import manifest
+from storage.core import models as m
 from storage.core.batches import blob_key as canonical_key
 from storage.core.batches import run_public_id
 from storage.core.idcache import IdCache
@@ -185,6 +188,14 @@ def _manifest(
     )
     if cache:
         cache.put(key, (cluster_id, session_id, agent_id))
+    A = m.Agent
+    lo, hi = db.execute(
+        select(A.collapsed_lo, A.collapsed_hi)
+        .where(A.id == agent_id)
+        .with_for_update(key_share=True)
+    ).one()
+    if hi is not None and lo <= batch.seq <= hi and manifest.contains(db, agent_id, batch.seq):
+        return None
     batch_id = db.execute(st.batch, {**row, "agent_id": agent_id}).scalar()
     if batch_id is None:
         return None

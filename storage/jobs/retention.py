@@ -129,15 +129,18 @@ def plan(
         # from a kept volume) lost its runs' history for good, kept runs and all (reindex
         # does not redo what it has). Per cluster: a kept session of another cluster must not
         # hold back the removal of this one's.
-        kept_first = dict(
-            db.execute(
-                select(m.Session.cluster_id, func.min(m.Batch.t_min))
+        kept_first: dict[int, float] = {}
+        for table in (m.Batch, m.ManifestChunk):  # the manifest's rows and its chunks
+            for cluster_id, first in db.execute(
+                select(m.Session.cluster_id, func.min(table.t_min))
                 .join(m.Agent, m.Agent.session_id == m.Session.id)
-                .join(m.Batch, m.Batch.agent_id == m.Agent.id)
+                .join(table, table.agent_id == m.Agent.id)
                 .where(m.Session.id.in_(base), m.Session.id.not_in(expired))
                 .group_by(m.Session.cluster_id)
-            ).all()
-        )
+            ):
+                if first is not None:
+                    have = kept_first.get(cluster_id)
+                    kept_first[cluster_id] = first if have is None else min(have, first)
         clusters = db.scalars(select(m.Cluster.id).where(m.Cluster.tenant_id == tenant_id))
         out.cutoffs = {
             c: min(cutoff, kept_first[c]) if kept_first.get(c) is not None else cutoff
@@ -152,15 +155,17 @@ def plan(
             .group_by(m.Run.session_id)
         ).all()
     )
-    sizes = {
-        sid: (n, b or 0)
+    sizes: dict[int, tuple[int, int]] = {}
+    B, C = m.Batch, m.ManifestChunk
+    for table, count in ((B, func.count(B.id)), (C, func.sum(C.batches))):
         for sid, n, b in db.execute(
-            select(m.Agent.session_id, func.count(m.Batch.id), func.sum(m.Batch.bytes))
-            .join(m.Batch, m.Batch.agent_id == m.Agent.id)
+            select(m.Agent.session_id, count, func.sum(table.bytes))
+            .join(table, table.agent_id == m.Agent.id)
             .where(m.Agent.session_id.in_(expired))
             .group_by(m.Agent.session_id)
-        ).all()
-    }
+        ):
+            have = sizes.get(sid, (0, 0))
+            sizes[sid] = (have[0] + int(n or 0), have[1] + int(b or 0))
     rows = db.execute(
         select(m.Session.id, m.Cluster.name, m.Session.name, m.Session.last_seen)
         .join(m.Cluster, m.Cluster.id == m.Session.cluster_id)

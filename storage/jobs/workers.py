@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from storage.alerts.deliver import deliver_due
 from storage.core.blobs import BlobStore
+from storage.core.manifest import collapse_due
 from storage.jobs.finish import FOLD_CLUSTERS_SECONDS, POLL_SECONDS, fold_clusters, run_due
 from storage.jobs.silent import SILENT_CHECK_SECONDS, close_silent
 from storage.ray.worker import StoreParts, Sweeper, merge_held_at_exit
@@ -50,7 +51,7 @@ class FinishWorker(_PerProcess):
 
     def __init__(self) -> None:
         self._targets: weakref.WeakKeyDictionary[
-            Any, tuple[sessionmaker[Session], BlobStore, float]
+            Any, tuple[sessionmaker[Session], BlobStore, float, float]
         ] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,23 +63,35 @@ class FinishWorker(_PerProcess):
 
     @classmethod
     def register(
-        cls, owner: Any, sessions: sessionmaker[Session], blobs: BlobStore, silence: float = 0.0
+        cls,
+        owner: Any,
+        sessions: sessionmaker[Session],
+        blobs: BlobStore,
+        silence: float = 0.0,
+        collapse: float = 0.0,
     ) -> None:
         """Run ``owner``'s due jobs in this process's worker thread while ``owner`` lives,
-        and close its silent runs (:func:`close_silent`) when ``silence`` is positive."""
-        cls._attach(owner, (sessions, blobs, silence))
+        close its silent runs (:func:`close_silent`) when ``silence`` is positive, and
+        collapse its manifest rows older than ``collapse`` seconds when that is positive
+        (:func:`storage.core.manifest.collapse_due`, every quarter of it)."""
+        cls._attach(owner, (sessions, blobs, silence, collapse))
 
     def _loop(self) -> None:
         last_fold = last_silent = time.monotonic()
+        last_collapse: dict[int, float] = {}
         while not self._stop.wait(POLL_SECONDS):
             with self._lock:
                 targets = list(self._targets.values())
             fold = time.monotonic() - last_fold > FOLD_CLUSTERS_SECONDS
             silent = time.monotonic() - last_silent > SILENT_CHECK_SECONDS
-            for sessions, blobs, silence in targets:
+            for sessions, blobs, silence, collapse in targets:
                 try:
                     if silent and 0 < silence < time.time() - self._started:
                         close_silent(sessions, silence=silence)
+                    since = time.monotonic() - last_collapse.get(id(sessions), 0.0)
+                    if collapse > 0 and since > max(collapse / 4, SILENT_CHECK_SECONDS):
+                        last_collapse[id(sessions)] = time.monotonic()
+                        collapse_due(sessions, age=collapse)
                     # One job a claim: a process stopped mid-job (a restart) leaves that one
                     # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
                     while run_due(sessions, blobs, limit=1) > 0:
@@ -136,7 +149,13 @@ def start(owner: Any, store: StoreParts) -> Sweeper | None:
     a Ray body wakes it). Both hold ``owner`` and ``store`` weakly."""
     s = store.settings
     if s.finish_worker:
-        FinishWorker.register(owner, store.sessions, store.blobs, silence=s.silent_close_seconds)
+        FinishWorker.register(
+            owner,
+            store.sessions,
+            store.blobs,
+            silence=s.silent_close_seconds,
+            collapse=s.manifest_collapse_seconds,
+        )
         AlertSender.register(owner, store.sessions, s.alerts_allow_private, s.alerts_retry_seconds)
     if not s.ray_sweeper:
         return None

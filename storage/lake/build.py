@@ -56,7 +56,10 @@ def run_tag(db: Session, run: m.Run, summary: dict[str, Any]) -> str:
     """The version of a run's lake rows: its summary and the blob keys of its batches
     (stable across a rebuilt index, unlike batch ids)."""
     keys = sorted(
-        k for _, k in packed.batch_keys(db, [b for b, _ in packed.run_batches(db, run.id)])
+        k
+        for _, k in packed.batch_keys(
+            db, run.session_id, [b for b, _ in packed.run_batches(db, run.id)]
+        )
     )
     h = hashlib.sha256(b"lake-v1\n")  # as the lake before Iceberg: migrated runs stay current
     h.update(msgspec.json.encode(summary))

@@ -21,6 +21,7 @@ from storage.analysis.runfacts import (
     makespan,
     seconds_by_action,
 )
+from storage.core import manifest
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, decode_stored
 from storage.core.blobs import BlobStore
@@ -309,15 +310,13 @@ def _silent_workers(db: Session, session_id: int, agents: list[str]) -> list[str
     # A nanny restarts a killed worker under its name: the new worker's agent is not the
     # dead one's and must not hide it. An agent whose first batch begins after
     # the worker left is another process's.
-    A, B = m.Agent, m.Batch
-    first = dict(
-        db.execute(
-            select(A.name, func.min(B.t_min))
-            .join(B, B.agent_id == A.id)
-            .where(A.session_id == session_id, A.name.like("worker-%"))
-            .group_by(A.name)
-        ).all()
-    )
+    A = m.Agent
+    first = {
+        a: lo
+        for a, (lo, _) in manifest.agent_times(
+            db, A.session_id == session_id, A.name.like("worker-%")
+        ).items()
+    }
     return sorted(
         address
         for address, name, left in rows
@@ -353,15 +352,13 @@ def unclosed_worker_agents(db: Session, run: m.Run, completeness: dict[str, Any]
     mine = [a for a in unclosed if prefixes and a.startswith(prefixes)]
     if not mine or run.started_at is None:
         return mine
-    A, B = m.Agent, m.Batch
-    last = dict(
-        db.execute(
-            select(A.name, func.max(B.t_max))
-            .join(B, B.agent_id == A.id)
-            .where(A.session_id == run.session_id, A.name.in_(mine))
-            .group_by(A.name)
-        ).all()
-    )
+    A = m.Agent
+    last = {
+        a: hi
+        for a, (_, hi) in manifest.agent_times(
+            db, A.session_id == run.session_id, A.name.in_(mine)
+        ).items()
+    }
     # Its events reach into the run and stop before the run's end: what it held at the
     # end may be the run's. One whose batches run past the run's end (an adaptive
     # cluster's worker, retired after the run and killed by its nanny 4 s into closing)
@@ -512,7 +509,9 @@ def iter_run_tasks(
     """The run's task records from the blob store, each with the cursor that follows it."""
     after_batch, skip = decode_cursor(cursor, (int, int)) if cursor else (0, 0)
     rows = packed.batch_keys(
-        db, [b for b, tasks in packed.run_batches(db, run.id) if b >= after_batch and tasks > 0]
+        db,
+        run.session_id,
+        [b for b, tasks in packed.run_batches(db, run.id) if b >= after_batch and tasks > 0],
     )
     run_key = run.run_key
     for batch_id, key in rows:

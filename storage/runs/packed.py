@@ -37,6 +37,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from storage.analysis.sketch import add_hist, add_packed, pack_hist, unpack_hist
+from storage.core import manifest
 from storage.core import models as m
 from storage.core.batches import key_of
 from storage.core.statements import dialect_functions
@@ -233,12 +234,27 @@ def run_batches(db: Session, run_id: int) -> list[tuple[int, int]]:
     return sorted(found.items())
 
 
-def batch_keys(db: Session, batch_ids: list[int]) -> list[tuple[int, str]]:
-    """(batch id, blob key) of the batches of ``batch_ids`` that exist, by id."""
+def batch_keys(db: Session, session_id: int, batch_ids: list[int]) -> list[tuple[int, str]]:
+    """(batch id, blob key) of the batches of ``batch_ids`` (of the session ``session_id``)
+    that exist, by id: their manifest rows, or the entries of the chunks their ids reach
+    where they were collapsed (``storage.core.manifest``)."""
     out: list[tuple[int, str]] = []
     ids = sorted(set(batch_ids))
     for i in range(0, len(ids), 5000):
         out += keyed(db, m.Batch.id.in_(ids[i : i + 5000]))
+    missing = set(ids) - {i for i, _ in out}
+    if missing:
+        C = m.ManifestChunk
+        out += [
+            (e.id, e.key)
+            for e in manifest.collapsed(
+                db,
+                m.Agent.session_id == session_id,
+                C.id_hi >= min(missing),
+                C.id_lo <= max(missing),
+            )
+            if e.id in missing
+        ]
     return sorted(out)
 
 

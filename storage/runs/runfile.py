@@ -22,12 +22,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-from sqlalchemy import or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from hindsight.schema import GraphEvent, MetricEvent, StartStop, TaskEvent
 from storage.analysis.rundata import RunData
 from storage.analysis.runfacts import ACTION_COLUMNS, phases_of
+from storage.core import manifest
 from storage.core import models as m
 from storage.core.batches import DEFAULT_RUN, decode_stored
 from storage.core.blobs import BlobStore, LocalBlobStore, put_file
@@ -187,26 +188,41 @@ def session_batches_around(
     lo = min(times) - slack if times else None
     ends = [t for t in (run.finished_at, run.task_stop) if t is not None]
     hi = max(ends) + slack if ends and run.status != "running" else None
-    B = m.Batch
+    B, C = m.Batch, m.ManifestChunk
     by_time = B.t_min.is_not(None)
     if lo is not None:
         by_time &= B.t_max >= lo
     if hi is not None:
         by_time &= B.t_min <= hi
-    by_arrival = B.t_min.is_(None) & B.received_at.between(
-        run.first_seen - slack, run.last_seen + slack
-    )
-    where = [m.Agent.session_id == run.session_id, or_(by_time, by_arrival)]
+    first, last = run.first_seen - slack, run.last_seen + slack
+    by_arrival = B.t_min.is_(None) & B.received_at.between(first, last)
+    where = [m.Agent.session_id == run.session_id]
     if agents is not None:
         where.append(agents)
-    return packed.keyed(db, *where, order=B.id)
+    found = packed.keyed(db, *where, or_(by_time, by_arrival))
+    # the collapsed batches: chunks the window reaches, then each of their batches
+    reach = C.t_min.is_not(None)
+    if lo is not None:
+        reach &= C.t_max >= lo
+    if hi is not None:
+        reach &= C.t_min <= hi
+    for e in manifest.collapsed(
+        db, *where, or_(reach, and_(C.received_hi >= first, C.received_lo <= last))
+    ):
+        if e.t_min is None:
+            taken = first <= e.received_at <= last
+        else:
+            taken = (lo is None or e.t_max >= lo) and (hi is None or e.t_min <= hi)
+        if taken:
+            found.append((e.id, e.key))
+    return sorted(found)
 
 
 def batch_keys(db: Session, run: m.Run) -> list[tuple[int, str, bool]]:
     """The batches that hold the run's records (``True``) and the session's other batches
     received around the run (``False``: metrics and worker-side events carry no run), as
     (batch id, blob key, the run's own), in batch order."""
-    rows = packed.batch_keys(db, [b for b, _ in packed.run_batches(db, run.id)])
+    rows = packed.batch_keys(db, run.session_id, [b for b, _ in packed.run_batches(db, run.id)])
     run_ids = {i for i, _ in rows}
     others = session_batches_around(db, run, METRIC_SLACK_S)
     return sorted(

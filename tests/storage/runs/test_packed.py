@@ -101,7 +101,7 @@ def _workers(db: Any, run_id: int) -> list[dict[str, Any]]:
 def batches_of(db: Any, run_id: int) -> list[tuple[str, int]]:
     """The run's batches as (blob key without its tenant, tasks of the run), by key."""
     tasks = dict(packed.run_batches(db, run_id))
-    keys = packed.batch_keys(db, list(tasks))
+    keys = packed.batch_keys(db, db.get(m.Run, run_id).session_id, list(tasks))
     assert [b for b, _ in keys] == sorted(tasks)
     return sorted((k.split("/", 2)[2], tasks[b]) for b, k in keys)
 

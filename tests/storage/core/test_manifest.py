@@ -1,0 +1,181 @@
+"""The batch manifest collapsed into chunks: every answer is the one its rows gave, a batch
+already indexed is still indexed once, and one never indexed is still taken."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from storage.core import manifest
+from storage.core import models as m
+from storage.jobs import retention
+from storage.runs import runfile
+from tests.storage.ingest.test_index import NOW, apply, snapshot, synthetic_batches
+from tests.storage.runs.test_packed import answers, pack_all, with_activity
+
+
+def test_a_chunk_unpacks_to_its_rows_times_widened_to_whole_milliseconds():
+    rng = random.Random(7)
+    for _ in range(30):
+        rows = []
+        seqs = rng.sample(range(0, 10**6), rng.randrange(1, 60))
+        for seq in seqs:
+            recv = 1.8e9 + rng.random() * 1e5
+            t_min = rng.choice([None, recv - rng.random() * 100])
+            t_max = None if t_min is None else t_min + rng.choice([0.0, rng.random() * 50])
+            key = rng.choice(["", f"legacy/{seq}"])
+            rows.append(
+                manifest._Row(
+                    rng.randrange(1, 10**12),
+                    seq,
+                    key,
+                    rng.randrange(10**5),
+                    rng.randrange(10**7),
+                    recv,
+                    t_min,
+                    t_max,
+                )  # fmt: skip
+            )
+        chunk = manifest.pack(rows)
+
+        class Chunk:
+            agent_id = 9
+            data = chunk["data"]
+            id_lo, seq_lo, received_lo = chunk["id_lo"], chunk["seq_lo"], chunk["received_lo"]
+
+        got = manifest.unpack(Chunk, ("t", "c", "s", "a"))
+        by_seq = sorted(rows, key=lambda r: r.seq)
+        assert [(e.id, e.seq, e.events, e.bytes) for e in got] == [
+            (r.id, r.seq, r.events, r.bytes) for r in by_seq
+        ]
+        for e, r in zip(got, by_seq, strict=True):
+            assert e.key == (r.blob_key or f"v1/t/c/s/a/{r.seq:012d}.json.zst")
+            assert abs(e.received_at - r.received_at) <= 0.0006
+            if r.t_min is None:
+                assert e.t_min is None
+            else:  # a window by event time never loses a batch
+                assert r.t_min - 0.0011 <= e.t_min <= r.t_min + 1e-5
+                assert r.t_max - 1e-5 <= e.t_max <= r.t_max + 0.0011
+        assert chunk["batches"] == len(rows) and chunk["bytes"] == sum(r.bytes for r in rows)
+        # packed again as read (a collapse adding to a chunk): the same, times not widened
+        again = [manifest._Row(e.id, e.seq, e.key, e.events, e.bytes, e.received_at, e.t_min,
+                               e.t_max) for e in manifest.unpack(Chunk)]  # fmt: skip
+        repacked = manifest.pack(again)
+        assert repacked["data"] == chunk["data"]
+        for col, v in chunk.items():
+            assert repacked[col] == pytest.approx(v, abs=0.0011), col
+
+
+def _state(sessions: Any, tenant: str) -> dict[str, Any]:
+    """What readers of the manifest answer: runs and their batches, the session's batches
+    around each run (the compacted copy's and profile's inputs), completeness, retention."""
+    out = answers(sessions, tenant)
+    with sessions() as db:
+        out["detail"] = snapshot(db, tenant)
+        tid = db.execute(select(m.Tenant.id).where(m.Tenant.name == tenant)).scalar_one()
+        for run in db.scalars(select(m.Run).where(m.Run.tenant_id == tid).order_by(m.Run.run_key)):
+            for slack in (0.0, 30.0):
+                keys = runfile.session_batches_around(db, run, slack)
+                out[f"around {run.run_key} {slack}"] = sorted(k.split("/", 2)[2] for _, k in keys)
+            out[f"files {run.run_key}"] = sorted(
+                (k.split("/", 2)[2], mine) for _, k, mine in runfile.batch_keys(db, run)
+            )
+        gone = retention.plan(db, tenant, max_runs=0)
+        out["retention"] = [(s.name, s.runs, s.batches, s.bytes) for s in gone.sessions]
+        kept = retention.plan(db, tenant, max_age=3600.0, now=NOW + 1800)
+        out["cutoffs"] = sorted(kept.cutoffs.values())  # the kept sessions' first events
+    return out
+
+
+def _cached(sessions: Any, tenant: str, batches: list[Any]) -> list[bool]:
+    """``apply`` as a collector does it: through ids cached by a first batch of each
+    agent (ingest's guarded insert)."""
+    from storage.core.batches import blob_key
+    from storage.core.idcache import IdCache
+    from storage.core.tokens import ensure_tenant
+    from storage.ingest.writer import index_batch
+
+    cache = IdCache()
+    done = []
+    for b in batches:
+        with sessions.begin() as db:
+            tid = ensure_tenant(db, tenant, NOW)
+            key = blob_key(tenant, b)
+            done.append(
+                index_batch(
+                    db,
+                    tenant_id=tid,
+                    tenant=tenant,
+                    batch=b,
+                    blob_key=key,
+                    size=100,
+                    now=NOW,
+                    cache=cache,
+                )  # fmt: skip
+            )
+    return done
+
+
+def _rows(sessions: Any, tenant: str) -> int:
+    """The tenant's manifest rows."""
+    with sessions() as db:
+        return db.execute(
+            select(func.count(m.Batch.id))
+            .join(m.Agent)
+            .join(m.Session)
+            .join(m.Cluster)
+            .join(m.Tenant)
+            .where(m.Tenant.name == tenant)
+        ).scalar_one()
+
+
+def test_a_collapsed_manifest_changes_no_answer_and_takes_each_batch_once(sessions):
+    from tests.conftest import new_tenant
+
+    sent = with_activity(synthetic_batches(seed=9))
+    held = [b for b in sent if b.agent == "worker-a" and b.seq == 2]  # in a spool meanwhile
+    tenant = new_tenant()
+    assert all(apply(sessions, tenant, [b for b in sent if b not in held]))
+    pack_all(sessions, tenant)
+    want = _state(sessions, tenant)
+    assert want["retention"] and all(want[k] for k in want if k.startswith("around"))
+
+    assert manifest.collapse_due(sessions, age=60.0, now=NOW + 30) == 0  # too young
+    assert _rows(sessions, tenant) == len(sent) - len(held)
+    manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
+    # on SQLite the newest row of the table stays (its ids are never handed out twice)
+    assert _rows(sessions, tenant) == (1 if sessions.kw["bind"].dialect.name == "sqlite" else 0)
+    assert _state(sessions, tenant) == want
+
+    # every batch already taken is a duplicate still, in any order, in chunks or not
+    again = [b for b in sent if b not in held]
+    random.Random(3).shuffle(again)
+    assert apply(sessions, tenant, again) == [False] * len(again)
+    assert _cached(sessions, tenant, again + again) == [False] * 2 * len(again)
+    assert _state(sessions, tenant) == want
+    # the one never taken (a gap in the collapsed span) is taken, once
+    assert apply(sessions, tenant, held) == [True]
+    assert apply(sessions, tenant, held) == [False]
+    pack_all(sessions, tenant)
+    whole = new_tenant()
+    apply(sessions, whole, sent)
+    pack_all(sessions, whole)
+    assert _state(sessions, tenant) == _state(sessions, whole)
+    # collapsed again: the batch taken joins its agent's chunk
+    manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
+    assert _rows(sessions, tenant) == 0
+    with sessions() as db:
+        chunks = db.scalars(
+            select(m.ManifestChunk.batches)
+            .join(m.Agent)
+            .join(m.Session)
+            .join(m.Cluster)
+            .join(m.Tenant)
+            .where(m.Tenant.name == tenant)
+        ).all()
+    assert sorted(chunks) == [4, 4, 4]  # one chunk an agent, of its four batches
+    assert _state(sessions, tenant) == _state(sessions, whole)
+    assert apply(sessions, tenant, sent) == [False] * len(sent)
