@@ -424,8 +424,13 @@ def audit(db_url: str, blobs: Any, tenant: str, sent: dict[str, Any]) -> dict[st
             rows = conn.execute(
                 text(
                     "SELECT a.name, a.batches, a.events, a.max_seq, a.final_seq, "
-                    "(SELECT count(*) FROM batches b WHERE b.agent_id = a.id), "
-                    "(SELECT coalesce(sum(b.events), 0) FROM batches b WHERE b.agent_id = a.id) "
+                    # the manifest's rows and its collapsed chunks (decision 0037)
+                    "(SELECT count(*) FROM batches b WHERE b.agent_id = a.id) + "
+                    "(SELECT coalesce(sum(c.batches), 0) FROM manifest_chunks c "
+                    " WHERE c.agent_id = a.id), "
+                    "(SELECT coalesce(sum(b.events), 0) FROM batches b WHERE b.agent_id = a.id) + "
+                    "(SELECT coalesce(sum(c.events), 0) FROM manifest_chunks c "
+                    " WHERE c.agent_id = a.id) "
                     "FROM agents a JOIN sessions s ON s.id = a.session_id "
                     "JOIN clusters c ON c.id = s.cluster_id JOIN tenants t ON t.id = c.tenant_id "
                     "WHERE t.name = :tenant"

@@ -179,3 +179,60 @@ def test_a_collapsed_manifest_changes_no_answer_and_takes_each_batch_once(sessio
     assert sorted(chunks) == [4, 4, 4]  # one chunk an agent, of its four batches
     assert _state(sessions, tenant) == _state(sessions, whole)
     assert apply(sessions, tenant, sent) == [False] * len(sent)
+
+
+def test_collapses_racing_ingest_count_every_batch_once(pg_url):
+    """Collapses run over and over while batches arrive, new ones and retries of ones
+    already collapsed or being collapsed, through the collector's cached path: each batch
+    is in the manifest once, the agent's counters count it once (Postgres: SQLite has one
+    writer at a time)."""
+    import threading
+
+    from hindsight.schema import Batch
+    from storage.core.db import make_engine, make_sessionmaker
+    from tests.conftest import new_tenant
+
+    engine = make_engine(pg_url)
+    sessions = make_sessionmaker(engine)
+    tenant = new_tenant()
+    n = 240
+    sent = [Batch(1, "c", "s", f"w-{a}", seq, []) for seq in range(n) for a in range(2)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def collapse() -> None:
+        try:
+            while not stop.is_set():
+                manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=collapse) for _ in range(2)]
+    for t in threads:
+        t.start()
+    rng = random.Random(5)
+    try:
+        for i in range(0, len(sent), 40):  # the next 40, then 40 retries of any before
+            _cached(sessions, tenant, sent[i : i + 40])
+            _cached(sessions, tenant, rng.sample(sent[: i + 40], 40))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors
+    manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
+    with sessions() as db:
+        agents = db.execute(
+            select(m.Agent.id, m.Agent.name, m.Agent.batches)
+            .join(m.Session)
+            .join(m.Cluster)
+            .join(m.Tenant)
+            .where(m.Tenant.name == tenant)
+        ).all()
+        assert len(agents) == 2
+        for agent_id, name, counted in agents:
+            seqs = list(db.scalars(select(m.Batch.seq).where(m.Batch.agent_id == agent_id)))
+            seqs += [e.seq for e in manifest.collapsed(db, m.ManifestChunk.agent_id == agent_id)]
+            assert sorted(seqs) == list(range(n)), name
+            assert counted == n, name
+    engine.dispose()
