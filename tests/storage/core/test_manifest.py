@@ -236,3 +236,32 @@ def test_collapses_racing_ingest_count_every_batch_once(pg_url):
             assert sorted(seqs) == list(range(n)), name
             assert counted == n, name
     engine.dispose()
+
+
+def test_an_agent_numbering_its_batches_sparsely_keeps_its_rows(sessions):
+    """Ray's derived batches are numbered by a hash of their body: a collapsed span over
+    such numbers would hold every later one, each sent to the slow path. Dense agents are
+    collapsed beside them."""
+    from hindsight.schema import Batch
+    from tests.conftest import new_tenant
+
+    tenant = new_tenant()
+    rng = random.Random(2)
+    sparse = [Batch(1, "c", "s", "ray", rng.randrange(2**52), []) for _ in range(30)]
+    dense = [Batch(1, "c", "s", "scheduler-1", seq, []) for seq in range(30)]
+    assert all(apply(sessions, tenant, sparse + dense))
+    manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
+    with sessions() as db:
+        left = dict(
+            db.execute(
+                select(m.Agent.name, func.count(m.Batch.id))
+                .join(m.Batch)
+                .join(m.Session)
+                .join(m.Cluster)
+                .join(m.Tenant)
+                .where(m.Tenant.name == tenant)
+                .group_by(m.Agent.name)
+            ).all()
+        )
+    assert left["ray"] == 30 and left.get("scheduler-1", 0) <= 1  # SQLite: the newest stays
+    assert apply(sessions, tenant, sparse + dense) == [False] * 60
