@@ -541,9 +541,17 @@ class Template:
         ranges = {}
         with conn.cursor() as cur:
             for t in (*ID_TABLES, "clusters", "profile_frames"):
-                cur.execute(f"SELECT min(id), max(id) FROM {t}")
+                cur.execute(_ID_RANGE.get(t, f"SELECT min(id), max(id) FROM {t}"))
                 ranges[t] = tuple(cur.fetchone())
         return cls(ranges, tenant_id)
+
+
+#: Batch ids live on in the manifest's chunks once their rows are collapsed.
+_ID_RANGE = {
+    "batches": "SELECT least((SELECT min(id) FROM batches), (SELECT min(id_lo) FROM "
+    "manifest_chunks)), greatest((SELECT max(id) FROM batches), (SELECT max(id_hi) FROM "
+    "manifest_chunks))"
+}
 
 
 def _tree_data(data: bytes, ids: dict[int, int]) -> bytes:
@@ -625,8 +633,8 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
     base, span, lo = {}, {}, {}
     ranges = {}
     for t in ID_TABLES:
-        cur.execute(f"SELECT coalesce(max(id), 0) FROM {t}")
-        base[t] = cur.fetchone()[0]
+        cur.execute(_ID_RANGE.get(t, f"SELECT min(id), max(id) FROM {t}"))
+        base[t] = cur.fetchone()[1] or 0
         # a table the template holds no rows of (lake_files, since the lake is Iceberg's):
         # an empty range, nothing copied
         ranges[t] = tm.ranges[t] if tm.ranges[t][0] is not None else (1, 0)
@@ -792,9 +800,8 @@ def copy_units(conn: Any, tm: Template, tenant_ids: dict[str, int], units: list[
     for q in sql:
         cur.execute(q)
     for t in ID_TABLES:
-        cur.execute(
-            f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"
-        )
+        cur.execute(_ID_RANGE.get(t, f"SELECT min(id), max(id) FROM {t}"))
+        cur.execute(f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), %s)", (cur.fetchone()[1],))
     from storage.runs.packed import (
         pack_activity,
         pack_batch_list,
@@ -935,7 +942,8 @@ def snapshot(engine: Any) -> dict[str, list[tuple[Any, ...]]]:
                     elif table == "manifest_chunks" and col == "data":
                         # the bytes of each batch as batches.bytes: approximately
                         v = tuple(
-                            e._replace(id=0, bytes=0) for e in unpack_chunk(SimpleNamespace(**row))
+                            e._replace(id=0, agent_id=0, bytes=0)
+                            for e in unpack_chunk(SimpleNamespace(**row))
                         )
                     elif table == "run_batch_lists" and col == "data":
                         v = tuple((batches[b], t) for b, t in unpack_batch_list(bytes(v)))

@@ -58,10 +58,13 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     # the chunks back as rows; the packing of storage.core.manifest.pack: zstd of msgpack,
-    # eight values a batch: id step, seq step, events, bytes, received, t_min, t_max - t_min
-    # (milliseconds from received_lo), blob key
+    # eight values a batch: id step, seq step, events, bytes, then received, t_min and
+    # t_max as their distance from received_lo (or [time]), blob key
     import msgspec
     import zstandard
+
+    def at(v: float | list[float] | None, t0: float) -> float | None:
+        return None if v is None else v[0] if isinstance(v, list) else t0 + v
 
     conn = op.get_bind()
     chunks = conn.execute(
@@ -71,7 +74,7 @@ def downgrade() -> None:
         flat = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(bytes(data)))
         rows = []
         for i in range(0, len(flat), 8):
-            db_, ds, events, size, recv, lo, width, key = flat[i : i + 8]
+            db_, ds, events, size, recv, t_min, t_max, key = flat[i : i + 8]
             b, seq = b + db_, seq + ds
             rows.append(
                 {
@@ -81,9 +84,9 @@ def downgrade() -> None:
                     "blob_key": key,
                     "events": events,
                     "bytes": size,
-                    "received_at": t0 + recv / 1000.0,
-                    "t_min": None if lo is None else t0 + lo / 1000.0,
-                    "t_max": None if width is None else t0 + ((lo or 0) + width) / 1000.0,
+                    "received_at": at(recv, t0),
+                    "t_min": at(t_min, t0),
+                    "t_max": at(t_max, t0),
                 }
             )
         conn.execute(

@@ -15,7 +15,6 @@ Readers take both forms: :func:`collapsed` decodes the chunks a query selects.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, NamedTuple
 
@@ -52,30 +51,34 @@ class Entry(NamedTuple):
     t_max: float | None
 
 
-def _ms(t: float, t0: float, rnd: Any) -> int:
-    # a time read back from a chunk is a whole millisecond from its t0 give or take the
-    # float's last bits (~0.24 us at 1.8e9 s): packed again (a collapse adding to the
-    # chunk) it stays that one, not a millisecond further out each time
-    x = (t - t0) * 1000.0
-    return int(rnd(x + 0.01 if rnd is math.floor else x - 0.01 if rnd is math.ceil else x))
+def _rel(t: float | None, t0: float) -> float | list[float] | None:
+    """``t`` as its distance from ``t0``: exact, and ``t0`` plus it gives ``t`` back, for
+    times within a factor of two of each other (Sterbenz); any other time as itself."""
+    if t is None:
+        return None
+    d = t - t0
+    return d if t0 + d == t else [t]
+
+
+def _abs(v: float | list[float] | None, t0: float) -> float | None:
+    if v is None:
+        return None
+    return v[0] if isinstance(v, list) else t0 + v
 
 
 def pack(rows: list[Any]) -> dict[str, Any]:
     """A chunk's columns from manifest rows (``batches`` columns, ``blob_key`` "" where
     the names give the key): per batch, by sequence number, the steps of its id and seq
-    from the previous one's, its events and bytes, and its times in milliseconds from the
-    chunk's earliest receive time (event times widened to whole milliseconds, give or
-    take 10 microseconds)."""
+    from the previous one's, its events and bytes, its times as their distance from the
+    chunk's earliest receive time (exact: read back, they are the row's), and its key."""
     rows = sorted(rows, key=lambda r: r.seq)
     t0 = min(r.received_at for r in rows)
     id_lo, seq_lo = min(r.id for r in rows), rows[0].seq
     flat: list[Any] = []
     prev_id, prev_seq = id_lo, seq_lo
     for r in rows:
-        lo = None if r.t_min is None else _ms(r.t_min, t0, math.floor)
-        width = None if r.t_max is None else _ms(r.t_max, t0, math.ceil) - (lo or 0)
         flat += (r.id - prev_id, r.seq - prev_seq, r.events, r.bytes)
-        flat += (_ms(r.received_at, t0, round), lo, width, r.blob_key)
+        flat += (_rel(r.received_at, t0), _rel(r.t_min, t0), _rel(r.t_max, t0), r.blob_key)
         prev_id, prev_seq = r.id, r.seq
     timed = [r for r in rows if r.t_min is not None]
     return {
@@ -102,14 +105,22 @@ def unpack(chunk: Any, names: tuple[str, str, str, str] | None = None) -> list[E
     out = []
     b, seq = chunk.id_lo, chunk.seq_lo
     for i in range(0, len(flat), 8):
-        db_, ds, events, size, recv, lo, width, key = flat[i : i + 8]
+        db_, ds, events, size, recv, t_min, t_max, key = flat[i : i + 8]
         b, seq = b + db_, seq + ds
         if not key and names is not None:
             key = key_of(*names, seq)
-        t_min = None if lo is None else t0 + lo / 1000.0
-        t_max = None if width is None else t0 + ((lo or 0) + width) / 1000.0
         out.append(
-            Entry(b, chunk.agent_id, seq, key, events, size, t0 + recv / 1000.0, t_min, t_max)
+            Entry(
+                b,
+                chunk.agent_id,
+                seq,
+                key,
+                events,
+                size,
+                _abs(recv, t0),
+                _abs(t_min, t0),
+                _abs(t_max, t0),
+            )  # fmt: skip
         )
     return out
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import pytest
 from sqlalchemy import func, select
 
 from storage.core import manifest
@@ -17,14 +16,13 @@ from tests.storage.ingest.test_index import NOW, apply, snapshot, synthetic_batc
 from tests.storage.runs.test_packed import answers, pack_all, with_activity
 
 
-def test_a_chunk_unpacks_to_its_rows_times_widened_to_whole_milliseconds():
+def test_a_chunk_unpacks_to_its_rows():
     rng = random.Random(7)
     for _ in range(30):
         rows = []
-        seqs = rng.sample(range(0, 10**6), rng.randrange(1, 60))
-        for seq in seqs:
+        for seq in rng.sample(range(0, 10**6), rng.randrange(1, 60)):
             recv = 1.8e9 + rng.random() * 1e5
-            t_min = rng.choice([None, recv - rng.random() * 100])
+            t_min = rng.choice([None, recv - rng.random() * 100, rng.random() * 1e3])
             t_max = None if t_min is None else t_min + rng.choice([0.0, rng.random() * 50])
             key = rng.choice(["", f"legacy/{seq}"])
             rows.append(
@@ -48,25 +46,16 @@ def test_a_chunk_unpacks_to_its_rows_times_widened_to_whole_milliseconds():
 
         got = manifest.unpack(Chunk, ("t", "c", "s", "a"))
         by_seq = sorted(rows, key=lambda r: r.seq)
-        assert [(e.id, e.seq, e.events, e.bytes) for e in got] == [
-            (r.id, r.seq, r.events, r.bytes) for r in by_seq
+        assert [e[:1] + e[2:3] + e[4:] for e in got] == [  # every value exact
+            (r.id, r.seq, r.events, r.bytes, r.received_at, r.t_min, r.t_max) for r in by_seq
         ]
-        for e, r in zip(got, by_seq, strict=True):
-            assert e.key == (r.blob_key or f"v1/t/c/s/a/{r.seq:012d}.json.zst")
-            assert abs(e.received_at - r.received_at) <= 0.0006
-            if r.t_min is None:
-                assert e.t_min is None
-            else:  # a window by event time never loses a batch
-                assert r.t_min - 0.0011 <= e.t_min <= r.t_min + 1e-5
-                assert r.t_max - 1e-5 <= e.t_max <= r.t_max + 0.0011
+        assert [e.key for e in got] == [r.blob_key or f"v1/t/c/s/a/{r.seq:012d}.json.zst"
+                                        for r in by_seq]  # fmt: skip
         assert chunk["batches"] == len(rows) and chunk["bytes"] == sum(r.bytes for r in rows)
-        # packed again as read (a collapse adding to a chunk): the same, times not widened
+        # packed again as read (a collapse adding to a chunk): the same
         again = [manifest._Row(e.id, e.seq, e.key, e.events, e.bytes, e.received_at, e.t_min,
                                e.t_max) for e in manifest.unpack(Chunk)]  # fmt: skip
-        repacked = manifest.pack(again)
-        assert repacked["data"] == chunk["data"]
-        for col, v in chunk.items():
-            assert repacked[col] == pytest.approx(v, abs=0.0011), col
+        assert manifest.pack(again) == chunk
 
 
 def _state(sessions: Any, tenant: str) -> dict[str, Any]:
