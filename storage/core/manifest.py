@@ -109,19 +109,8 @@ def unpack(chunk: Any, names: tuple[str, str, str, str] | None = None) -> list[E
         b, seq = b + db_, seq + ds
         if not key and names is not None:
             key = key_of(*names, seq)
-        out.append(
-            Entry(
-                b,
-                chunk.agent_id,
-                seq,
-                key,
-                events,
-                size,
-                _abs(recv, t0),
-                _abs(t_min, t0),
-                _abs(t_max, t0),
-            )  # fmt: skip
-        )
+        times = (_abs(recv, t0), _abs(t_min, t0), _abs(t_max, t0))
+        out.append(Entry(b, chunk.agent_id, seq, key, events, size, *times))
     return out
 
 
