@@ -89,7 +89,7 @@ class FinishWorker(_PerProcess):
                     if silent and 0 < silence < time.time() - self._started:
                         close_silent(sessions, silence=silence)
                     since = time.monotonic() - last_collapse.get(id(sessions), 0.0)
-                    if collapse > 0 and since > max(collapse / 4, SILENT_CHECK_SECONDS):
+                    if collapse > 0 and since > collapse / 4:
                         last_collapse[id(sessions)] = time.monotonic()
                         collapse_due(sessions, age=collapse)
                     # One job a claim: a process stopped mid-job (a restart) leaves that one

@@ -428,6 +428,61 @@ def test_the_collector_does_the_work_by_itself(stack, make_token):
         time.sleep(0.05)
 
 
+def test_the_collector_collapses_the_manifest_and_no_answer_changes(apps, make_token):
+    """The finish worker packs an agent's manifest rows into a chunk once they are
+    ``HINDSIGHT_MANIFEST_COLLAPSE_SECONDS`` old and their runs finished: the runs, their
+    tasks from the blob store, completeness, comparisons and histories read the same."""
+    import dataclasses
+    import gc
+
+    from collector.app import create_app as collector_app
+
+    collector, query, app = apps
+    tenant = new_tenant()
+    token = make_token(tenant)
+    st = store_of(app)
+    for run, start in (("a", T0), ("b", T0 + 3600)):
+        for part in range(3):
+            body = run_batch("c", "s", run, part, n_tasks=40, t=start + 900 * part,
+                             status="finished" if part == 2 else None)  # fmt: skip
+            body["agent"] = f"scheduler-{run}"
+            assert post(collector, body, token=token).status_code == 202
+    finish.drain(st.sessions, st.blobs)
+    runs = {r["name"]: r["id"] for r in query.get("/v1/runs", headers=auth(token)).json["runs"]}
+    urls = [
+        u.format(a=runs["job-a"], b=runs["job-b"])
+        for u in (*ANSWERS, "/v1/runs/{a}/tasks", "/v1/runs/{b}/tasks", "/v1/runs/{b}")
+    ]
+    before = [query.get(u, headers=auth(token)).json for u in urls]
+
+    def rows() -> int:
+        with st.sessions() as db:
+            return db.execute(
+                select(func.count(m.Batch.id))
+                .join(m.Agent)
+                .join(m.Session)
+                .join(m.Cluster)
+                .join(m.Tenant)
+                .where(m.Tenant.name == tenant)
+            ).scalar_one()
+
+    assert rows() == 6
+    worker = collector_app(
+        settings=dataclasses.replace(st.settings, finish_worker=True, manifest_collapse_seconds=0.5)
+    )
+    deadline = time.monotonic() + 60
+    # SQLite keeps the table's newest row (its ids are never handed out twice)
+    while rows() > (1 if st.settings.database_url.startswith("sqlite") else 0):
+        assert time.monotonic() < deadline, "the finish worker did not collapse the manifest"
+        time.sleep(0.05)
+    del worker
+    gc.collect()
+    after = [query.get(u, headers=auth(token)).json for u in urls]
+    for url, b, a in zip(urls, before, after, strict=True):
+        assert a == b, url
+    assert before[urls.index(f"/v1/runs/{runs['job-a']}/tasks")]["tasks"]
+
+
 def test_a_new_version_of_a_runs_copy_replaces_the_ones_it_supersedes(tmp_path):
     """Versions are ``{batches}-{highest batch id}``: one with fewer batches, or as many
     under other ids (a rebuilt index renumbers them), goes; one with more batches is a
