@@ -132,7 +132,7 @@ def test_a_collapsed_manifest_changes_no_answer_and_takes_each_batch_once(sessio
     want = _state(sessions, tenant)
     assert want["retention"] and all(want[k] for k in want if k.startswith("around"))
 
-    assert manifest.collapse_due(sessions, age=60.0, now=NOW + 30) == 0  # too young
+    manifest.collapse_due(sessions, age=60.0, now=NOW + 30)  # too young (other tests' not)
     assert _rows(sessions, tenant) == len(sent) - len(held)
     manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
     # on SQLite the newest row of the table stays (its ids are never handed out twice)
