@@ -30,8 +30,8 @@ from storage.core.statements import dialect_functions
 #: At most this many batches a chunk: a collapse adds to the agent's last chunk until then.
 CHUNK_BATCHES = 4096
 
-#: A collapse takes an agent's rows only if their sequence numbers are this close to dense:
-#: span <= 2 x rows + this (an agent numbers its batches 0, 1, 2 ...).
+#: A collapse takes an agent's rows only if their sequence numbers are this close to dense
+#: (:func:`_dense`): span <= 2 x rows + this.
 SPARSE_SLACK = 64
 
 _encoder = msgspec.msgpack.Encoder()
@@ -162,9 +162,7 @@ def collapse(db: Session, agent_id: int, before: float) -> int:
             B.agent_id == agent_id, *_collapsible(db, before)
         )
     ).one()
-    if not n or hi - lo + 1 > 2 * n + SPARSE_SLACK:
-        # Sequence numbers far apart (Ray's derived batches are numbered by a hash of
-        # their body): a span over them would send every later batch to the slow path
+    if not n or not _dense(lo, hi, n):
         return 0
     gone = db.execute(
         delete(B)
@@ -211,20 +209,33 @@ class _Row(NamedTuple):
 
 
 def collapse_due(
-    sessions: sessionmaker[Session], *, age: float, now: float | None = None, limit: int = 500
+    sessions: sessionmaker[Session], *, age: float, now: float | None = None, limit: int = 200
 ) -> int:
     """Collapse the manifest rows received more than ``age`` seconds before ``now`` of up
-    to ``limit`` agents, an agent a transaction; returns how many rows went."""
+    to ``limit`` agents, an agent a transaction; returns how many rows went (0: none are
+    due)."""
     now = time.time() if now is None else now
+    B = m.Batch
     with sessions() as db:
         agents = db.scalars(
-            select(m.Batch.agent_id).where(*_collapsible(db, now - age)).distinct().limit(limit)
+            select(B.agent_id)
+            .where(*_collapsible(db, now - age))
+            .group_by(B.agent_id)
+            .having(_dense(func.min(B.seq), func.max(B.seq), func.count()))
+            .limit(limit)
         ).all()
     done = 0
     for agent_id in agents:
         with sessions.begin() as db:
             done += collapse(db, agent_id, now - age)
     return done
+
+
+def _dense(lo: Any, hi: Any, n: Any) -> Any:
+    """Sequence numbers ``lo``..``hi`` of ``n`` rows close enough to an agent's 0, 1, 2 ...
+    Ray's derived batches are numbered by a hash of their body: a span over such numbers
+    would send every later batch of the agent to the slow path."""
+    return hi - lo + 1 <= 2 * n + SPARSE_SLACK
 
 
 def agent_times(db: Session, *where: Any) -> dict[str, tuple[float | None, float | None]]:

@@ -90,8 +90,10 @@ class FinishWorker(_PerProcess):
                         close_silent(sessions, silence=silence)
                     since = time.monotonic() - last_collapse.get(id(sessions), 0.0)
                     if collapse > 0 and since > collapse / 4:
-                        last_collapse[id(sessions)] = time.monotonic()
-                        collapse_due(sessions, age=collapse)
+                        # a second of it a poll, finish jobs between: an upgraded index's
+                        # backlog goes in passes, not in one that holds the jobs back
+                        if not _collapse_for(sessions, collapse, COLLAPSE_PASS_SECONDS):
+                            last_collapse[id(sessions)] = time.monotonic()
                     # One job a claim: a process stopped mid-job (a restart) leaves that one
                     # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
                     while run_due(sessions, blobs, limit=1) > 0:
@@ -107,6 +109,18 @@ class FinishWorker(_PerProcess):
                 last_fold = time.monotonic()
             if silent:
                 last_silent = time.monotonic()
+
+
+COLLAPSE_PASS_SECONDS = 1.0
+
+
+def _collapse_for(sessions: sessionmaker[Session], age: float, seconds: float) -> bool:
+    """Collapse due manifest rows for up to ``seconds``; whether some may be left."""
+    end = time.monotonic() + seconds
+    while collapse_due(sessions, age=age, limit=50):
+        if time.monotonic() > end:
+            return True
+    return False
 
 
 class AlertSender(_PerProcess):
