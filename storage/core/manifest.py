@@ -7,8 +7,8 @@ name them.
 Exactly-once stays one lookup: ``agents.collapsed_lo``/``collapsed_hi`` bound the
 sequence numbers collapsed, and ingest's guarded insert, which locks the agent row
 ``FOR KEY SHARE``, takes a batch in that span to the slow path (:func:`contains`). A
-collapse locks the agent ``FOR UPDATE`` first, so it waits for an insert in flight, and an
-insert waiting for it reads the new span.
+collapse locks the agent ``FOR UPDATE SKIP LOCKED`` first: it leaves an agent with an
+insert in flight to the next pass, and an insert waiting for it reads the new span.
 
 Readers take both forms: :func:`collapsed` decodes the chunks a query selects.
 """
@@ -155,7 +155,9 @@ def collapse(db: Session, agent_id: int, before: float) -> int:
     to be packed (no ``run_batches`` row) into its chunks; returns how many. The caller
     owns the transaction."""
     A, B, C = m.Agent, m.Batch, m.ManifestChunk
-    if db.execute(select(A.id).where(A.id == agent_id).with_for_update()).first() is None:
+    # another process collapsing it, or an insert in flight (FOR KEY SHARE): the next pass
+    locked = select(A.id).where(A.id == agent_id).with_for_update(skip_locked=True)
+    if db.execute(locked).first() is None:
         return 0
     lo, hi, n = db.execute(
         select(func.min(B.seq), func.max(B.seq), func.count()).where(

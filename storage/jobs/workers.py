@@ -115,11 +115,15 @@ COLLAPSE_PASS_SECONDS = 1.0
 
 
 def _collapse_for(sessions: sessionmaker[Session], age: float, seconds: float) -> bool:
-    """Collapse due manifest rows for up to ``seconds``; whether some may be left."""
+    """Collapse due manifest rows for up to ``seconds``; whether some may be left. A
+    failure is logged, not raised: the finished-run work after it still runs."""
     end = time.monotonic() + seconds
-    while collapse_due(sessions, age=age, limit=50):
-        if time.monotonic() > end:
-            return True
+    try:
+        while collapse_due(sessions, age=age, limit=50):
+            if time.monotonic() > end:
+                return True
+    except Exception:  # the index is down, say: the next pass tries again
+        logger.warning("collapsing the batch manifest failed; will retry", exc_info=True)
     return False
 
 

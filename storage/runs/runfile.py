@@ -212,7 +212,8 @@ def session_batches_around(
         if e.t_min is None:
             taken = first <= e.received_at <= last
         else:
-            taken = (lo is None or e.t_max >= lo) and (hi is None or e.t_min <= hi)
+            late = e.t_max is not None and (lo is None or e.t_max >= lo)
+            taken = late and (hi is None or e.t_min <= hi)
         if taken:
             found.append((e.id, e.key))
     return sorted(found)
