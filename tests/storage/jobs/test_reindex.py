@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import secrets
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +14,9 @@ from sqlalchemy.engine import make_url
 from storage.core import models as m
 from storage.core.blobs import open_blob_store
 from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.manifest import collapse_due
 from storage.core.tokens import create_token
+from storage.jobs.finish import drain
 from storage.jobs.reindex import reindex
 from tests.conftest import TEST_DATABASE_URL, new_tenant
 from tests.helpers import auth, example, post
@@ -99,8 +102,18 @@ def test_rebuilt_index_answers_the_same(stack, tmp_path):
     assert reindex(blobs, sessions)["already"] == 4  # running it again changes nothing
     with sessions.begin() as db:  # tokens live only in the index; the tenant is in the keys
         token2 = create_token(db, tenant, "read")
-    engine.dispose()
     assert answers(query_app(rebuilt).test_client(), token2) == before
+    # its manifest collapsed (decision 0037), a rebuild over it still finds every batch
+    drain(sessions, blobs)
+    finished = answers(query_app(rebuilt).test_client(), token2)
+    assert collapse_due(sessions, age=60.0, now=time.time() + 61) >= 3
+    assert reindex(blobs, sessions)["already"] == 4
+    drain(sessions, blobs)  # the rebuild queued every finished run's work again
+    engine.dispose()
+    again = answers(query_app(rebuilt).test_client(), token2)
+    for d in (*again["details"], *finished["details"]):
+        assert d.pop("finished_work")["done_at"] is not None
+    assert again == finished
 
 
 def test_a_rebuild_years_later_still_finds_a_runs_metrics(stack, tmp_path):
