@@ -468,7 +468,9 @@ def test_the_collector_collapses_the_manifest_and_no_answer_changes(apps, make_t
 
     assert rows() == 6
     worker = collector_app(
-        settings=dataclasses.replace(st.settings, finish_worker=True, manifest_collapse_seconds=0.5)
+        settings=dataclasses.replace(
+            st.settings, finish_worker=True, manifest_collapse_seconds=0.5, ray_sweeper=False
+        )
     )
     deadline = time.monotonic() + 60
     # SQLite keeps the table's newest row (its ids are never handed out twice)
