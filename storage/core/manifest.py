@@ -159,19 +159,16 @@ def collapse(db: Session, agent_id: int, before: float) -> int:
     locked = select(A.id).where(A.id == agent_id).with_for_update(skip_locked=True)
     if db.execute(locked).first() is None:
         return 0
-    lo, hi, n = db.execute(
+    first, last_seq, n = db.execute(
         select(func.min(B.seq), func.max(B.seq), func.count()).where(
             B.agent_id == agent_id, *_collapsible(db, before)
         )
     ).one()
-    if not n or not _dense(lo, hi, n):
+    if not n or not _dense(first, last_seq, n):
         return 0
     gone = db.execute(
         delete(B)
-        .where(
-            B.agent_id == agent_id,
-            *_collapsible(db, before),
-        )
+        .where(B.agent_id == agent_id, *_collapsible(db, before))
         .returning(B.id, B.seq, B.blob_key, B.events, B.bytes, B.received_at, B.t_min, B.t_max)
     ).all()
     if not gone:
