@@ -82,33 +82,12 @@ def _state(sessions: Any, tenant: str) -> dict[str, Any]:
 def _cached(sessions: Any, tenant: str, batches: list[Any]) -> list[bool]:
     """``apply`` as a collector does it: through ids cached by a first batch of each
     agent (ingest's guarded insert)."""
-    from storage.core.batches import blob_key
     from storage.core.idcache import IdCache
-    from storage.core.tokens import ensure_tenant
-    from storage.ingest.writer import index_batch
 
-    cache = IdCache()
-    done = []
-    for b in batches:
-        with sessions.begin() as db:
-            tid = ensure_tenant(db, tenant, NOW)
-            key = blob_key(tenant, b)
-            done.append(
-                index_batch(
-                    db,
-                    tenant_id=tid,
-                    tenant=tenant,
-                    batch=b,
-                    blob_key=key,
-                    size=100,
-                    now=NOW,
-                    cache=cache,
-                )  # fmt: skip
-            )
-    return done
+    return apply(sessions, tenant, batches, cache=IdCache())
 
 
-def _rows(sessions: Any, tenant: str) -> int:
+def manifest_rows(sessions: Any, tenant: str) -> int:
     """The tenant's manifest rows."""
     with sessions() as db:
         return db.execute(
@@ -133,10 +112,12 @@ def test_a_collapsed_manifest_changes_no_answer_and_takes_each_batch_once(sessio
     assert want["retention"] and all(want[k] for k in want if k.startswith("around"))
 
     manifest.collapse_due(sessions, age=60.0, now=NOW + 30)  # too young (other tests' not)
-    assert _rows(sessions, tenant) == len(sent) - len(held)
+    assert manifest_rows(sessions, tenant) == len(sent) - len(held)
     manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
     # on SQLite the newest row of the table stays (its ids are never handed out twice)
-    assert _rows(sessions, tenant) == (1 if sessions.kw["bind"].dialect.name == "sqlite" else 0)
+    assert manifest_rows(sessions, tenant) == (
+        1 if sessions.kw["bind"].dialect.name == "sqlite" else 0
+    )
     assert _state(sessions, tenant) == want
 
     # every batch already taken is a duplicate still, in any order, in chunks or not
@@ -155,7 +136,7 @@ def test_a_collapsed_manifest_changes_no_answer_and_takes_each_batch_once(sessio
     assert _state(sessions, tenant) == _state(sessions, whole)
     # collapsed again: the batch taken joins its agent's chunk
     manifest.collapse_due(sessions, age=60.0, now=NOW + 61)
-    assert _rows(sessions, tenant) == 0
+    assert manifest_rows(sessions, tenant) == 0
     with sessions() as db:
         chunks = db.scalars(
             select(m.ManifestChunk.batches)

@@ -59,7 +59,9 @@ def synthetic_batches(seed: int = 0) -> list[Batch]:
     return batches
 
 
-def apply(sessions: Any, tenant: str, batches: list[Batch]) -> list[bool]:
+def apply(sessions: Any, tenant: str, batches: list[Batch], cache: Any = None) -> list[bool]:
+    """Index ``batches``, each in a transaction; ``cache``: an ``IdCache``, as a collector
+    passes (ingest's guarded insert, after each agent's first batch)."""
     done = []
     for b in batches:
         with sessions.begin() as db:
@@ -73,6 +75,7 @@ def apply(sessions: Any, tenant: str, batches: list[Batch]) -> list[bool]:
                     blob_key=blob_key(tenant, b),
                     size=100,
                     now=NOW,
+                    cache=cache,
                 )
             )
     return done

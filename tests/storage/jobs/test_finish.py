@@ -436,6 +436,7 @@ def test_the_collector_collapses_the_manifest_and_no_answer_changes(apps, make_t
     import gc
 
     from collector.app import create_app as collector_app
+    from tests.storage.core.test_manifest import manifest_rows
 
     collector, query, app = apps
     tenant = new_tenant()
@@ -456,15 +457,7 @@ def test_the_collector_collapses_the_manifest_and_no_answer_changes(apps, make_t
     before = [query.get(u, headers=auth(token)).json for u in urls]
 
     def rows() -> int:
-        with st.sessions() as db:
-            return db.execute(
-                select(func.count(m.Batch.id))
-                .join(m.Agent)
-                .join(m.Session)
-                .join(m.Cluster)
-                .join(m.Tenant)
-                .where(m.Tenant.name == tenant)
-            ).scalar_one()
+        return manifest_rows(st.sessions, tenant)
 
     assert rows() == 6
     worker = collector_app(
