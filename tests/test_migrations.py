@@ -10,14 +10,26 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 
 from storage.core import models as m
-from storage.core.db import MIGRATIONS_DIR, current_revision, head_revisions, make_engine, upgrade
+from storage.core import partitions
+from storage.core.db import (
+    current_revision,
+    downgrade,
+    head_revisions,
+    make_engine,
+    upgrade,
+)
 from storage.core.models import Base
 
 ICEBERG_CATALOG = "iceberg_"  # the lake's catalog tables (pyiceberg's), in the same database
 
 
 def alembics(obj, name, type_, reflected, compare_to) -> bool:
-    return not (type_ == "table" and compare_to is None and name.startswith(ICEBERG_CATALOG))
+    """Tables of the schema's own, not the lake catalog's or a per-run table's partitions."""
+    return not (
+        type_ == "table"
+        and compare_to is None
+        and (name.startswith(ICEBERG_CATALOG) or partitions.is_partition(name))
+    )
 
 
 def test_migrations_have_one_head():
@@ -101,7 +113,7 @@ def _migrate_and_move(urls: list[str], tmp_path: Any) -> None:
                 profiles.Row("", "", tree),
             ]
             profiles.store(db, run, rows, tag)
-        _downgrade(engine, "0016")
+        downgrade(engine, "0016")
         assert current_revision(engine) == "0016"
         with engine.connect() as conn:  # the previous schema, populated
             assert "detail_digest" not in {c["name"] for c in inspect(conn).get_columns("runs")}
@@ -134,17 +146,6 @@ def _migrate_and_move(urls: list[str], tmp_path: Any) -> None:
         assert before["profile"] == 3 and before["worker"] == 3
         assert move_detail(blobs, sessions)["runs"] == 0
         engine.dispose()
-
-
-def _downgrade(engine: Any, revision: str) -> None:
-    from alembic import command
-    from alembic.config import Config
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, revision)
 
 
 def test_a_populated_index_of_revision_0017_migrates_and_its_rows_pack(tmp_path):
@@ -184,7 +185,7 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
         tenant = new_tenant()
         apply(sessions, tenant, with_activity(synthetic_batches(seed=2)))
         keys, at_head = _batch_keys(sessions), answers(sessions, tenant)
-        _downgrade(engine, "0017")
+        downgrade(engine, "0017")
         with engine.connect() as conn:  # the previous schema, populated
             assert "run_metrics" not in inspect(conn).get_table_names()
             for table in ("run_activity", "run_prefix_hist", "run_batches"):
@@ -215,14 +216,14 @@ def _migrate_and_pack(urls: list[str], tmp_path: Any) -> None:
         # all of them; on SQLite the newest row stays (its ids are never handed out twice)
         assert collapsed == len(keys) - (engine.dialect.name == "sqlite")
         assert answers(sessions, tenant) == before
-        _downgrade(engine, "0021")
+        downgrade(engine, "0021")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM batches")).scalar_one() == len(keys)
         assert _batch_keys(sessions) == keys
         upgrade(engine)
         assert answers(sessions, tenant) == before
         # the packed workers go back to rows on a downgrade, and read the same after
-        _downgrade(engine, "0020")
+        downgrade(engine, "0020")
         upgrade(engine)
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM run_workers")).scalar_one() > 0

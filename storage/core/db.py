@@ -78,6 +78,16 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
 
 def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
     """Apply Alembic migrations up to ``revision`` (serialised on Postgres by an advisory lock)."""
+    _migrate(url_or_engine, "upgrade", revision)
+
+
+def downgrade(url_or_engine: str | Engine, revision: str) -> None:
+    """Undo Alembic migrations down to ``revision`` (what ``hindsight db`` does not offer:
+    for the migration tests and benches)."""
+    _migrate(url_or_engine, "downgrade", revision)
+
+
+def _migrate(url_or_engine: str | Engine, direction: str, revision: str) -> None:
     from alembic import command
     from alembic.config import Config
 
@@ -88,7 +98,7 @@ def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _UPGRADE_LOCK})
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
+        getattr(command, direction)(cfg, revision)
 
 
 def head_revisions() -> list[str]:
