@@ -15,8 +15,11 @@ crash (or a reindex running meanwhile) resurrect the session from its blobs, wit
 ``last_seen`` times that age-based retention would not catch for another ``max_age``.
 Deleting blobs first, a crash leaves index rows whose blobs are (partly) gone: the session is
 still expired, so the next ``apply`` finishes it (deleting a missing blob is not an error).
-Index rows go in one transaction per session (ON DELETE CASCADE takes agents, batches, runs
-and their rollups). Per-cluster hourly rollups and prefix days older than the age cut-off go too.
+So every expired session's blobs go first; then, on Postgres, every range of run ids whose
+runs are all in those sessions leaves the per-run tables whole (``storage.core.partitions``:
+a partition dropped, not a million rows deleted); then the index rows, in one transaction
+per session (ON DELETE CASCADE takes agents, batches, runs and what is left of their
+rollups). Per-cluster hourly rollups and prefix days older than the age cut-off go too.
 
 The history lake (``storage/lake/build.py``) holds the session's runs too: they leave it in the
 same transaction, just before the index rows, and the files that held them are deleted at
@@ -35,6 +38,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage.core import models as m
+from storage.core import partitions
 from storage.core.blobs import BlobStore
 from storage.lake import build as lake
 from storage.ray import bodies as ray_bodies
@@ -188,6 +192,14 @@ def _delete_under(blobs: BlobStore, prefix: str) -> int:
     return len(keys)
 
 
+def _blob_prefixes(tenant: str, s: ExpiredSession) -> tuple[str, ...]:
+    """The blob prefixes a session's data lives under: its batches, its runs' compacted
+    copies and extras (``compact/``: storage.runs.runfile, runlogs), its Ray bodies."""
+    cluster, name = s.prefix.rstrip("/").split("/", 1)
+    prefixes = (f"v1/{tenant}/{s.prefix}", f"compact/v1/{tenant}/{s.prefix}")
+    return (*prefixes, *ray_bodies.session_prefixes(tenant, cluster, name))
+
+
 def apply(
     blobs: BlobStore,
     sessions: sessionmaker[Session],
@@ -208,11 +220,15 @@ def apply(
     for s in result.sessions:
         # Every blob under the session's prefix, indexed or not: a batch stored but not yet
         # indexed (index down at the time) would otherwise survive and be reindexed later.
-        cluster, name = s.prefix.rstrip("/").split("/", 1)
-        # compact/: the session's runs' compacted copies and extras (storage.runs.runfile, runlogs)
-        prefixes = (f"v1/{tenant}/{s.prefix}", f"compact/v1/{tenant}/{s.prefix}")
-        for prefix in (*prefixes, *ray_bodies.session_prefixes(tenant, cluster, name)):
+        for prefix in _blob_prefixes(tenant, s):
             result.blobs_deleted += _delete_under(blobs, prefix)
+    if result.sessions:
+        # Every blob of these sessions is gone: a range of run ids whose runs are all
+        # theirs leaves the per-run tables whole (Postgres), before the rows below.
+        dropped = partitions.drop_expired(sessions.kw["bind"], [s.id for s in result.sessions])
+        if dropped:
+            logger.info("retention: dropped the partitions of run ids %s", dropped)
+    for s in result.sessions:
         with sessions.begin() as db:
             lake.forget_session(db, blobs, tenant, s.id)
             db.execute(delete(m.Session).where(m.Session.id == s.id))
@@ -224,7 +240,7 @@ def apply(
         # Again, now that the index has none of the session's runs: a finisher that read a
         # run before the rows went (its compacted copy, its logs) may have written after
         # the first listing; one that starts now finds no run and writes nothing.
-        result.blobs_deleted += _delete_under(blobs, prefixes[1])
+        result.blobs_deleted += _delete_under(blobs, _blob_prefixes(tenant, s)[1])
         logger.info(
             "retention: removed session %s of tenant %s (%d runs, %d batches)",
             s.prefix.rstrip("/"),

@@ -1,6 +1,7 @@
 """The background work of a collector process (and of the embedded server), all started
-from :func:`start`: the finished-run worker (due finish jobs, silent runs, cluster rollups),
-the alert sender and the Ray sweeper."""
+from :func:`start`: the finished-run worker (due finish jobs, silent runs, cluster rollups,
+the manifest's collapse, the per-run tables' partitions), the alert sender and the Ray
+sweeper."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage.alerts.deliver import deliver_due
+from storage.core import partitions
 from storage.core.blobs import BlobStore
 from storage.core.manifest import collapse_due
 from storage.jobs.finish import FOLD_CLUSTERS_SECONDS, POLL_SECONDS, fold_clusters, run_due
@@ -78,12 +80,14 @@ class FinishWorker(_PerProcess):
 
     def _loop(self) -> None:
         last_fold = last_silent = time.monotonic()
+        last_partitions = 0.0  # at once: an index migrated while this process was down
         last_collapse: dict[int, float] = {}
         while not self._stop.wait(POLL_SECONDS):
             with self._lock:
                 targets = list(self._targets.values())
             fold = time.monotonic() - last_fold > FOLD_CLUSTERS_SECONDS
             silent = time.monotonic() - last_silent > SILENT_CHECK_SECONDS
+            ahead = time.monotonic() - last_partitions > PARTITIONS_SECONDS
             for sessions, blobs, silence, collapse in targets:
                 try:
                     if silent and 0 < silence < time.time() - self._started:
@@ -100,6 +104,8 @@ class FinishWorker(_PerProcess):
                         pass
                     if fold:
                         fold_clusters(sessions)
+                    if ahead:
+                        partitions.ensure(sessions.kw["bind"])
                 except Exception:  # the index is down, say: log, and try again later
                     logger.warning("finished-run work failed; will retry", exc_info=True)
                     # Agents resend what they held while the index was down: silence
@@ -109,9 +115,14 @@ class FinishWorker(_PerProcess):
                 last_fold = time.monotonic()
             if silent:
                 last_silent = time.monotonic()
+            if ahead:
+                last_partitions = time.monotonic()
 
 
 COLLAPSE_PASS_SECONDS = 1.0
+#: How often the per-run tables' ranges are kept ahead of the newest run
+#: (``storage.core.partitions``; two ranges are two million runs).
+PARTITIONS_SECONDS = 60.0
 
 
 def _collapse_for(sessions: sessionmaker[Session], age: float, seconds: float) -> bool:
