@@ -66,7 +66,7 @@ from bench.lib_stack import DEFAULT_DB, full_stack
 from hindsight.sender import Sender
 from services.query.app import create_app
 from storage.core.blobs import open_blob_store
-from storage.core.db import make_engine, make_sessionmaker, upgrade
+from storage.core.db import downgrade, make_engine, make_sessionmaker, upgrade
 from storage.core.tokens import create_token
 
 TARGETS = {
@@ -154,8 +154,10 @@ def index_bytes(engine: Any) -> tuple[int, int, dict[str, int]]:
         sizes = dict(
             conn.execute(
                 text(
-                    "SELECT relname, pg_total_relation_size(relid) FROM pg_stat_user_tables WHERE "
-                    "schemaname = 'public' ORDER BY 2 DESC"
+                    # a partition counts under its table (storage.core.partitions)
+                    "SELECT coalesce(pg_partition_root(relid), relid)::regclass::text, "
+                    "sum(pg_total_relation_size(relid)) FROM pg_stat_user_tables WHERE "
+                    "schemaname = 'public' GROUP BY 1 ORDER BY 2 DESC"
                 )
             ).all()
         )
@@ -332,15 +334,12 @@ def main() -> int:
             for d in diffs:
                 log(f"  DIFFERS {d[:1500]}")
             with main_db.connect() as conn:
-                tables = {
-                    r: n
-                    for r, n in conn.execute(
-                        text(
-                            "SELECT relname, n_live_tup FROM pg_stat_user_tables WHERE schemaname "
-                            "= 'public'"
-                        )
-                    ).all()
-                }
+                tables = conn.execute(  # a partition as its table (storage.core.partitions)
+                    text(
+                        "SELECT DISTINCT coalesce(pg_partition_root(relid), relid)::regclass::text "
+                        "FROM pg_stat_user_tables WHERE schemaname = 'public'"
+                    )
+                ).scalars()
                 filled = {
                     t
                     for t in tables
@@ -468,6 +467,19 @@ def main() -> int:
             figures[f"index_ms_per_batch_at_{top}"] = round(statistics.median(index_ms[top]), 1)
             figures["index_ms_per_batch_at_1e3"] = round(statistics.median(index_ms["1e3"]), 1)
             figures["real_path_unit_s"] = round(real_s, 1)
+
+            # ---- migration 0023 at the top level (the per-run tables partitioned,
+            # decision 0038): back to plain tables and in again, rows copied both ways
+            t = time.perf_counter()
+            downgrade(main_db, "0022")
+            figures[f"unpartition_s_at_{top}"] = round(time.perf_counter() - t, 1)
+            t = time.perf_counter()
+            upgrade(main_db)
+            figures[f"partition_migration_s_at_{top}"] = round(time.perf_counter() - t, 1)
+            log(
+                f"  migration 0023 at {top}: down {figures[f'unpartition_s_at_{top}']} s, "
+                f"up {figures[f'partition_migration_s_at_{top}']} s"
+            )
             figures["load_at_end"] = load()
         met = figures["bulk_equals_real"] and all(
             k in figures and (figures[k] >= v if k.startswith("ingest_ratio") else figures[k] <= v)
