@@ -65,6 +65,7 @@ from bench.lib_results import report
 from bench.lib_stack import DEFAULT_DB, full_stack
 from hindsight.sender import Sender
 from services.query.app import create_app
+from storage.core import partitions
 from storage.core.blobs import open_blob_store
 from storage.core.db import downgrade, make_engine, make_sessionmaker, upgrade
 from storage.core.tokens import create_token
@@ -508,6 +509,9 @@ def copy_chunk(engine: Any, tm: h.Template, tenant_ids: dict[str, int], units: l
         try:
             raw = engine.raw_connection()
             h.copy_units(raw.driver_connection, tm, tenant_ids, units)
+            # ranges kept ahead as the collectors' finish workers do (a chunk is far fewer
+            # runs than the two ranges ahead): no run's rows wait in a default partition
+            partitions.ensure(engine)
             return
         except (OperationalError, psycopg2.OperationalError) as exc:
             log(f"  copy failed ({str(exc).strip()[:120]}); again in 10 s")

@@ -5,10 +5,11 @@ Revises: 0022
 Create Date: 2026-11-29 17:00:00
 
 ``storage.core.partitions`` (decision 0038): each of the per-run tables becomes
-``PARTITION BY RANGE (run_id)``, with ranges of 2**20 run ids up to two beyond the newest
-run and a default partition; its rows are copied over once. Names (the table, its primary
-key, its foreign key) stay, so the code and the models do not change. SQLite keeps plain
-tables. The downgrade copies the rows back into plain tables.
+``PARTITION BY RANGE (run_id)``: the table as it is becomes the partition of every run id
+up to the newest run's range of 2**20 (attached, not copied), then ranges up to two beyond
+the newest run and a default partition. Names (the table, its primary key, its foreign
+key) stay, so the code and the models do not change. SQLite keeps plain tables. The
+downgrade copies the rows back into plain tables.
 """
 
 from __future__ import annotations
@@ -40,31 +41,46 @@ def _keys(table: str) -> str:
     return ", ".join(f'"{c}"' for c in cols)
 
 
-def _rebuild(table: str, partitioned: bool) -> None:
-    """``table`` as a new table (partitioned or not), its rows copied, its names kept."""
+def _new_table(table: str, like: str, partitioned: bool) -> None:
+    """``table`` made like ``like``, with the primary and foreign keys of the models' names."""
     ex = op.execute
-    keys = _keys(table)
-    old = f"{table}_old"
-    ex(f'ALTER TABLE "{table}" RENAME TO "{old}"')
-    ex(f'ALTER TABLE "{old}" RENAME CONSTRAINT "pk_{table}" TO "pk_{old}"')
-    ex(f'ALTER TABLE "{old}" RENAME CONSTRAINT "fk_{table}_run_id_runs" TO "fk_{old}_run_id_runs"')
     how = " PARTITION BY RANGE (run_id)" if partitioned else ""
-    ex(f'CREATE TABLE "{table}" (LIKE "{old}" INCLUDING DEFAULTS INCLUDING STORAGE){how}')
-    ex(f'ALTER TABLE "{table}" ADD CONSTRAINT "pk_{table}" PRIMARY KEY ({keys})')
+    ex(f'CREATE TABLE "{table}" (LIKE "{like}" INCLUDING DEFAULTS INCLUDING STORAGE){how}')
+    ex(f'ALTER TABLE "{table}" ADD CONSTRAINT "pk_{table}" PRIMARY KEY ({_keys(like)})')
     ex(
         f'ALTER TABLE "{table}" ADD CONSTRAINT "fk_{table}_run_id_runs" FOREIGN KEY (run_id) '
         "REFERENCES runs (id) ON DELETE CASCADE"
     )
-    if partitioned:
-        top = op.get_bind().execute(sa.text("SELECT coalesce(max(id), 0) + 1 FROM runs")).scalar()
-        hi = 0
-        while hi < top + (AHEAD - 1) * WIDTH:
-            ex(
-                f'CREATE TABLE "{table}_r{hi}" PARTITION OF "{table}" '
-                f"FOR VALUES FROM ({hi}) TO ({hi + WIDTH})"
-            )
-            hi += WIDTH
-        ex(f'CREATE TABLE "{table}_default" PARTITION OF "{table}" DEFAULT')
+
+
+def _partition(table: str, top: int) -> None:
+    """``table`` partitioned, its rows left where they are: the table becomes the partition
+    of every run id up to the newest run's range (attached, not copied: Postgres only reads
+    it to check the bound, and its primary key index is taken as it is)."""
+    ex = op.execute
+    first = f"{table}_r0"
+    hi = -(-top // WIDTH) * WIDTH  # the newest run's range's end
+    ex(f'ALTER TABLE "{table}" RENAME TO "{first}"')
+    ex(f'ALTER INDEX "pk_{table}" RENAME TO "{first}_pkey"')
+    _new_table(table, first, partitioned=True)
+    # its foreign key, the same as the parent's, becomes the parent's (no second check)
+    ex(f'ALTER TABLE "{table}" ATTACH PARTITION "{first}" FOR VALUES FROM (0) TO ({hi})')
+    while hi < top + (AHEAD - 1) * WIDTH:
+        ex(
+            f'CREATE TABLE "{table}_r{hi}" PARTITION OF "{table}" '
+            f"FOR VALUES FROM ({hi}) TO ({hi + WIDTH})"
+        )
+        hi += WIDTH
+    ex(f'CREATE TABLE "{table}_default" PARTITION OF "{table}" DEFAULT')
+
+
+def _unpartition(table: str) -> None:
+    """``table`` a plain table again, its rows copied."""
+    ex = op.execute
+    old = f"{table}_old"
+    ex(f'ALTER TABLE "{table}" RENAME TO "{old}"')
+    ex(f'ALTER INDEX "pk_{table}" RENAME TO "pk_{old}"')
+    _new_table(table, old, partitioned=False)
     ex(f'INSERT INTO "{table}" SELECT * FROM "{old}"')
     ex(f'DROP TABLE "{old}"')
 
@@ -72,12 +88,13 @@ def _rebuild(table: str, partitioned: bool) -> None:
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
+    top = op.get_bind().execute(sa.text("SELECT coalesce(max(id), 0) + 1 FROM runs")).scalar()
     for table in TABLES:
-        _rebuild(table, partitioned=True)
+        _partition(table, top)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     for table in TABLES:
-        _rebuild(table, partitioned=False)
+        _unpartition(table)
