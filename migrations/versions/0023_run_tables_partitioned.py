@@ -6,10 +6,10 @@ Create Date: 2026-11-29 17:00:00
 
 ``storage.core.partitions`` (decision 0038): each of the per-run tables becomes
 ``PARTITION BY RANGE (run_id)``: the table as it is becomes the partition of every run id
-up to the newest run's range of 2**20 (attached, not copied), then ranges up to two beyond
-the newest run and a default partition. Names (the table, its primary key, its foreign
-key) stay, so the code and the models do not change. SQLite keeps plain tables. The
-downgrade copies the rows back into plain tables.
+up to the end of the newest run's range of 2**20 (attached, not copied), then ranges
+holding at least 2**20 run ids beyond the newest run, and a default partition. Names (the
+table, its primary key, its foreign key) stay, so the code and the models do not change.
+SQLite keeps plain tables. The downgrade copies the rows back into plain tables.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ move earlier when a late batch arrives: by month it would move rows). And ``run_
 is already the first column of every key of these tables, as Postgres wants of a
 partitioned table's unique indexes.
 
-- :func:`ensure` keeps ``AHEAD`` empty ranges beyond the newest run (the migration makes the
-  first; the finish workers keep them coming). A row that finds no range (the workers
-  stopped for a million runs, say) lands in the default partition; the next range made
-  over it takes its rows out of it.
+- :func:`ensure` keeps at least a range's worth of run ids made beyond the newest run
+  (the migration makes the first ranges, the finish workers keep them coming). A row that
+  finds no range (the workers stopped for a million runs, say) lands in the default
+  partition; the next range made over it takes its rows out of it.
 - :func:`drop_expired` is retention's fast path: a range whose every run is in the
   sessions being removed is detached and dropped whole, in milliseconds, before the
   sessions' rows go (their cascade then finds nothing there).
@@ -47,7 +47,7 @@ TABLES = (
 
 #: Run ids a partition: at 2.8 M runs a month, a partition is ~11 days of runs.
 WIDTH = 1 << 20
-#: Empty ranges kept beyond the newest run.
+#: Room kept made beyond the newest run: ``AHEAD - 1`` widths of run ids.
 AHEAD = 2
 #: How long a partition change waits for a lock before it gives up until the next pass:
 #: the lock it takes (ACCESS EXCLUSIVE on the table) holds ingest back while it waits.
@@ -113,10 +113,11 @@ def create_range(conn: Connection, table: str, lo: int, hi: int) -> None:
 
 
 def ensure(engine: Engine, *, width: int = WIDTH, ahead: int = AHEAD) -> int:
-    """Give every partitioned table ranges up to ``ahead`` widths beyond the newest run;
-    how many partitions were made. One partition a transaction: a table's lock is held
-    for one statement's time, and never two tables' at once (ingest takes them in its own
-    order). A lock not had within :data:`LOCK_TIMEOUT` leaves the rest to the next pass."""
+    """Give every partitioned table ranges holding at least ``ahead - 1`` widths of run ids
+    beyond the newest run; how many partitions were made. One partition a transaction: a
+    table's lock is held for one statement's time, and never two tables' at once (ingest
+    takes them in its own order). A lock not had within :data:`LOCK_TIMEOUT` leaves the
+    rest to the next pass."""
     made = 0
     for table in TABLES:
         while True:

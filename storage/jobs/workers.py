@@ -121,7 +121,7 @@ class FinishWorker(_PerProcess):
 
 COLLAPSE_PASS_SECONDS = 1.0
 #: How often the per-run tables' ranges are kept ahead of the newest run
-#: (``storage.core.partitions``; two ranges are two million runs).
+#: (``storage.core.partitions``: a million runs of room at the least).
 PARTITIONS_SECONDS = 60.0
 
 
