@@ -80,14 +80,13 @@ class FinishWorker(_PerProcess):
 
     def _loop(self) -> None:
         last_fold = last_silent = time.monotonic()
-        last_partitions = 0.0  # at once: an index migrated while this process was down
+        last_partitions: dict[int, float] = {}  # none yet: at once for a new store
         last_collapse: dict[int, float] = {}
         while not self._stop.wait(POLL_SECONDS):
             with self._lock:
                 targets = list(self._targets.values())
             fold = time.monotonic() - last_fold > FOLD_CLUSTERS_SECONDS
             silent = time.monotonic() - last_silent > SILENT_CHECK_SECONDS
-            ahead = time.monotonic() - last_partitions > PARTITIONS_SECONDS
             for sessions, blobs, silence, collapse in targets:
                 try:
                     if silent and 0 < silence < time.time() - self._started:
@@ -104,8 +103,10 @@ class FinishWorker(_PerProcess):
                         pass
                     if fold:
                         fold_clusters(sessions)
-                    if ahead:
+                    since = time.monotonic() - last_partitions.get(id(sessions), -1e9)
+                    if since > PARTITIONS_SECONDS:
                         partitions.ensure(sessions.kw["bind"])
+                        last_partitions[id(sessions)] = time.monotonic()
                 except Exception:  # the index is down, say: log, and try again later
                     logger.warning("finished-run work failed; will retry", exc_info=True)
                     # Agents resend what they held while the index was down: silence
@@ -115,8 +116,6 @@ class FinishWorker(_PerProcess):
                 last_fold = time.monotonic()
             if silent:
                 last_silent = time.monotonic()
-            if ahead:
-                last_partitions = time.monotonic()
 
 
 COLLAPSE_PASS_SECONDS = 1.0

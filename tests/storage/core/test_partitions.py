@@ -153,3 +153,37 @@ def test_retention_drops_a_range_whose_runs_all_expire_and_keeps_one_with_a_kept
         assert left == 2 and rows_by_partition(engine)["run_prefixes_default"] == 0
         assert conn.execute(text("SELECT count(DISTINCT run_id) FROM run_prefixes")).scalar() == 2
     assert answers(sessions, kept) == kept_before
+
+
+def test_a_collectors_finish_worker_makes_the_ranges_new_runs_need(engine, tmp_path):
+    """No command: a collector with its finish worker on makes the range of run ids past
+    the migration's at once, and the rows that waited in the default partition move in."""
+    import gc
+    import time
+
+    from collector.app import create_app
+
+    sessions = make_sessionmaker(engine)
+    next_run_id(engine, 2 * W + 10)
+    tenant = new_tenant()
+    apply(sessions, tenant, synthetic_batches(seed=9))
+    before = answers(sessions, tenant)
+    assert rows_by_partition(engine)["run_prefixes_default"] > 0
+    app = create_app(
+        {
+            "database_url": engine.url.render_as_string(hide_password=False),
+            "blob_url": (tmp_path / "blobs").as_uri(),
+            "finish_worker": True,
+            "ray_sweeper": False,
+        }
+    )
+    deadline = time.monotonic() + 60
+    while any(lows(engine, t)[-1] < 3 * W for t in partitions.TABLES):
+        assert time.monotonic() < deadline, "the finish worker made no range"
+        time.sleep(0.05)
+    del app
+    gc.collect()
+    counts = rows_by_partition(engine)
+    assert all(counts[f"{t}_default"] == 0 for t in partitions.TABLES)
+    assert counts[f"run_prefixes_r{2 * W}"] > 0
+    assert answers(sessions, tenant) == before
