@@ -408,6 +408,10 @@ def main() -> int:
         total_events = int(indexed[0])
 
         lat = sorted(latencies)
+        ncpu = len(os.sched_getaffinity(0))
+        other_cpu_per_batch = (
+            sum(v for k, v in cores.items() if k != "collector") * elapsed / max(len(lat), 1)
+        )
         figures = {
             "events_per_s": round(accepted[0] / elapsed),
             "ack_p50_ms": round(statistics.median(lat) * 1000, 1),
@@ -422,6 +426,15 @@ def main() -> int:
             # the collector got on a shared machine.
             "collector_cpu_vs_decode": round(
                 cores["collector"] * elapsed / max(accepted[0], 1) * limit, 2
+            ),
+            # The ratio this host allows a collector that only decoded: its cores shared
+            # with what moto, Postgres and the senders spend a batch (as measured here),
+            # each batch then costing one core's decode on top. Past it, no collector can go.
+            "ratio_ceiling_decode_only": round(
+                ncpu
+                * (EVENTS_PER_BATCH / limit)
+                / (other_cpu_per_batch + EVENTS_PER_BATCH / limit),
+                3,
             ),
             "single_core_ms_per_batch": steps,
             "collector_ms_per_batch": stages,
