@@ -6,18 +6,11 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
+from storage.core.db import alembic_owns
 from storage.core.models import Base
 
 config = context.config
 target_metadata = Base.metadata
-
-
-def not_the_lake_catalogs(obj, name, type_, reflected, compare_to) -> bool:  # noqa: ANN001
-    """The history lake's Iceberg catalog keeps its tables (``iceberg_*``) in the index
-    database; they are pyiceberg's, not Alembic's."""
-    return not (
-        type_ == "table" and reflected and compare_to is None and name.startswith("iceberg_")
-    )
 
 
 def _configure_and_run(connection) -> None:
@@ -26,7 +19,7 @@ def _configure_and_run(connection) -> None:
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
-        include_object=not_the_lake_catalogs,
+        include_object=alembic_owns,
     )
     with context.begin_transaction():
         context.run_migrations()

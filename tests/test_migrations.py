@@ -10,8 +10,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 
 from storage.core import models as m
-from storage.core import partitions
 from storage.core.db import (
+    alembic_owns,
     current_revision,
     downgrade,
     head_revisions,
@@ -19,17 +19,6 @@ from storage.core.db import (
     upgrade,
 )
 from storage.core.models import Base
-
-ICEBERG_CATALOG = "iceberg_"  # the lake's catalog tables (pyiceberg's), in the same database
-
-
-def alembics(obj, name, type_, reflected, compare_to) -> bool:
-    """Tables of the schema's own, not the lake catalog's or a per-run table's partitions."""
-    return not (
-        type_ == "table"
-        and compare_to is None
-        and (name.startswith(ICEBERG_CATALOG) or partitions.is_partition(name))
-    )
 
 
 def test_migrations_have_one_head():
@@ -45,7 +34,7 @@ def test_head_matches_models(index_url):
     with engine.connect() as conn:
         diff = compare_metadata(
             MigrationContext.configure(
-                conn, opts={"compare_type": True, "include_object": alembics}
+                conn, opts={"compare_type": True, "include_object": alembic_owns}
             ),
             Base.metadata,
         )

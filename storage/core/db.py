@@ -101,6 +101,21 @@ def _migrate(url_or_engine: str | Engine, direction: str, revision: str) -> None
         getattr(command, direction)(cfg, revision)
 
 
+def alembic_owns(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    """Alembic's ``include_object``: the tables of the models, not the lake's Iceberg
+    catalog (``iceberg_*``: pyiceberg's, in the index database) nor the per-run tables'
+    partitions (``storage.core.partitions``: the parents match the models)."""
+    from storage.core.partitions import is_partition
+
+    return not (
+        type_ == "table"
+        and reflected
+        and compare_to is None
+        and name is not None
+        and (name.startswith("iceberg_") or is_partition(name))
+    )
+
+
 def head_revisions() -> list[str]:
     """The head revision(s) of the migrations shipped with this code (one, unless two
     branches of migrations were merged without a merge revision)."""
