@@ -97,16 +97,19 @@ class FinishWorker(_PerProcess):
                         # backlog goes in passes, not in one that holds the jobs back
                         if not _collapse_for(sessions, collapse, COLLAPSE_PASS_SECONDS):
                             last_collapse[id(sessions)] = time.monotonic()
-                    # One job a claim: a process stopped mid-job (a restart) leaves that one
-                    # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
-                    while run_due(sessions, blobs, limit=1) > 0:
-                        pass
-                    if fold:
-                        fold_clusters(sessions)
                     since = time.monotonic() - last_partitions.get(id(sessions), -1e9)
                     if since > PARTITIONS_SECONDS:
                         partitions.ensure(sessions.kw["bind"])
                         last_partitions[id(sessions)] = time.monotonic()
+                    # One job a claim: a process stopped mid-job (a restart) leaves that one
+                    # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
+                    # For a while a pass: a backlog (after a reindex: hours of jobs) must not
+                    # hold back the other stores' work nor this one's partitions.
+                    end = time.monotonic() + JOBS_PASS_SECONDS
+                    while run_due(sessions, blobs, limit=1) > 0 and time.monotonic() < end:
+                        pass
+                    if fold:
+                        fold_clusters(sessions)
                 except Exception:  # the index is down, say: log, and try again later
                     logger.warning("finished-run work failed; will retry", exc_info=True)
                     # Agents resend what they held while the index was down: silence
@@ -119,6 +122,7 @@ class FinishWorker(_PerProcess):
 
 
 COLLAPSE_PASS_SECONDS = 1.0
+JOBS_PASS_SECONDS = 30.0
 #: How often the per-run tables' ranges are kept ahead of the newest run
 #: (``storage.core.partitions``: a million runs of room at the least).
 PARTITIONS_SECONDS = 60.0

@@ -1,7 +1,8 @@
 """The per-run tables partitioned by ranges of run ids (Postgres; decision 0038): a
 populated index migrates in and out with every answer the same, a row beyond the ranges
-waits in the default partition until its range is made, and retention drops a range
-whose runs all expire, never one that holds a kept run."""
+waits in the default partition until its range is made (by a collector's finish worker,
+no command), and retention drops a range whose runs all expire, never one that holds a kept
+run."""
 
 from __future__ import annotations
 
