@@ -49,13 +49,35 @@ TABLES = (
 WIDTH = 1 << 20
 #: Room kept made beyond the newest run: ``AHEAD - 1`` widths of run ids.
 AHEAD = 2
-#: How long a partition change waits for a lock before it gives up until the next pass:
-#: the lock it takes (ACCESS EXCLUSIVE on the table) holds ingest back while it waits.
+#: How long a partition change waits for ``runs`` before it gives up until the next pass:
+#: the lock it takes there holds ingest back while it waits (see :func:`_lock`).
 LOCK_TIMEOUT = "2s"
 
+# Postgres's "lock not available" (NOWAIT, lock_timeout) and "deadlock detected"
+_BUSY = ("55P03", "40P01")
 # serialises the collectors' ensure passes (any constant; not the upgrade lock's)
 _LOCK = 0x68733F5A
 _BOUND = re.compile(r"FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")
+
+
+def _lock(conn: Connection, table: str) -> None:
+    """Lock ``runs``, then ``table``, for a change of its partitions; the caller owns the
+    transaction. A partition's foreign key takes ``runs`` too, and ingest takes ``runs``
+    (a run's row) before the per-run tables (its rows): taking them in the same order, and
+    ``table`` without waiting once ``runs`` is held (a finisher may hold it and want
+    ``runs`` next), no lock cycle can form. Raises :class:`Busy` instead of waiting long."""
+    try:
+        conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
+        conn.execute(text("LOCK TABLE runs IN SHARE ROW EXCLUSIVE MODE"))
+        conn.execute(text(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE NOWAIT'))
+    except OperationalError as exc:
+        if getattr(exc.orig, "pgcode", None) in _BUSY:
+            raise Busy(table) from exc
+        raise
+
+
+class Busy(Exception):
+    """A table's partitions could not be changed now: its locks are held."""
 
 
 def partitioned(conn: Connection) -> bool:
@@ -114,10 +136,9 @@ def create_range(conn: Connection, table: str, lo: int, hi: int) -> None:
 
 def ensure(engine: Engine, *, width: int = WIDTH, ahead: int = AHEAD) -> int:
     """Give every partitioned table ranges holding at least ``ahead - 1`` widths of run ids
-    beyond the newest run; how many partitions were made. One partition a transaction: a
-    table's lock is held for one statement's time, and never two tables' at once (ingest
-    takes them in its own order). A lock not had within :data:`LOCK_TIMEOUT` leaves the
-    rest to the next pass."""
+    beyond the newest run; how many partitions were made. One partition a transaction,
+    under :func:`_lock`: held for a statement's time, one table at a time. Locks not had
+    at once (see :func:`_lock`) leave the rest to the next pass."""
     made = 0
     for table in TABLES:
         while True:
@@ -126,16 +147,14 @@ def ensure(engine: Engine, *, width: int = WIDTH, ahead: int = AHEAD) -> int:
                     if not partitioned(conn):
                         return made
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK})
-                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
                     top = conn.execute(text("SELECT coalesce(max(id), 0) + 1 FROM runs")).scalar()
                     hi = max((h for _, _, h in ranges(conn, table)), default=0)
                     if hi >= top + (ahead - 1) * width:
                         break
+                    _lock(conn, table)
                     create_range(conn, table, hi, hi + width)
                     made += 1
-            except OperationalError as exc:
-                if "lock timeout" not in str(exc):
-                    raise
+            except Busy:
                 logger.info("partitions: %s is busy; its next range waits for the next pass", table)
                 return made
     return made
@@ -143,8 +162,8 @@ def ensure(engine: Engine, *, width: int = WIDTH, ahead: int = AHEAD) -> int:
 
 def drop_expired(engine: Engine, session_ids: Iterable[int]) -> list[tuple[int, int]]:
     """Drop every range whose runs are all in ``session_ids`` (or gone), below the newest
-    run; the (lo, hi) of each range dropped from every table. A table whose lock is not had
-    within :data:`LOCK_TIMEOUT` keeps its partition: the sessions' deletion removes its
+    run; the (lo, hi) of each range dropped from every table. A table whose locks are not
+    had at once (see :func:`_lock`) keeps its partition: the sessions' deletion removes its
     rows as it always did."""
     ids = sorted(set(session_ids))
     kept_sql = text(
@@ -166,20 +185,15 @@ def drop_expired(engine: Engine, session_ids: Iterable[int]) -> list[tuple[int, 
             ]
         for name, lo, hi in parts:
             try:
-                with engine.connect() as conn, conn.begin() as tx:
-                    conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
-                    # Detached first: its lock waits out every transaction writing to the
-                    # table, so a run such a transaction added is seen by the look below;
-                    # one that writes after goes to the default partition.
-                    conn.execute(text(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"'))
+                with engine.begin() as conn:
+                    # Under the locks no run is added nor written to: the look again is final.
+                    _lock(conn, table)
                     if conn.execute(kept_sql, {"lo": lo, "hi": hi, "ids": ids}).first():
-                        tx.rollback()
                         continue
+                    conn.execute(text(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"'))
                     conn.execute(text(f'DROP TABLE "{name}"'))
                 dropped.add((lo, hi))
-            except OperationalError as exc:
-                if "lock timeout" not in str(exc):
-                    raise
+            except Busy:
                 logger.info("retention: %s is busy; its rows go one by one", name)
     return sorted(dropped)
 

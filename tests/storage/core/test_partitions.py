@@ -188,3 +188,42 @@ def test_a_collectors_finish_worker_makes_the_ranges_new_runs_need(engine, tmp_p
     assert all(counts[f"{t}_default"] == 0 for t in partitions.TABLES)
     assert counts[f"run_prefixes_r{2 * W}"] > 0
     assert answers(sessions, tenant) == before
+
+
+def test_ranges_made_while_batches_arrive_lose_nothing(engine):
+    """Ranges made over rows the default took, again and again, while two writers index
+    runs into them: every run of theirs answers as the same batches indexed afterwards."""
+    import threading
+
+    sessions = make_sessionmaker(engine)
+    # a tenant a session: answers() names runs by their keys, alike in every session
+    writers = [[new_tenant() for _ in range(6)] for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def write(tenants: list[str]) -> None:
+        try:
+            for seed, tenant in enumerate(tenants):
+                apply(sessions, tenant, synthetic_batches(seed=seed))
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in writers]
+    for t in threads:
+        t.start()
+    jump = 2
+    while any(t.is_alive() for t in threads):
+        # the next runs past every range: they go to the default until ensure moves them
+        next_run_id(engine, jump * W + 10)
+        jump += 2
+        partitions.ensure(engine)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    partitions.ensure(engine)
+    assert rows_by_partition(engine)["run_prefixes_default"] == 0
+    assert jump > 4  # ranges were made while they wrote
+    for tenants in writers:
+        for seed, tenant in enumerate(tenants):
+            again = new_tenant()
+            apply(sessions, again, synthetic_batches(seed=seed))
+            assert answers(sessions, tenant) == answers(sessions, again)
