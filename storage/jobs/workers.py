@@ -80,8 +80,10 @@ class FinishWorker(_PerProcess):
 
     def _loop(self) -> None:
         last_fold = last_silent = time.monotonic()
-        last_partitions: dict[int, float] = {}  # none yet: at once for a new store
-        last_collapse: dict[int, float] = {}
+        # by store, weakly: keyed by id(), a new store could take a gone one's id and wait
+        # out its clock
+        last_partitions: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        last_collapse: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         while not self._stop.wait(POLL_SECONDS):
             with self._lock:
                 targets = list(self._targets.values())
@@ -91,16 +93,16 @@ class FinishWorker(_PerProcess):
                 try:
                     if silent and 0 < silence < time.time() - self._started:
                         close_silent(sessions, silence=silence)
-                    since = time.monotonic() - last_collapse.get(id(sessions), 0.0)
+                    since = time.monotonic() - last_collapse.get(sessions, 0.0)
                     if collapse > 0 and since > collapse / 4:
                         # a second of it a poll, finish jobs between: an upgraded index's
                         # backlog goes in passes, not in one that holds the jobs back
                         if not _collapse_for(sessions, collapse, COLLAPSE_PASS_SECONDS):
-                            last_collapse[id(sessions)] = time.monotonic()
-                    since = time.monotonic() - last_partitions.get(id(sessions), -1e9)
+                            last_collapse[sessions] = time.monotonic()
+                    since = time.monotonic() - last_partitions.get(sessions, -1e9)
                     if since > PARTITIONS_SECONDS:
                         partitions.ensure(sessions.kw["bind"])
-                        last_partitions[id(sessions)] = time.monotonic()
+                        last_partitions[sessions] = time.monotonic()
                     # One job a claim: a process stopped mid-job (a restart) leaves that one
                     # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
                     # For a while a pass: a backlog (after a reindex: hours of jobs) must not
