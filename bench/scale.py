@@ -372,6 +372,9 @@ def main() -> int:
                 t = time.perf_counter()
                 for i in range(have, want, CHUNK_UNITS):
                     copy_chunk(main_db, tm, tenant_ids, order[i : min(want, i + CHUNK_UNITS)])
+                    # ranges kept ahead as the collectors' finish workers do (a chunk is far
+                    # fewer runs than a range): no run's rows wait in a default partition
+                    partitions.ensure(main_db)
                     if (i // CHUNK_UNITS) % 5 == 4:
                         log(f"  {min(want, i + CHUNK_UNITS) * h.UNIT_RUNS:,} runs")
                 have = want
@@ -470,7 +473,7 @@ def main() -> int:
             figures["real_path_unit_s"] = round(real_s, 1)
 
             # ---- migration 0023 at the top level (the per-run tables partitioned,
-            # decision 0038): back to plain tables and in again, rows copied both ways
+            # decision 0038): back to plain tables (rows copied) and in again (attached)
             t = time.perf_counter()
             downgrade(main_db, "0022")
             figures[f"unpartition_s_at_{top}"] = round(time.perf_counter() - t, 1)
@@ -509,9 +512,6 @@ def copy_chunk(engine: Any, tm: h.Template, tenant_ids: dict[str, int], units: l
         try:
             raw = engine.raw_connection()
             h.copy_units(raw.driver_connection, tm, tenant_ids, units)
-            # ranges kept ahead as the collectors' finish workers do (a chunk is far fewer
-            # runs than the two ranges ahead): no run's rows wait in a default partition
-            partitions.ensure(engine)
             return
         except (OperationalError, psycopg2.OperationalError) as exc:
             log(f"  copy failed ({str(exc).strip()[:120]}); again in 10 s")
