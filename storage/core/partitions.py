@@ -170,20 +170,23 @@ def drop_expired(engine: Engine, session_ids: Iterable[int]) -> list[tuple[int, 
         "SELECT 1 FROM runs WHERE id >= :lo AND id < :hi AND session_id <> ALL(:ids) LIMIT 1"
     )
     dropped: set[tuple[int, int]] = set()
-    for table in TABLES:
-        with engine.connect() as conn:
-            if not partitioned(conn):
-                return []
-            parts = ranges(conn, table)
-            top = conn.execute(text("SELECT coalesce(max(id), 0) FROM runs")).scalar()
-            # a first look without the lock: a range with a kept run is passed over at once
-            parts = [
-                (name, lo, hi)
-                for name, lo, hi in parts
-                if hi <= top
+    # a first look without the locks, once a range (the tables share them): a range with a
+    # kept run is passed over at once
+    expired: dict[tuple[int, int], bool] = {}
+    with engine.connect() as conn:
+        if not partitioned(conn):
+            return []
+        top = conn.execute(text("SELECT coalesce(max(id), 0) FROM runs")).scalar()
+        parts = {table: ranges(conn, table) for table in TABLES}
+        for lo, hi in {(lo, hi) for table_parts in parts.values() for _, lo, hi in table_parts}:
+            expired[(lo, hi)] = (
+                hi <= top
                 and conn.execute(kept_sql, {"lo": lo, "hi": hi, "ids": ids}).first() is None
-            ]
-        for name, lo, hi in parts:
+            )
+    for table in TABLES:
+        for name, lo, hi in parts[table]:
+            if not expired[(lo, hi)]:
+                continue
             try:
                 with engine.begin() as conn:
                     # Under the locks no run is added nor written to: the look again is final.
