@@ -149,16 +149,19 @@ def index_seconds(url: str) -> tuple[float, float]:
     return total, count
 
 
+#: A user table's name in pg_stat_user_tables, a partition named as its table's
+#: (``storage.core.partitions``).
+TABLE_OF = "coalesce(pg_partition_root(relid), relid)::regclass::text"
+
+
 def index_bytes(engine: Any) -> tuple[int, int, dict[str, int]]:
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT count(*) FROM runs")).scalar_one()
         sizes = dict(
             conn.execute(
                 text(
-                    # a partition counts under its table (storage.core.partitions)
-                    "SELECT coalesce(pg_partition_root(relid), relid)::regclass::text, "
-                    "sum(pg_total_relation_size(relid)) FROM pg_stat_user_tables WHERE "
-                    "schemaname = 'public' GROUP BY 1 ORDER BY 2 DESC"
+                    f"SELECT {TABLE_OF}, sum(pg_total_relation_size(relid)) FROM "
+                    "pg_stat_user_tables WHERE schemaname = 'public' GROUP BY 1 ORDER BY 2 DESC"
                 )
             ).all()
         )
@@ -335,10 +338,10 @@ def main() -> int:
             for d in diffs:
                 log(f"  DIFFERS {d[:1500]}")
             with main_db.connect() as conn:
-                tables = conn.execute(  # a partition as its table (storage.core.partitions)
+                tables = conn.execute(
                     text(
-                        "SELECT DISTINCT coalesce(pg_partition_root(relid), relid)::regclass::text "
-                        "FROM pg_stat_user_tables WHERE schemaname = 'public'"
+                        f"SELECT DISTINCT {TABLE_OF} FROM pg_stat_user_tables "
+                        "WHERE schemaname = 'public'"
                     )
                 ).scalars()
                 filled = {
