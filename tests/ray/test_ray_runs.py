@@ -140,9 +140,13 @@ def test_tasks_match_rays_state_api(jobs, ray_server, name):
         late = sent.running_at is not None and m["attrs"]["start_from"] == "SUBMITTED_TO_WORKER"
         running_at = None if late else sent.running_at
         sent_start = running_at if running_at is not None else sent.submitted_at
+        sent_end = sent.failed_at or sent.finished_at
+        # The start and the end come from different processes (the worker's RUNNING, the
+        # owner's FAILED): a start a few ms after the end (seen once in CI, 2.3 ms) is drawn
+        # as a zero-length phase at the end, as storage.ray.translate writes it, never a negative one.
         assert (start, stop) == (
-            pytest.approx(sent_start, abs=1e-6),
-            pytest.approx(sent.failed_at or sent.finished_at, abs=1e-6),
+            pytest.approx(min(sent_start, sent_end), abs=1e-6),
+            pytest.approx(sent_end, abs=1e-6),
         )
         assert m["attrs"]["start_from"] == (
             "RUNNING" if running_at is not None else "SUBMITTED_TO_WORKER"
