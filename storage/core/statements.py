@@ -55,6 +55,7 @@ class Statements:
     touch_cluster: Statement
     touch_session: Statement
     agent_update: Statement
+    run_update: Statement
     run: Statement
     run_batch: Statement
     statuses: Statement
@@ -157,6 +158,7 @@ def statements(dialect: str) -> Statements:
         touch_cluster=touch(C),
         touch_session=touch(S),
         agent_update=_agent_update(A, hi),
+        run_update=_run_update(lo, hi),
         run=_run_upsert(insert, lo, hi),
         run_batch=insert(m.RunBatch.__table__),
         statuses=_adding(insert, m.RunStatusCount.__table__, ["run_id", "status"], ("count",)),
@@ -204,34 +206,59 @@ def _agent_update(A: Any, hi: Callable[[Expr, Expr], Expr]) -> Statement:
     )
 
 
-def _run_upsert(
-    insert: Any, lo: Callable[[Expr, Expr], Expr], hi: Callable[[Expr, Expr], Expr]
-) -> Statement:
+def _run_merge(
+    new: Callable[[str], Expr], lo: Callable[[Expr, Expr], Expr], hi: Callable[[Expr, Expr], Expr]
+) -> dict[str, Expr]:
+    """How a batch's figures for a run merge into its row (``new(column)``: the batch's)."""
     R = m.Run.__table__
-    ins = insert(R)
-    ex = ins.excluded
 
     def rank(col: Expr) -> Expr:
         # a run closed "lost" (its scheduler went silent) takes the end its agent sends later
         return case({"running": 0, "lost": 1, "finished": 2}, value=col, else_=3)
 
+    return {
+        "name": func.coalesce(R.c.name, new("name")),
+        "span": case((R.c.span.is_(None), new("span")), else_=R.c.span),
+        "client": func.coalesce(R.c.client, new("client")),
+        "status": case((rank(new("status")) > rank(R.c.status), new("status")), else_=R.c.status),
+        "started_at": lo(R.c.started_at, new("started_at")),
+        "finished_at": hi(R.c.finished_at, new("finished_at")),
+        "task_start": lo(R.c.task_start, new("task_start")),
+        "task_stop": hi(R.c.task_stop, new("task_stop")),
+        "task_count": R.c.task_count + new("task_count"),
+        "error_count": R.c.error_count + new("error_count"),
+        "graph_count": R.c.graph_count + new("graph_count"),
+        "nbytes": R.c.nbytes + new("nbytes"),
+        "last_seen": hi(R.c.last_seen, new("last_seen")),
+    }
+
+
+def _run_update(lo: Callable[[Expr, Expr], Expr], hi: Callable[[Expr, Expr], Expr]) -> Statement:
+    """A batch's figures merged into its run's row if the run exists. Tried before
+    :func:`_run_upsert`: an upsert takes a run id from the sequence even when it updates, so
+    run ids would grow with batches, not runs (and the partitions with them, decision 0038)."""
+    R = m.Run.__table__
+
+    def new(c: str) -> Expr:  # a column's own name is SQLAlchemy's for the SET clause
+        return bindparam(f"p_{c}", type_=R.c[c].type)
+
+    return (
+        update(R)
+        .where(R.c.session_id == new("session_id"), R.c.run_key == new("run_key"))
+        .values(_run_merge(new, lo, hi))
+        .returning(R.c.id, R.c.status)
+    )
+
+
+def _run_upsert(
+    insert: Any, lo: Callable[[Expr, Expr], Expr], hi: Callable[[Expr, Expr], Expr]
+) -> Statement:
+    """A run's first batch: the row inserted, or merged into one a concurrent batch made."""
+    R = m.Run.__table__
+    ins = insert(R)
     return ins.on_conflict_do_update(
         index_elements=["session_id", "run_key"],
-        set_={
-            "name": func.coalesce(R.c.name, ex.name),
-            "span": case((R.c.span.is_(None), ex.span), else_=R.c.span),
-            "client": func.coalesce(R.c.client, ex.client),
-            "status": case((rank(ex.status) > rank(R.c.status), ex.status), else_=R.c.status),
-            "started_at": lo(R.c.started_at, ex.started_at),
-            "finished_at": hi(R.c.finished_at, ex.finished_at),
-            "task_start": lo(R.c.task_start, ex.task_start),
-            "task_stop": hi(R.c.task_stop, ex.task_stop),
-            "task_count": R.c.task_count + ex.task_count,
-            "error_count": R.c.error_count + ex.error_count,
-            "graph_count": R.c.graph_count + ex.graph_count,
-            "nbytes": R.c.nbytes + ex.nbytes,
-            "last_seen": hi(R.c.last_seen, ex.last_seen),
-        },
+        set_=_run_merge(lambda c: ins.excluded[c], lo, hi),
     ).returning(R.c.id, R.c.status)
 
 

@@ -218,30 +218,38 @@ def _index_run(
     status = max((e.event for e in ended), key=_STATUS_RANK.__getitem__, default="running")
     # The earliest evidence of the run: its started event, else its first task, else now.
     started_at = first.time if first else (rs.task_start if rs.task_start is not None else now)
-    run_id, status = out.one(
-        "run",
-        {
-            "public_id": run_public_id(tenant, batch.cluster, batch.session, run_key),
-            "tenant_id": ids.tenant,
-            "cluster_id": ids.cluster,
-            "session_id": ids.session,
-            "run_key": run_key,
-            "name": first.name if first else None,
-            "span": list(first.span) if first and first.span else None,
-            "client": first.client if first else None,
-            "status": status,
-            "started_at": started_at,
-            "finished_at": max((e.time for e in ended), default=None),
-            "task_start": rs.task_start,
-            "task_stop": rs.task_stop,
-            "task_count": rs.tasks,
-            "error_count": rs.errors,
-            "graph_count": rs.graph,
-            "nbytes": rs.nbytes,
-            "first_seen": now,
-            "last_seen": now,
-        },
-    )
+    merged = {
+        "session_id": ids.session,
+        "run_key": run_key,
+        "name": first.name if first else None,
+        "span": list(first.span) if first and first.span else None,
+        "client": first.client if first else None,
+        "status": status,
+        "started_at": started_at,
+        "finished_at": max((e.time for e in ended), default=None),
+        "task_start": rs.task_start,
+        "task_stop": rs.task_stop,
+        "task_count": rs.tasks,
+        "error_count": rs.errors,
+        "graph_count": rs.graph,
+        "nbytes": rs.nbytes,
+        "last_seen": now,
+    }
+    # An existing run is updated, a new one inserted: an upsert alone would take a run id
+    # from the sequence for every batch (see storage.core.statements._run_update).
+    found = out.one("run_update", {f"p_{k}": v for k, v in merged.items()})
+    if found is None:
+        found = out.one(
+            "run",
+            {
+                **merged,
+                "public_id": run_public_id(tenant, batch.cluster, batch.session, run_key),
+                "tenant_id": ids.tenant,
+                "cluster_id": ids.cluster,
+                "first_seen": now,
+            },
+        )
+    run_id, status = found
     if rs.tasks or rs.graph:
         out.add("run_batch", {"run_id": run_id, "batch_id": ids.batch, "tasks": rs.tasks})
     out.add(
