@@ -85,10 +85,28 @@ def _unpartition(table: str) -> None:
     ex(f'DROP TABLE "{old}"')
 
 
+def _lock_runs() -> None:
+    """``runs`` first, as ingest takes it before the per-run tables: taking a table first
+    and ``runs`` for its foreign key next deadlocks against a collector still ingesting.
+    Held, it also keeps run ids from being handed out while the ranges are drawn."""
+    op.execute("LOCK TABLE runs IN SHARE ROW EXCLUSIVE MODE")
+
+
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    top = op.get_bind().execute(sa.text("SELECT coalesce(max(id), 0) + 1 FROM runs")).scalar()
+    _lock_runs()
+    # one past the highest run id handed out (the sequence's, as storage.core.partitions.top)
+    top = (
+        op.get_bind()
+        .execute(
+            sa.text(
+                "SELECT greatest((SELECT coalesce(max(id), 0) FROM runs), "
+                "(SELECT last_value - (NOT is_called)::int FROM runs_id_seq)) + 1"
+            )
+        )
+        .scalar()
+    )
     for table in TABLES:
         _partition(table, top)
 
@@ -96,5 +114,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
+    _lock_runs()
     for table in TABLES:
         _unpartition(table)

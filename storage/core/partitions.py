@@ -60,20 +60,32 @@ _LOCK = 0x68733F5A
 _BOUND = re.compile(r"FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")
 
 
-def _lock(conn: Connection, table: str) -> None:
-    """Lock ``runs``, then ``table``, for a change of its partitions; the caller owns the
+def _lock(conn: Connection, tables: Iterable[str]) -> None:
+    """Lock ``runs``, then ``tables``, for a change of their partitions; the caller owns the
     transaction. A partition's foreign key takes ``runs`` too, and ingest takes ``runs``
     (a run's row) before the per-run tables (its rows): taking them in the same order, and
-    ``table`` without waiting once ``runs`` is held (a finisher may hold it and want
+    the tables without waiting once ``runs`` is held (a finisher may hold one and want
     ``runs`` next), no lock cycle can form. Raises :class:`Busy` instead of waiting long."""
     try:
         conn.execute(text(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
         conn.execute(text("LOCK TABLE runs IN SHARE ROW EXCLUSIVE MODE"))
-        conn.execute(text(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE NOWAIT'))
+        for table in tables:
+            conn.execute(text(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE NOWAIT'))
     except OperationalError as exc:
         if getattr(exc.orig, "pgcode", None) in _BUSY:
-            raise Busy(table) from exc
+            raise Busy(", ".join(tables)) from exc
         raise
+
+
+def top(conn: Connection) -> int:
+    """One past the highest run id handed out: the sequence's (a run being inserted has
+    taken its id before anyone sees its row), or the rows' if ids were placed by hand."""
+    return conn.execute(
+        text(
+            "SELECT greatest((SELECT coalesce(max(id), 0) FROM runs), "
+            "(SELECT last_value - (NOT is_called)::int FROM runs_id_seq)) + 1"
+        )
+    ).scalar_one()
 
 
 class Busy(Exception):
@@ -106,99 +118,133 @@ def ranges(conn: Connection, table: str) -> list[tuple[str, int, int]]:
     return sorted(out, key=lambda r: r[1])
 
 
-def create_range(conn: Connection, table: str, lo: int, hi: int) -> None:
-    """Add the partition of run ids ``lo <= id < hi`` to ``table``, moving into it any rows
-    the default partition took for them. The caller owns the transaction."""
-    name, default = f"{table}_r{lo}", f"{table}_default"
-    stray = conn.execute(
-        text(f'SELECT 1 FROM "{default}" WHERE run_id >= :lo AND run_id < :hi LIMIT 1'),
-        {"lo": lo, "hi": hi},
-    ).first()
-    if stray is None:
+def _gap(parts: list[tuple[str, int, int]], run_id: int, width: int) -> tuple[int, int] | None:
+    """The range to make for ``run_id``: its ``width``-aligned stretch, clipped to the
+    ranges beside it; None if a range holds it already."""
+    lo, hi = run_id - run_id % width, run_id - run_id % width + width
+    for _, a, b in parts:
+        if a <= run_id < b:
+            return None
+        if b <= run_id:
+            lo = max(lo, b)
+        else:
+            hi = min(hi, a)
+    return lo, hi
+
+
+def _make(conn: Connection, table: str, made: list[tuple[int, int]]) -> None:
+    """Add the partitions ``made`` (lo, hi) to ``table``, moving into them any rows the
+    default partition took for them. The caller owns the transaction and the locks."""
+    default = f"{table}_default"
+    where = " OR ".join(f"(run_id >= {lo} AND run_id < {hi})" for lo, hi in made)
+    stray = conn.execute(text(f'SELECT 1 FROM "{default}" WHERE {where} LIMIT 1')).first()
+    if stray is not None:
+        # Postgres will not add a range over rows the default holds (and reads the whole
+        # default for each range it adds): take the default out once, add the ranges, move
+        # the rows, put the default back (one more read of it).
+        conn.execute(text(f'ALTER TABLE "{table}" DETACH PARTITION "{default}"'))
+    for lo, hi in made:
         conn.execute(
-            text(f'CREATE TABLE "{name}" PARTITION OF "{table}" FOR VALUES FROM ({lo}) TO ({hi})')
+            text(
+                f'CREATE TABLE "{table}_r{lo}" PARTITION OF "{table}" '
+                f"FOR VALUES FROM ({lo}) TO ({hi})"
+            )
         )
-        return
-    # Postgres will not add a range over rows the default holds: take the default out,
-    # add the range, move the rows, put the default back, all under the table's lock.
-    conn.execute(text(f'ALTER TABLE "{table}" DETACH PARTITION "{default}"'))
-    conn.execute(
-        text(f'CREATE TABLE "{name}" PARTITION OF "{table}" FOR VALUES FROM ({lo}) TO ({hi})')
-    )
-    where = "run_id >= :lo AND run_id < :hi"
-    conn.execute(
-        text(f'INSERT INTO "{table}" SELECT * FROM "{default}" WHERE {where}'),
-        {"lo": lo, "hi": hi},
-    )
-    conn.execute(text(f'DELETE FROM "{default}" WHERE {where}'), {"lo": lo, "hi": hi})
-    conn.execute(text(f'ALTER TABLE "{table}" ATTACH PARTITION "{default}" DEFAULT'))
+    if stray is not None:
+        conn.execute(text(f'INSERT INTO "{table}" SELECT * FROM "{default}" WHERE {where}'))
+        conn.execute(text(f'DELETE FROM "{default}" WHERE {where}'))
+        conn.execute(text(f'ALTER TABLE "{table}" ATTACH PARTITION "{default}" DEFAULT'))
 
 
 def ensure(engine: Engine, *, width: int = WIDTH, ahead: int = AHEAD) -> int:
-    """Give every partitioned table ranges holding at least ``ahead - 1`` widths of run ids
-    beyond the newest run; how many partitions were made. One partition a transaction,
-    under :func:`_lock`: held for a statement's time, one table at a time. Locks not had
-    at once (see :func:`_lock`) leave the rest to the next pass."""
+    """Give every partitioned table the ranges it needs: those of the next
+    ``(ahead - 1) * width`` run ids to be handed out, and those of the rows its default
+    partition took; how many partitions were made. A stretch of ids no run took (the
+    sequence set ahead, say) gets no partition. A table a transaction, under
+    :func:`_lock`; one whose locks are not had at once (see :func:`_lock`) waits for
+    the next pass."""
     made = 0
     for table in TABLES:
-        while True:
-            try:
-                with engine.begin() as conn:
-                    if not partitioned(conn):
-                        return made
-                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK})
-                    top = conn.execute(text("SELECT coalesce(max(id), 0) + 1 FROM runs")).scalar()
-                    hi = max((h for _, _, h in ranges(conn, table)), default=0)
-                    if hi >= top + (ahead - 1) * width:
-                        break
-                    _lock(conn, table)
-                    create_range(conn, table, hi, hi + width)
-                    made += 1
-            except Busy:
-                logger.info("partitions: %s is busy; its next range waits for the next pass", table)
-                return made
+        try:
+            with engine.begin() as conn:
+                if not partitioned(conn):
+                    return made
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK})
+                first = top(conn)
+                end = first + (ahead - 1) * width  # the ids to keep made: first <= id < end
+                wanted = {first, max(first, end - 1)}
+                wanted.update(range(first - first % width + width, end, width))
+                # the lowest row of each stretch the default holds
+                wanted.update(
+                    conn.execute(
+                        text(f'SELECT min(run_id) FROM "{table}_default" GROUP BY run_id / :w'),
+                        {"w": width},
+                    ).scalars()
+                )
+                parts = ranges(conn, table)
+                new: list[tuple[int, int]] = []
+                for run_id in sorted(wanted):
+                    gap = _gap(parts, run_id, width)
+                    if gap is not None:
+                        new.append(gap)
+                        parts = sorted([*parts, ("", *gap)], key=lambda r: r[1])
+                if not new:
+                    continue
+                _lock(conn, [table])
+                _make(conn, table, new)
+                made += len(new)
+        except Busy:
+            logger.info("partitions: %s is busy; its next ranges wait for the next pass", table)
     return made
 
 
 def drop_expired(engine: Engine, session_ids: Iterable[int]) -> list[tuple[int, int]]:
     """Drop every range whose runs are all in ``session_ids`` (or gone), below the newest
-    run; the (lo, hi) of each range dropped from every table. A table whose locks are not
-    had at once (see :func:`_lock`) keeps its partition: the sessions' deletion removes its
-    rows as it always did."""
+    run, from every table; the (lo, hi) of each range dropped. A range whose locks are not
+    had at once (see :func:`_lock`) stays: the sessions' deletion removes its rows as it
+    always did."""
     ids = sorted(set(session_ids))
-    kept_sql = text(
-        "SELECT 1 FROM runs WHERE id >= :lo AND id < :hi AND session_id <> ALL(:ids) LIMIT 1"
-    )
-    dropped: set[tuple[int, int]] = set()
-    # a first look without the locks, once a range (the tables share them): a range with a
-    # kept run is passed over at once
-    expired: dict[tuple[int, int], bool] = {}
     with engine.connect() as conn:
         if not partitioned(conn):
             return []
-        top = conn.execute(text("SELECT coalesce(max(id), 0) FROM runs")).scalar()
+        below = top(conn)
+    # Every id below ``below`` is handed out, but a run being inserted is not seen until its
+    # transaction ends: once ``runs``'s lock is had, those have ended (an insert holds a
+    # lock that excludes it from its start), and no run can join a range below ``below``.
+    # So the look that follows is final, taken without holding back ingest.
+    try:
+        with engine.begin() as conn:
+            _lock(conn, [])
+    except Busy:
+        logger.info("retention: runs is busy; expired ranges' rows go one by one")
+        return []
+    kept_sql = text(
+        "SELECT 1 FROM runs WHERE id >= :lo AND id < :hi AND session_id <> ALL(:ids) LIMIT 1"
+    )
+    with engine.connect() as conn:
         parts = {table: ranges(conn, table) for table in TABLES}
-        for lo, hi in {(lo, hi) for table_parts in parts.values() for _, lo, hi in table_parts}:
-            expired[(lo, hi)] = (
-                hi <= top
-                and conn.execute(kept_sql, {"lo": lo, "hi": hi, "ids": ids}).first() is None
-            )
-    for table in TABLES:
-        for name, lo, hi in parts[table]:
-            if not expired[(lo, hi)]:
-                continue
-            try:
-                with engine.begin() as conn:
-                    # Under the locks no run is added nor written to: the look again is final.
-                    _lock(conn, table)
-                    if conn.execute(kept_sql, {"lo": lo, "hi": hi, "ids": ids}).first():
-                        continue
-                    conn.execute(text(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"'))
-                    conn.execute(text(f'DROP TABLE "{name}"'))
-                dropped.add((lo, hi))
-            except Busy:
-                logger.info("retention: %s is busy; its rows go one by one", name)
-    return sorted(dropped)
+        bounds = sorted({(lo, hi) for table_parts in parts.values() for _, lo, hi in table_parts})
+        expired = [
+            (lo, hi)
+            for lo, hi in bounds
+            if hi <= below
+            and conn.execute(kept_sql, {"lo": lo, "hi": hi, "ids": ids}).first() is None
+        ]
+    dropped = []
+    for lo, hi in expired:
+        try:
+            with engine.begin() as conn:
+                _lock(conn, TABLES)
+                for table in TABLES:
+                    # another retention pass may have dropped it meanwhile
+                    name = next((n for n, a, b in ranges(conn, table) if (a, b) == (lo, hi)), None)
+                    if name is not None:
+                        conn.execute(text(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"'))
+                        conn.execute(text(f'DROP TABLE "{name}"'))
+            dropped.append((lo, hi))
+        except Busy:
+            logger.info("retention: range %s-%s is busy; its rows go one by one", lo, hi)
+    return dropped
 
 
 _PARTITION_NAME = re.compile(rf"^({'|'.join(TABLES)})_(r\d+|default)$")

@@ -101,8 +101,13 @@ class FinishWorker(_PerProcess):
                             last_collapse[sessions] = time.monotonic()
                     since = time.monotonic() - last_partitions.get(sessions, -1e9)
                     if since > PARTITIONS_SECONDS:
-                        partitions.ensure(sessions.kw["bind"])
+                        # on its own clock either way: a failure here (a role that does not
+                        # own the tables, say) must not hold back the finished-run work
                         last_partitions[sessions] = time.monotonic()
+                        try:
+                            partitions.ensure(sessions.kw["bind"])
+                        except Exception:
+                            logger.warning("partitions: ranges not made", exc_info=True)
                     # One job a claim: a process stopped mid-job (a restart) leaves that one
                     # leased for up to LEASE_SECONDS, not the seven it had claimed with it.
                     # For a while a pass: a backlog (after a reindex: hours of jobs) must not
