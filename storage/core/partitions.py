@@ -11,12 +11,12 @@ move earlier when a late batch arrives: by month it would move rows). And ``run_
 is already the first column of every key of these tables, as Postgres wants of a
 partitioned table's unique indexes.
 
-- :func:`ensure` keeps at least a range's worth of run ids made beyond the newest run
+- :func:`ensure` keeps the ranges of the next ``WIDTH`` run ids to be handed out made
   (the migration makes the first ranges, the finish workers keep them coming). A row that
   finds no range (the workers stopped for a million runs, say) lands in the default
   partition; the next range made over it takes its rows out of it.
 - :func:`drop_expired` is retention's fast path: a range whose every run is in the
-  sessions being removed is detached and dropped whole, in milliseconds, before the
+  sessions being removed is detached and dropped whole, a catalog change, before the
   sessions' rows go (their cascade then finds nothing there).
 
 SQLite (the embedded default) keeps plain tables: every function here is a no-op on it.
