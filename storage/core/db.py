@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 # Any fixed 64-bit number: serialises concurrent `upgrade` calls on Postgres.
-_UPGRADE_LOCK = 0x68696E6473676874
+UPGRADE_LOCK = 0x68696E6473676874
 
 
 def make_engine(url: str) -> Engine:
@@ -96,7 +96,7 @@ def _migrate(url_or_engine: str | Engine, direction: str, revision: str) -> None
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _UPGRADE_LOCK})
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": UPGRADE_LOCK})
         cfg.attributes["connection"] = conn
         getattr(command, direction)(cfg, revision)
 

@@ -32,6 +32,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
+from storage.core.db import UPGRADE_LOCK
+
 logger = logging.getLogger(__name__)
 
 #: The per-run tables partitioned by run id: ~4.2 KB of a run's ~6 KB in the index.
@@ -93,8 +95,14 @@ class Busy(Exception):
 
 
 def partitioned(conn: Connection) -> bool:
-    """Whether this index partitions its per-run tables (Postgres, migrated past 0023)."""
+    """Whether this index partitions its per-run tables (Postgres, migrated past 0023).
+    False too while a migration runs: the tables may be changing under it, and the
+    migration waits for the caller's transaction to end before it starts."""
     if conn.dialect.name != "postgresql":
+        return False
+    if not conn.execute(
+        text("SELECT pg_try_advisory_xact_lock_shared(:k)"), {"k": UPGRADE_LOCK}
+    ).scalar():
         return False
     kind = conn.execute(
         text("SELECT relkind FROM pg_class WHERE oid = to_regclass(:t)"), {"t": TABLES[0]}
@@ -234,6 +242,8 @@ def drop_expired(engine: Engine, session_ids: Iterable[int]) -> list[tuple[int, 
     for lo, hi in expired:
         try:
             with engine.begin() as conn:
+                if not partitioned(conn):  # a migration under way, or done meanwhile
+                    break
                 _lock(conn, TABLES)
                 for table in TABLES:
                     # another retention pass may have dropped it meanwhile
