@@ -10,11 +10,11 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage.core import locks
+
 logger = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
-# Any fixed 64-bit number: serialises concurrent `upgrade` calls on Postgres.
-UPGRADE_LOCK = 0x68696E6473676874
 
 
 def make_engine(url: str) -> Engine:
@@ -96,7 +96,7 @@ def _migrate(url_or_engine: str | Engine, direction: str, revision: str) -> None
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": UPGRADE_LOCK})
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": locks.UPGRADE})
         cfg.attributes["connection"] = conn
         getattr(command, direction)(cfg, revision)
 

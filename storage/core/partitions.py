@@ -32,7 +32,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
-from storage.core.db import UPGRADE_LOCK
+from storage.core import locks
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ LOCK_TIMEOUT = "2s"
 
 # Postgres's "lock not available" (NOWAIT, lock_timeout) and "deadlock detected"
 _BUSY = ("55P03", "40P01")
-# serialises the collectors' ensure passes (any constant; not the upgrade lock's)
-_LOCK = 0x68733F5A
 _BOUND = re.compile(r"FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")
 
 
@@ -101,7 +99,7 @@ def partitioned(conn: Connection) -> bool:
     if conn.dialect.name != "postgresql":
         return False
     if not conn.execute(
-        text("SELECT pg_try_advisory_xact_lock_shared(:k)"), {"k": UPGRADE_LOCK}
+        text("SELECT pg_try_advisory_xact_lock_shared(:k)"), {"k": locks.UPGRADE}
     ).scalar():
         return False
     kind = conn.execute(
@@ -177,7 +175,7 @@ def ensure(engine: Engine, *, width: int = WIDTH, ahead: int = AHEAD) -> int:
             with engine.begin() as conn:
                 if not partitioned(conn):
                     return made
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK})
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": locks.PARTITIONS})
                 first = top(conn)
                 end = first + (ahead - 1) * width  # the ids to keep made: first <= id < end
                 wanted = {first, max(first, end - 1)}

@@ -13,9 +13,9 @@ import msgspec
 import pytest
 from sqlalchemy import text
 
-from storage.core import partitions
+from storage.core import locks, partitions
 from storage.core.blobs import open_blob_store
-from storage.core.db import UPGRADE_LOCK, downgrade, make_engine, make_sessionmaker, upgrade
+from storage.core.db import downgrade, make_engine, make_sessionmaker, upgrade
 from storage.jobs import retention
 from tests.conftest import fresh_pg_database, new_tenant
 from tests.storage.ingest.test_index import apply, synthetic_batches
@@ -104,7 +104,7 @@ def test_rows_past_the_ranges_wait_in_the_default_until_their_range_is_made(engi
 
     # nothing while a migration runs (it holds the upgrade lock): the tables may be changing
     with engine.begin() as migrating:
-        migrating.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": UPGRADE_LOCK})
+        migrating.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": locks.UPGRADE})
         assert partitions.ensure(engine) == 0
         assert partitions.drop_expired(engine, []) == []
     # ranges up to two beyond the newest run, the default's rows moved into the first
