@@ -210,17 +210,15 @@ def drop_expired(engine: Engine, session_ids: Iterable[int]) -> list[tuple[int, 
     had at once (see :func:`_lock`) stays: the sessions' deletion removes its rows as it
     always did."""
     ids = sorted(set(session_ids))
-    with engine.connect() as conn:
-        if not partitioned(conn):
-            return []
-        below = top(conn)
-    # Every id below ``below`` is handed out, but a run being inserted is not seen until its
-    # transaction ends: once ``runs``'s lock is had, those have ended (an insert holds a
-    # lock that excludes it from its start), and no run can join a range below ``below``.
-    # So the look that follows is final, taken without holding back ingest.
+    # Read under ``runs``'s lock, the top is final: every insert that took an id below it
+    # has ended (an insert holds a lock that excludes this one from its start), and no run
+    # can join a range below it. So the look that follows holds no lock: ingest goes on.
     try:
         with engine.begin() as conn:
+            if not partitioned(conn):
+                return []
             _lock(conn, [])
+            below = top(conn)
     except Busy:
         logger.info("retention: runs is busy; expired ranges' rows go one by one")
         return []
@@ -228,8 +226,7 @@ def drop_expired(engine: Engine, session_ids: Iterable[int]) -> list[tuple[int, 
         "SELECT 1 FROM runs WHERE id >= :lo AND id < :hi AND session_id <> ALL(:ids) LIMIT 1"
     )
     with engine.connect() as conn:
-        parts = {table: ranges(conn, table) for table in TABLES}
-        bounds = sorted({(lo, hi) for table_parts in parts.values() for _, lo, hi in table_parts})
+        bounds = sorted({(lo, hi) for table in TABLES for _, lo, hi in ranges(conn, table)})
         expired = [
             (lo, hi)
             for lo, hi in bounds
