@@ -61,6 +61,14 @@ def lows(engine: Any, table: str) -> list[int]:
         return [lo for _, lo, _ in partitions.ranges(conn, table)]
 
 
+def assert_answers_as_indexed_again(sessions: Any, written: list[tuple[str, int]]) -> None:
+    """Every (tenant, seed) written answers as ``synthetic_batches(seed)`` indexed afresh."""
+    for tenant, seed in written:
+        again = new_tenant()
+        apply(sessions, again, synthetic_batches(seed=seed))
+        assert answers(sessions, tenant) == answers(sessions, again)
+
+
 def test_a_populated_index_migrates_into_partitions_and_back(engine):
     downgrade(engine, "0022")
     sessions = make_sessionmaker(engine)
@@ -231,11 +239,9 @@ def test_ranges_made_while_batches_arrive_lose_nothing(engine):
     partitions.ensure(engine)
     assert rows_by_partition(engine)["run_prefixes_default"] == 0
     assert jump > 4  # ranges were made while they wrote
-    for tenants in writers:
-        for seed, tenant in enumerate(tenants):
-            again = new_tenant()
-            apply(sessions, again, synthetic_batches(seed=seed))
-            assert answers(sessions, tenant) == answers(sessions, again)
+    assert_answers_as_indexed_again(
+        sessions, [(tenant, seed) for tenants in writers for seed, tenant in enumerate(tenants)]
+    )
 
 
 def test_the_migration_goes_in_and_out_while_batches_arrive(engine):
@@ -274,7 +280,4 @@ def test_the_migration_goes_in_and_out_while_batches_arrive(engine):
         stop.set()
         thread.join()
     assert not errors, errors
-    for tenant, seed in written:
-        again = new_tenant()
-        apply(sessions, again, synthetic_batches(seed=seed))
-        assert answers(sessions, tenant) == answers(sessions, again)
+    assert_answers_as_indexed_again(sessions, written)
